@@ -1,0 +1,341 @@
+"""Typed configuration: one dataclass per concern, JSON/YAML round trip, validation that names the field.
+
+Terms used across the project (the one place they are defined):
+    bs   batch size (requests in a step)
+    nb   num_beams           = Apple `beam_width`   = TensorRT-LLM `redrafter_num_beams`
+    dl   draft_len_per_beam  = TensorRT-LLM `redrafter_draft_len_per_beam` (drafted tokens per beam)
+    bl   beam length         = dl + 1 = Apple `beam_length` (it counts the "true" token each beam starts with)
+    H    hidden size, V vocabulary size, Vp vocabulary padded to a multiple of tp
+    tp   tensor-parallel size
+
+CLI flags are derived from these fields (kebab-case), so a flag and a recipe key are always the same thing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Optional
+
+import yaml
+
+from .errors import UserError
+
+DTYPES = ("float16", "bfloat16", "float32")
+
+
+def _f(default: Any = dataclasses.MISSING, help: str = "", choices: tuple | None = None, cli: bool = True, **kw):
+    """A dataclass field carrying its CLI help text and choices."""
+    md = {"help": help, "choices": choices, "cli": cli}
+    if default is dataclasses.MISSING and "default_factory" not in kw:
+        return field(metadata=md, **kw)
+    return field(default=default, metadata=md, **kw) if default is not dataclasses.MISSING else field(metadata=md, **kw)
+
+
+def _bad(section: str, name: str, expected: str, got: Any) -> UserError:
+    return UserError(f"{section}.{name}: expected {expected}, got {got!r}.")
+
+
+class ConfigBase:
+    """Shared behaviour: dict/JSON/YAML round trip, strict keys, type checks, CLI flags."""
+
+    SECTION: ClassVar[str] = ""
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "") -> "ConfigBase":
+        if not isinstance(d, dict):
+            raise UserError(f"{where or cls.SECTION}: expected a mapping, got {type(d).__name__}.")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise UserError(
+                f"{where or cls.SECTION}: unknown key(s) {', '.join(unknown)}; known keys are {', '.join(sorted(names))}."
+            )
+        kwargs = {k: _coerce(cls, k, v) for k, v in d.items()}
+        try:
+            obj = cls(**kwargs)
+        except TypeError as e:  # a required field is missing
+            raise UserError(f"{where or cls.SECTION}: {e}.") from e
+        obj.validate()
+        return obj
+
+    def validate(self) -> None:
+        """Raise UserError naming the first bad field. Subclasses extend."""
+
+    def replace(self, **changes) -> "ConfigBase":
+        obj = dataclasses.replace(self, **changes)
+        obj.validate()
+        return obj
+
+    # ---- CLI ---------------------------------------------------------------------------------------------
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, only: tuple[str, ...] | None = None) -> None:
+        """Add `--field-name` flags (default None, so a recipe value survives unless the flag is given)."""
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if not f.metadata.get("cli", True) or (only is not None and f.name not in only):
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            typ = _base_type(hints[f.name])
+            helptext = f.metadata.get("help", "")
+            if typ is bool:
+                parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
+                                    help=helptext)
+            elif typ in (int, float, str):
+                parser.add_argument(flag, dest=f.name, type=typ, default=None, help=helptext,
+                                    choices=f.metadata.get("choices"))
+
+    @classmethod
+    def from_sources(cls, recipe: dict | None, args: argparse.Namespace | None, base: dict | None = None):
+        """Merge, lowest priority first: `base` (e.g. values read from a model), recipe section, CLI flags."""
+        d: dict = dict(base or {})
+        if recipe:
+            sec = recipe.get(cls.SECTION, {})
+            if not isinstance(sec, dict):
+                raise UserError(f"recipe section '{cls.SECTION}' must be a mapping, got {type(sec).__name__}.")
+            d.update(sec)
+        if args is not None:
+            for f in dataclasses.fields(cls):
+                v = getattr(args, f.name, None)
+                if v is not None:
+                    d[f.name] = v
+        return cls.from_dict(d, where=cls.SECTION)
+
+
+def _base_type(t):
+    origin = typing.get_origin(t)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(t) if a is not type(None)]
+        return args[0] if len(args) == 1 else object
+    return t
+
+
+def _coerce(cls, name: str, value: Any) -> Any:
+    hints = typing.get_type_hints(cls)
+    if name not in hints:
+        return value
+    t = _base_type(hints[name])
+    if value is None:
+        return value
+    if t is bool and not isinstance(value, bool):
+        raise _bad(cls.SECTION, name, "true or false", value)
+    if t is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise _bad(cls.SECTION, name, "an integer", value)
+    if t is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _bad(cls.SECTION, name, "a number", value)
+        return float(value)
+    if t is str and not isinstance(value, str):
+        raise _bad(cls.SECTION, name, "a string", value)
+    return value
+
+
+def _positive(section: str, name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise _bad(section, name, "a positive integer", value)
+
+
+@dataclass
+class ModelConfig(ConfigBase):
+    """The base Llama/Vicuna model, in TensorRT-LLM's vocabulary (`norm_epsilon`, `rotary_base`, ...)."""
+
+    SECTION: ClassVar[str] = "model"
+
+    vocab_size: int = _f(help="vocabulary size V")
+    hidden_size: int = _f(help="hidden size H")
+    intermediate_size: int = _f(help="MLP inner size I")
+    num_hidden_layers: int = _f(help="decoder layers")
+    num_attention_heads: int = _f(help="query heads")
+    num_key_value_heads: int = _f(help="key/value heads (< num_attention_heads means grouped-query attention)")
+    head_size: int = _f(0, help="per-head size; 0 means hidden_size // num_attention_heads")
+    max_position_embeddings: int = _f(2048, help="context length the model was trained for")
+    norm_epsilon: float = _f(1e-6, help="RMSNorm epsilon (HF rms_norm_eps)")
+    rotary_base: float = _f(10000.0, help="RoPE theta (HF rope_theta)")
+    rotary_scaling: Optional[dict] = _f(None, help="RoPE scaling as TensorRT-LLM stores it ({'type': ..., 'factor': ...})",
+                                        cli=False)
+    hidden_act: str = _f("silu", help="MLP activation")
+    tie_word_embeddings: bool = _f(False, help="lm_head shares the embedding matrix")
+    dtype: str = _f("float16", help="weight dtype", choices=DTYPES)
+    architecture: str = _f("LlamaForCausalLM", help="Hugging Face architecture of the base model")
+
+    def __post_init__(self):
+        if not self.head_size and self.num_attention_heads:
+            self.head_size = self.hidden_size // self.num_attention_heads
+
+    def validate(self) -> None:
+        s = self.SECTION
+        for n in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_size", "max_position_embeddings"):
+            _positive(s, n, getattr(self, n))
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise _bad(s, "num_key_value_heads", f"a divisor of num_attention_heads={self.num_attention_heads}",
+                       self.num_key_value_heads)
+        if self.dtype not in DTYPES:
+            raise _bad(s, "dtype", f"one of {', '.join(DTYPES)}", self.dtype)
+        if self.hidden_act != "silu":
+            raise _bad(s, "hidden_act", "'silu' (Llama's gated MLP)", self.hidden_act)
+        if self.rotary_scaling is not None:
+            from .rope import validate_rotary_scaling
+            validate_rotary_scaling(self.rotary_scaling, f"{s}.rotary_scaling")
+
+    def vocab_size_padded(self, tp: int) -> int:
+        """TensorRT-LLM's `pad_vocab_size`: round V up to a multiple of tp."""
+        return -(-self.vocab_size // tp) * tp
+
+
+@dataclass
+class DrafterConfig(ConfigBase):
+    """Apple's recurrent drafter (`DrafterConfig` of ml-recurrent-drafter)."""
+
+    SECTION: ClassVar[str] = "drafter"
+
+    vocab_size: int = _f(help="drafter vocabulary (must equal the base model's)")
+    hidden_size: int = _f(help="must equal the base model's hidden size H")
+    exit_dim: int = _f(help="ResBlock width; 2*H means no input_proj")
+    num_draft_layers: int = _f(help="number of ResBlocks")
+    rnn: bool = _f(False, help="recurrent state SiLU(W e + U s); otherwise the cumulative embedding sum")
+
+    def validate(self) -> None:
+        for n in ("vocab_size", "hidden_size", "exit_dim"):
+            _positive(self.SECTION, n, getattr(self, n))
+        if not isinstance(self.num_draft_layers, int) or self.num_draft_layers < 0:
+            raise _bad(self.SECTION, "num_draft_layers", "a non-negative integer", self.num_draft_layers)
+
+    @property
+    def has_input_proj(self) -> bool:
+        return self.exit_dim != 2 * self.hidden_size
+
+
+@dataclass
+class ReDrafterConfig(ConfigBase):
+    """The speculative-decoding shape, fixed when a checkpoint is converted (TensorRT-LLM unrolls it)."""
+
+    SECTION: ClassVar[str] = "redrafter"
+
+    num_beams: int = _f(5, help="beams explored by the drafter (nb; Apple beam_width)")
+    draft_len_per_beam: int = _f(5, help="drafted tokens per beam (dl; Apple beam_length - 1)")
+    greedy_search: bool = _f(True, help="greedy verification engine (TensorRT-LLM redrafter_greedy_search)")
+
+    def validate(self) -> None:
+        _positive(self.SECTION, "num_beams", self.num_beams)
+        _positive(self.SECTION, "draft_len_per_beam", self.draft_len_per_beam)
+
+    @property
+    def beam_length(self) -> int:
+        """bl: Apple's beam length, which counts the true token."""
+        return self.draft_len_per_beam + 1
+
+    @property
+    def max_draft_tokens(self) -> int:
+        return self.num_beams * self.draft_len_per_beam
+
+    @property
+    def max_tree_tokens(self) -> int:
+        """Most tokens one verify step feeds per request: the true token plus every drafted token."""
+        return 1 + self.max_draft_tokens
+
+
+@dataclass
+class BuildConfig(ConfigBase):
+    """Engine limits, named as `trtllm-build` names them."""
+
+    SECTION: ClassVar[str] = "build"
+
+    max_batch_size: int = _f(8, help="most requests decoded together")
+    max_input_len: int = _f(1024, help="longest prompt in tokens")
+    max_seq_len: int = _f(2048, help="longest prompt + output in tokens")
+    max_num_tokens: int = _f(0, help="most tokens in one engine step; 0 derives it from the other limits")
+    kv_block_size: int = _f(64, help="tokens per paged KV-cache block (torch backend)")
+    dtype: str = _f("", help="compute dtype; empty means the checkpoint's dtype", choices=DTYPES + ("",))
+
+    def validate(self) -> None:
+        for n in ("max_batch_size", "max_input_len", "max_seq_len", "kv_block_size"):
+            _positive(self.SECTION, n, getattr(self, n))
+        if self.max_input_len >= self.max_seq_len:
+            raise _bad(self.SECTION, "max_input_len", f"less than max_seq_len={self.max_seq_len}", self.max_input_len)
+        if self.max_num_tokens < 0:
+            raise _bad(self.SECTION, "max_num_tokens", "0 (derive) or a positive integer", self.max_num_tokens)
+        if self.dtype not in DTYPES + ("",):
+            raise _bad(self.SECTION, "dtype", f"one of {', '.join(DTYPES)}", self.dtype)
+
+    def resolved_max_num_tokens(self, redrafter: ReDrafterConfig | None) -> int:
+        """trtllm-build raises max_num_tokens to at least max_batch_size * (max_draft_len + 1)."""
+        tree = redrafter.max_tree_tokens if redrafter else 1
+        floor = self.max_batch_size * tree
+        return max(self.max_num_tokens or max(self.max_input_len, 8192), floor)
+
+
+@dataclass
+class SamplingConfig(ConfigBase):
+    """Per-request decoding parameters."""
+
+    SECTION: ClassVar[str] = "sampling"
+
+    max_tokens: int = _f(64, help="most new tokens to generate")
+    temperature: float = _f(0.0, help="0 means greedy")
+    top_k: int = _f(0, help="keep the k most likely tokens (0: all)")
+    top_p: float = _f(1.0, help="nucleus mass to keep (1.0: all)")
+    seed: int = _f(0, help="random seed of this request's sampler")
+    acceptance: str = _f("", help="greedy | exact | apple; empty picks greedy at temperature 0, else exact",
+                         choices=("", "greedy", "exact", "apple"))
+
+    def validate(self) -> None:
+        s = self.SECTION
+        _positive(s, "max_tokens", self.max_tokens)
+        if self.temperature < 0:
+            raise _bad(s, "temperature", "a number >= 0", self.temperature)
+        if self.top_k < 0:
+            raise _bad(s, "top_k", "an integer >= 0", self.top_k)
+        if not 0.0 < self.top_p <= 1.0:
+            raise _bad(s, "top_p", "a number in (0, 1]", self.top_p)
+        if self.acceptance not in ("", "greedy", "exact", "apple"):
+            raise _bad(s, "acceptance", "one of greedy, exact, apple", self.acceptance)
+        if self.acceptance == "greedy" and self.temperature > 0:
+            raise _bad(s, "acceptance", "exact or apple when temperature > 0", self.acceptance)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def resolved_acceptance(self) -> str:
+        return self.acceptance or ("greedy" if self.greedy else "exact")
+
+
+def load_recipe(path: str | Path) -> dict:
+    """Read a YAML (or JSON) build recipe; sections are the `SECTION` names of the config classes."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"recipe {path} does not exist; recipes live in builders/ (e.g. builders/tiny.yaml).")
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except yaml.YAMLError as e:
+        raise UserError(f"recipe {path} is not valid YAML: {e}.") from e
+    if not isinstance(data, dict):
+        raise UserError(f"recipe {path} must be a mapping of sections, got {type(data).__name__}.")
+    known = {"name", "description", "model", "drafter", "redrafter", "build", "convert", "make_tiny"}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise UserError(f"recipe {path}: unknown section(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}.")
+    return data
+
+
+def dump(obj: ConfigBase | dict, path: str | Path) -> None:
+    """Write a config (or a dict of configs) as JSON or YAML by the file's suffix."""
+    d = obj.to_dict() if isinstance(obj, ConfigBase) else {k: v.to_dict() if isinstance(v, ConfigBase) else v
+                                                            for k, v in obj.items()}
+    path = Path(path)
+    with open(path, "w") as f:
+        if path.suffix in (".yaml", ".yml"):
+            yaml.safe_dump(d, f, sort_keys=False)
+        else:
+            json.dump(d, f, indent=2)
