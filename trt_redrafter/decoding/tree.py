@@ -1,0 +1,131 @@
+"""Dynamic tree attention: turn the drafter's beams into one packed, prefix-deduplicated token tree.
+
+The method is the paper's (ReDrafter, arXiv 2403.09919, section 3.3 and Appendix A.1): every beam has the same
+length, so shared prefixes are found with one dense pairwise comparison instead of a trie, and everything after it
+(packing, unpacking, the tree mask) is gathers and scatters. Apple's `tree_attention.py` and TensorRT-LLM's
+`_beams2tree` compute the same objects; this is an independent implementation of that method.
+
+Glossary:
+    beams          [bs, nb, bl] token ids; column 0 is the true token (the same in every beam of a row), columns
+                   1..dl are drafted tokens.
+    beam position  (i, j): beam i, depth j (0 = the true token); flat index i*bl + j.
+    prefix_tree    [bs, nb, bl]; prefix_tree[b, i, j] = smallest k with beams[b, k, :j+1] == beams[b, i, :j+1]. A
+                   beam position is a tree node's first occurrence iff prefix_tree[b, i, j] == i.
+    packed row     the unique tree nodes of one request in the paper's order: row-major over (i, j), keeping first
+                   occurrences. A node's ancestors are at smaller depth in a beam with index <= i, so every ancestor
+                   precedes its descendants, and a path's packed indices are strictly increasing.
+    unpacker       [bs, nb, bl] packed index of every beam position: `tokens.gather(1, unpacker.flatten(1))`
+                   rebuilds the beams, and the same gather takes any per-packed-token output (logits, hidden
+                   states, KV) back to beam layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def dedup_prefix(beams: torch.Tensor) -> torch.Tensor:
+    """prefix_tree[b, i, j] = smallest k such that beams[b, k, :j+1] == beams[b, i, :j+1] (paper, Listing 1).
+
+    The paper's `matches[i][j][k]` compares token k of beam i with token k of beam j (across beams); a running
+    product over depth turns per-token equality into prefix equality.
+    """
+    assert beams.dim() == 3, f"beams must be [bs, nb, bl], got shape {tuple(beams.shape)}"
+    bs, nb, bl = beams.shape
+    same_token = beams[:, :, None, :] == beams[:, None, :, :]  # [bs, nb(i), nb(k), bl]
+    same_prefix = torch.cumprod(same_token.to(torch.int32), dim=-1).bool()  # [bs, nb, nb, bl]
+    k_index = torch.arange(nb, device=beams.device).view(1, 1, nb, 1)
+    # k = i always matches, so the minimum is <= i; non-matching k are pushed past the end.
+    return torch.where(same_prefix, k_index, nb).amin(dim=2)  # [bs, nb, bl]
+
+
+@dataclass
+class PackedTree:
+    """The packed draft tree of a batch; see the module glossary. P = the most packed tokens of any row."""
+
+    tokens: torch.Tensor  # [bs, P] packed token ids; positions >= lengths[b] hold a valid filler (the true token)
+    lengths: torch.Tensor  # [bs] packed tokens per row, 1 <= lengths <= 1 + nb*dl
+    beam_positions: torch.Tensor  # [bs, P] flat beam position i*bl + j of each packed token (padding: 0)
+    position_offsets: torch.Tensor  # [bs, P] depth j of each packed token (padding: 0); RoPE position = base + j
+    unpacker: torch.Tensor  # [bs, nb, bl] packed index of each beam position
+    mask: torch.Tensor  # [bs, P, P] bool; [b, p, q]: q is p or an ancestor of p (padding: diagonal only)
+
+    @property
+    def num_beams(self) -> int:
+        return self.unpacker.shape[1]
+
+    @property
+    def beam_length(self) -> int:
+        return self.unpacker.shape[2]
+
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        """Per-packed-token values [bs, P, ...] -> beam layout [bs, nb, bl, ...] (e.g. verify logits)."""
+        bs, nb, bl = self.unpacker.shape
+        assert packed.shape[:2] == self.tokens.shape, \
+            f"packed values {tuple(packed.shape)} do not start with [bs, P] = {tuple(self.tokens.shape)}"
+        tail = packed.shape[2:]
+        index = self.unpacker.reshape(bs, nb * bl, *([1] * len(tail))).expand(bs, nb * bl, *tail)
+        return packed.gather(1, index).reshape(bs, nb, bl, *tail)
+
+
+def pack_beams(beams: torch.Tensor) -> PackedTree:
+    """Deduplicate shared prefixes of `beams` [bs, nb, bl] into a PackedTree (no loops over tokens)."""
+    bs, nb, bl = beams.shape
+    device = beams.device
+    prefix_tree = dedup_prefix(beams)  # [bs, nb, bl]
+    beam_ids = torch.arange(nb, device=device).view(1, nb, 1)
+    keep = (prefix_tree == beam_ids).reshape(bs, nb * bl)  # [bs, nb*bl] first occurrences
+    assert bool(keep[:, 0].all()), "position (0, 0) must always be a first occurrence"
+
+    lengths = keep.sum(dim=1)  # [bs]
+    P = int(lengths.max())
+    # Packed index of every kept beam position: its rank among kept positions in row-major order.
+    rank = torch.cumsum(keep, dim=1) - 1  # [bs, nb*bl]
+    flat = torch.arange(nb * bl, device=device).expand(bs, nb * bl)
+    # Scatter kept positions to their rank; dropped ones go to a discard column past the end.
+    slot = torch.where(keep, rank, nb * bl)
+    beam_positions = torch.zeros(bs, nb * bl + 1, dtype=torch.long, device=device)
+    beam_positions.scatter_(1, slot, flat)
+    beam_positions = beam_positions[:, :P]  # [bs, P]
+    valid = torch.arange(P, device=device)[None, :] < lengths[:, None]  # [bs, P]
+    beam_positions = torch.where(valid, beam_positions, 0)
+
+    tokens = beams.reshape(bs, nb * bl).gather(1, beam_positions)  # [bs, P]; padding reads (0, 0)
+    position_offsets = beam_positions % bl  # [bs, P]; padding: 0
+
+    # A beam position is packed where its first occurrence (prefix_tree[i, j], j) is.
+    depth = torch.arange(bl, device=device).view(1, 1, bl)
+    first_flat = prefix_tree * bl + depth  # [bs, nb, bl]
+    unpacker = rank.gather(1, first_flat.reshape(bs, nb * bl)).reshape(bs, nb, bl)  # [bs, nb, bl]
+
+    # Ancestors-or-self of beam position (i, j) are the packed tokens of (i, 0..j).
+    on_path = torch.zeros(bs, nb, bl, P, dtype=torch.int32, device=device)
+    on_path.scatter_(3, unpacker.unsqueeze(-1), 1)  # [bs, nb, bl, P] one-hot of each position's node
+    beam_mask = torch.cumsum(on_path, dim=2) > 0  # [bs, nb, bl, P]
+    mask = beam_mask.reshape(bs, nb * bl, P).gather(
+        1, beam_positions.unsqueeze(-1).expand(bs, P, P))  # [bs, P, P]
+    eye = torch.eye(P, dtype=torch.bool, device=device).expand(bs, P, P)
+    mask = (mask & valid[:, :, None] & valid[:, None, :]) | eye
+    return PackedTree(tokens=tokens, lengths=lengths, beam_positions=beam_positions,
+                      position_offsets=position_offsets, unpacker=unpacker, mask=mask)
+
+
+def path_packed_indices(tree: PackedTree, beam_index: torch.Tensor,
+                        num_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed indices of the first `num_tokens` positions of beam `beam_index`, per row (for the KV rewind).
+
+    Returns (indices [bs, bl], lengths [bs]); entries at positions >= lengths[b] are 0 (the true token's slot, a
+    valid index). Valid indices are strictly increasing, so copying KV entries in order from packed slot
+    indices[t] to slot t never overwrites a source that is still to be read.
+    """
+    bs, nb, bl = tree.unpacker.shape
+    assert beam_index.shape == (bs,) and num_tokens.shape == (bs,), \
+        f"beam_index {tuple(beam_index.shape)} and num_tokens {tuple(num_tokens.shape)} must be [bs]=[{bs}]"
+    assert bool(((num_tokens >= 1) & (num_tokens <= bl)).all()), \
+        f"num_tokens must lie in [1, bl={bl}], got {num_tokens.tolist()}"
+    rows = torch.arange(bs, device=beam_index.device)
+    path = tree.unpacker[rows, beam_index]  # [bs, bl]
+    valid = torch.arange(bl, device=path.device)[None, :] < num_tokens[:, None]
+    return torch.where(valid, path, 0), num_tokens.clone()
