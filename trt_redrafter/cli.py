@@ -34,7 +34,9 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = _parser().parse_args(argv)
+    args.argv = argv  # commands that relaunch themselves (under mpirun) pass these on
     return _dispatch(args)
 
 

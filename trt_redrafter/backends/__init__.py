@@ -1,0 +1,15 @@
+"""Engine builders. `torch` (this project's runtime, everywhere) and `trtllm` (TensorRT-LLM, where installed)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+BACKENDS = ("torch", "trtllm")
+
+
+def trtllm_available() -> bool:
+    return importlib.util.find_spec("tensorrt_llm") is not None
+
+
+def default_backend() -> str:
+    return "trtllm" if trtllm_available() else "torch"

@@ -1,0 +1,81 @@
+"""`build-engine`: a TensorRT-LLM ReDrafter checkpoint (or an HF base + drafter, converted on the way) -> engine dir."""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+from ..backends import BACKENDS, default_backend, trtllm_available
+from ..config import BuildConfig, load_recipe
+from ..errors import UserError
+from ..log import get_logger
+
+logger = get_logger(__name__)
+
+
+def register(sub) -> None:
+    p = sub.add_parser("build-engine", help="build an engine from a ReDrafter checkpoint",
+                       description="Build an engine dir from a TensorRT-LLM ReDrafter checkpoint (--checkpoint), "
+                                   "or convert an HF base + Apple drafter first (--base-model + --drafter).")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", help="TensorRT-LLM ReDrafter checkpoint dir (trt-redrafter convert)")
+    src.add_argument("--base-model", help="HF Llama/Vicuna dir (one-shot: convert, then build)")
+    p.add_argument("--drafter", help="Apple-format drafter dir (with --base-model)")
+    p.add_argument("--output", required=True, help="engine directory to write")
+    p.add_argument("--tp", type=int, help="tensor-parallel size (must match the checkpoint)")
+    p.add_argument("--backend", choices=BACKENDS, help="default: trtllm where tensorrt_llm imports, else torch")
+    p.add_argument("--config", help="build recipe (builders/*.yaml); flags override it")
+    p.add_argument("--tokenizer", help="tokenizer dir to bundle (default with --base-model: the base model dir)")
+    p.add_argument("--workers", type=int, default=1, help="ranks converted/built in parallel")
+    p.add_argument("--force", action="store_true", help="replace an existing output directory")
+    BuildConfig.add_cli_args(p)
+    g = p.add_argument_group("conversion (with --base-model)")
+    g.add_argument("--num-beams", type=int)
+    g.add_argument("--draft-len-per-beam", type=int)
+    g.add_argument("--no-greedy", action="store_true")
+    g.add_argument("--trtllm-format", choices=("1.x", "legacy"))
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    recipe = load_recipe(args.config) if args.config else None
+    build = BuildConfig.from_sources(recipe, args)
+    backend = args.backend or default_backend()
+    if args.backend is None and backend == "torch":
+        logger.info("tensorrt_llm is not importable here; building for the torch backend")
+    if backend == "trtllm" and not trtllm_available():
+        raise UserError("--backend trtllm needs TensorRT-LLM (tensorrt_llm 1.0-1.2 on an NVIDIA GPU); "
+                        "use --backend torch on this machine.")
+    if args.tp is not None and args.tp <= 0:
+        raise UserError(f"--tp must be a positive integer, got {args.tp}.")
+    out = Path(args.output)
+    if out.exists() and not args.force:
+        raise UserError(f"engine directory {out} already exists; pass --force to replace it or choose another path.")
+    if args.base_model:
+        if not args.drafter:
+            raise UserError("--base-model needs --drafter DIR (the Apple-format drafter) for the one-shot build.")
+        with tempfile.TemporaryDirectory(prefix=".ckpt-", dir=out.absolute().parent) as tmp:
+            ckpt = Path(tmp) / "checkpoint"
+            _convert(args, recipe, ckpt)
+            _build(backend, ckpt, out, build, args, tokenizer=args.tokenizer or args.base_model)
+    else:
+        _build(backend, Path(args.checkpoint), out, build, args, tokenizer=args.tokenizer)
+    print(f"engine written to {out}")
+    return 0
+
+
+def _convert(args, recipe, ckpt: Path) -> None:
+    from ..commands.convert import convert_from_args
+
+    convert_from_args(args, recipe, base_model=args.base_model, drafter=args.drafter, output=ckpt, tp=args.tp or 1)
+
+
+def _build(backend: str, ckpt: Path, out: Path, build: BuildConfig, args, tokenizer) -> None:
+    if backend == "trtllm":
+        from ..backends.trtllm import build_trtllm_engine
+        build_trtllm_engine(ckpt, out, build, args.tp, tokenizer_dir=tokenizer, force=args.force,
+                            workers=args.workers)
+    else:
+        from ..backends.torch_build import build_torch_engine
+        build_torch_engine(ckpt, out, build, args.tp, tokenizer_dir=tokenizer, force=args.force)

@@ -1,0 +1,119 @@
+"""`trt-redrafter run`: decode prompts with an engine, ReDrafter or auto-regressive, on one or TP ranks."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from ..config import SamplingConfig
+from ..errors import UserError
+from ..log import rank0_print
+
+
+def register(sub) -> None:
+    p = sub.add_parser("run", help="generate text with an engine (ReDrafter or AR)",
+                       description="Decode prompts with an engine. With TP > 1 it relaunches itself under mpirun.")
+    p.add_argument("--engine", required=True, help="engine directory made by build-engine")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", nargs="+", help="prompt text(s); needs a tokenizer")
+    src.add_argument("--prompt-ids", nargs="+", help="prompt(s) as comma-separated token ids, e.g. 1,450,4996")
+    p.add_argument("--mode", choices=("redrafter", "ar"), default="redrafter")
+    SamplingConfig.add_cli_args(p)
+    p.add_argument("--tokenizer", help="tokenizer directory (default: ENGINE/tokenizer)")
+    p.add_argument("--end-id", type=int, help="stop token id (default: the tokenizer's EOS)")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--drafter-semantics", default="apple", choices=("apple", "trtllm"),
+                   help="drafter state update: Apple's trained math (default) or TensorRT-LLM's engine math")
+    p.add_argument("--json", action="store_true", help="one JSON document per prompt")
+    p.set_defaults(func=run)
+
+
+def _parse_ids(texts: list[str]) -> list[list[int]]:
+    out = []
+    for t in texts:
+        try:
+            ids = [int(x) for x in t.replace(" ", ",").split(",") if x]
+        except ValueError as e:
+            raise UserError(f"--prompt-ids {t!r} is not a comma-separated list of integers.") from e
+        if not ids:
+            raise UserError("--prompt-ids got an empty prompt; give at least one token id.")
+        out.append(ids)
+    return out
+
+
+def mpirun_command(n: int, argv: list[str]) -> list[str]:
+    """`mpirun -n N python -m trt_redrafter ...`, with what Open MPI needs on a single box run as root."""
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        raise UserError(f"this engine needs {n} ranks but mpirun is not installed; install Open MPI "
+                        f"(apt-get install openmpi-bin) and mpi4py (pip install 'trt-redrafter[mpi]').")
+    cmd = [mpirun, "-n", str(n), "--bind-to", "none", "--oversubscribe"]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        cmd.append("--allow-run-as-root")
+    return cmd + [sys.executable, "-m", "trt_redrafter", *argv]
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..runtime.distributed import in_mpi_world, init_dist, shutdown_dist
+    from ..runtime.engine_config import load_engine_config
+
+    ecfg = load_engine_config(args.engine)
+    if ecfg.backend != "torch":
+        from ..backends.trtllm import run_trtllm
+        return run_trtllm(args, ecfg)
+    tp = ecfg.tp_size
+    if tp > 1 and not in_mpi_world():
+        return subprocess.call(mpirun_command(tp, args.argv))
+
+    params = SamplingConfig.from_sources(None, args)
+    tokenizer = _load_tokenizer(args)
+    if args.prompt is not None:
+        if tokenizer is None:
+            raise UserError(f"--prompt needs a tokenizer but {args.engine} has none; pass --tokenizer DIR or use --prompt-ids.")
+        prompts = [tokenizer.encode(t) for t in args.prompt]
+    else:
+        prompts = _parse_ids(args.prompt_ids)
+    stop = ()
+    if not args.ignore_eos:
+        end_id = args.end_id if args.end_id is not None else (tokenizer.eos_token_id if tokenizer else None)
+        stop = () if end_id is None else (end_id,)
+
+    from ..runtime.engine import Engine
+    from ..runtime.generate import generate
+
+    dist = init_dist(tp, args.device)
+    try:
+        engine = Engine(args.engine, dist, drafter_semantics=args.drafter_semantics)
+        results = generate(engine, prompts, params, args.mode, stop)
+    finally:
+        shutdown_dist()
+    for r in results:
+        text = tokenizer.decode(r.output_ids, skip_special_tokens=True) if tokenizer else None
+        if args.json:
+            doc = {"output_ids": r.output_ids, "text": text, **{k: v for k, v in dataclasses.asdict(r).items()
+                                                                if k not in ("prompt", "output_ids")}}
+            rank0_print(json.dumps(doc), rank=dist.rank)
+        else:
+            rank0_print(text if text is not None else " ".join(map(str, r.output_ids)), rank=dist.rank)
+    return 0
+
+
+def _load_tokenizer(args):
+    path = Path(args.tokenizer) if args.tokenizer else Path(args.engine) / "tokenizer"
+    if not path.is_dir():
+        if args.tokenizer:
+            raise UserError(f"--tokenizer {path} is not a directory.")
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot load a tokenizer from {path}: {e}") from e

@@ -1,0 +1,68 @@
+"""The ReDrafter drafter head, one TP rank of it (TensorRT-LLM layout: every linear column-parallel + all-gather).
+
+Input: the base model's final-norm hidden state h at the last accepted position and a recurrent state s built
+from the embeddings (the base model's table) of the tokens drafted so far.
+
+    logits = lm_head(ResBlock^L(input_proj?([h ; s])))       ResBlock(x) = x + SiLU(W x + b)
+
+State update, by `semantics`:
+    "apple"  (default; what Apple's trainer optimises)  s0 = 0;  s' = SiLU(rnn_w e + rnn_u s)   (rnn)
+    "trtllm" (TensorRT-LLM's engine math)               s' = rnn_w e  at step 0, rnn_w e + rnn_u s later
+    without rnn, both use the cumulative embedding sum  s' = e + s.
+Apple also warps drafter logits to the top 50 before the beam search; that lives in `decoding.beam_search`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..config import DrafterConfig
+from ..runtime.distributed import Dist
+
+SEMANTICS = ("apple", "trtllm")
+
+
+class DrafterRank:
+    def __init__(self, cfg: DrafterConfig, tensors: dict[str, torch.Tensor], dist: Dist, dtype: torch.dtype,
+                 semantics: str = "apple"):
+        assert semantics in SEMANTICS, semantics
+        self.cfg, self.dist, self.dtype, self.semantics = cfg, dist, dtype, semantics
+        dev = dist.device
+
+        def take(name: str) -> torch.Tensor:
+            return tensors[f"drafter.{name}"].to(device=dev, dtype=dtype).contiguous()
+
+        self.input_proj = (take("input_proj.weight"), take("input_proj.bias")) if cfg.has_input_proj else None
+        self.layers = [(take(f"layers.{j}.linear.weight"), take(f"layers.{j}.linear.bias"))
+                       for j in range(cfg.num_draft_layers)]
+        self.lm_head = take("lm_head.weight")  # [V/tp, exit_dim]
+        self.rnn = (take("rnn_w.weight"), take("rnn_u.weight"), take("rnn_u.bias")) if cfg.rnn else None
+        self.vocab_size = cfg.vocab_size
+
+    def _col(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        """Column-parallel linear with gathered output."""
+        return self.dist.all_gather(F.linear(x, w, b), dim=-1)
+
+    # ---- the protocol `decoding.beam_search` drives ---------------------------------------------------------
+    def init_state(self, n: int) -> torch.Tensor:
+        return torch.zeros(n, self.cfg.hidden_size, dtype=self.dtype, device=self.dist.device)  # [n, H]
+
+    def update_state(self, emb: torch.Tensor, state: torch.Tensor, step: int) -> torch.Tensor:
+        """emb, state: [n, H] -> next state [n, H]."""
+        if self.rnn is None:
+            return emb + state
+        w, u, ub = self.rnn
+        we = self._col(emb, w)
+        if self.semantics == "trtllm":
+            return we if step == 0 else we + self._col(state, u, ub)
+        return F.silu(we + self._col(state, u, ub))
+
+    def logits(self, h: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        """h, state: [n, H] -> float32 logits [n, V]."""
+        x = torch.cat([h.to(self.dtype), state], dim=-1)  # [n, 2H]
+        if self.input_proj is not None:
+            x = self._col(x, *self.input_proj)  # [n, exit_dim]
+        for w, b in self.layers:
+            x = x + F.silu(self._col(x, w, b))
+        return self._col(x, self.lm_head).float()[:, :self.vocab_size]

@@ -1,0 +1,131 @@
+"""Tensor-parallel process group: ranks come from MPI, collectives from `torch.distributed`.
+
+TensorRT-LLM launches one process per rank with `mpirun`; so do we. Rank and world size come from mpi4py (or
+Open MPI's environment); rank 0 picks a free TCP port and shares it through MPI, then every rank joins a
+`torch.distributed` group (gloo on CPU, NCCL on CUDA). Without MPI the world is one rank and every collective
+is the identity, so the single-process path pays nothing.
+
+Failure policy: Open MPI's `mpirun` aborts the whole job when one rank exits abnormally, and the collectives
+carry a timeout, so a dead peer makes the survivors fail within seconds instead of hanging.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as tdist
+
+from ..errors import UserError
+from ..log import get_logger
+
+logger = get_logger(__name__)
+
+# A collective that has not completed in this long means a peer is gone (normal steps take milliseconds).
+COLLECTIVE_TIMEOUT_S = float(os.environ.get("TRT_REDRAFTER_COLLECTIVE_TIMEOUT", "60"))
+
+
+def mpi_world() -> tuple[int, int]:
+    """(rank, world_size) from the MPI launcher's environment; (0, 1) outside mpirun."""
+    for rank_var, size_var in (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE"),
+                               ("PMIX_RANK", "PMIX_SIZE")):
+        if rank_var in os.environ and size_var in os.environ:
+            return int(os.environ[rank_var]), int(os.environ[size_var])
+    return 0, 1
+
+
+def in_mpi_world() -> bool:
+    return mpi_world()[1] > 1
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Dist:
+    """This process's place in the TP group and the collectives the model needs."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks, in place (row-parallel linears)."""
+        if self.world_size > 1:
+            tdist.all_reduce(x)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Concatenate every rank's `x` along `dim` (column-parallel outputs, vocab-parallel logits)."""
+        if self.world_size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        tdist.all_gather(parts, x.contiguous())
+        return torch.cat(parts, dim=dim)
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Rank `src`'s value everywhere; decisions (accepted tokens, drafts) use this so ranks never drift."""
+        if self.world_size > 1:
+            tdist.broadcast(x, src)
+        return x
+
+    def broadcast_object(self, obj=None, src: int = 0):
+        if self.world_size == 1:
+            return obj
+        box = [obj]
+        tdist.broadcast_object_list(box, src)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            tdist.barrier()
+
+
+def init_dist(tp_size: int, device: str = "auto") -> Dist:
+    """Join (or skip) the TP group. `tp_size` must equal the MPI world size (one rank per shard)."""
+    rank, world = mpi_world()
+    if world != tp_size:
+        if world == 1:
+            raise UserError(f"this engine has tp_size={tp_size}; launch it with `mpirun -n {tp_size}` "
+                            f"(trt-redrafter run does that for you when started outside MPI).")
+        raise UserError(f"mpirun started {world} ranks but the engine has tp_size={tp_size}; use `mpirun -n {tp_size}`.")
+    dev = _pick_device(device, rank)
+    if world == 1:
+        return Dist(0, 1, dev)
+    from mpi4py import MPI  # imported only under mpirun
+
+    comm = MPI.COMM_WORLD
+    port = comm.bcast(_free_port() if rank == 0 else None, root=0)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    tdist.init_process_group(backend, init_method=f"tcp://{os.environ['MASTER_ADDR']}:{port}", rank=rank,
+                             world_size=world, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    logger.debug("rank %d/%d joined a %s group on %s", rank, world, backend, dev)
+    return Dist(rank, world, dev)
+
+
+def _pick_device(device: str, rank: int) -> torch.device:
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError("--device cuda was requested but no CUDA GPU is visible; use --device cpu.")
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    if device != "cpu":
+        raise UserError(f"--device must be auto, cpu or cuda, got {device!r}.")
+    return torch.device("cpu")
+
+
+def shutdown_dist() -> None:
+    if tdist.is_available() and tdist.is_initialized():
+        tdist.destroy_process_group()

@@ -1,0 +1,67 @@
+"""The engine directory's `config.json`, shaped like TensorRT-LLM's: `version`, `pretrained_config`, `build_config`.
+
+`pretrained_config` is the checkpoint's config unchanged; `build_config` carries the limits `trtllm-build`
+names (max_batch_size, max_input_len, max_seq_len, max_num_tokens, max_beam_width, max_draft_len,
+speculative_decoding_mode) plus this project's `backend` and torch-backend settings. Serving templates read
+their values from here, so nothing is stated twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import __version__
+from ..checkpoint.trtllm_config import CheckpointInfo, parse_checkpoint_config
+from ..config import BuildConfig
+from ..errors import UserError
+from ..fsutil import read_json
+
+BACKENDS = ("torch", "trtllm")
+
+
+@dataclass
+class EngineConfig:
+    checkpoint: CheckpointInfo
+    build: BuildConfig
+    backend: str
+    version: str
+    raw: dict
+
+    @property
+    def tp_size(self) -> int:
+        return self.checkpoint.tp_size
+
+
+def engine_config_dict(info: CheckpointInfo, build: BuildConfig, backend: str) -> dict:
+    rd = info.redrafter
+    build_config = {
+        **build.to_dict(),
+        "max_num_tokens": build.resolved_max_num_tokens(rd),
+        "max_beam_width": 1,  # ReDrafter's beams are drafts, not output beams (TensorRT-LLM requires 1)
+        "max_draft_len": rd.max_draft_tokens,
+        "speculative_decoding_mode": "explicit_draft_tokens",
+        "kv_cache_type": "paged",
+        "backend": backend,
+    }
+    return {"version": f"trt-redrafter {__version__}", "pretrained_config": info.raw, "build_config": build_config}
+
+
+def load_engine_config(engine_dir: str | Path) -> EngineConfig:
+    engine_dir = Path(engine_dir)
+    if not engine_dir.is_dir():
+        raise UserError(f"engine directory {engine_dir} does not exist; build one with `build-engine`.")
+    d = read_json(engine_dir / "config.json", "engine config")
+    for key in ("pretrained_config", "build_config"):
+        if not isinstance(d.get(key), dict):
+            raise UserError(f"{engine_dir}/config.json has no '{key}' object; it is not an engine directory "
+                            f"(a checkpoint? build it with `build-engine --checkpoint`).")
+    info = parse_checkpoint_config(d["pretrained_config"], where=f"{engine_dir}/config.json pretrained_config")
+    bc = d["build_config"]
+    names = {f.name for f in dataclasses.fields(BuildConfig)}
+    build = BuildConfig.from_dict({k: v for k, v in bc.items() if k in names}, where="build_config")
+    backend = bc.get("backend", "trtllm")
+    if backend not in BACKENDS:
+        raise UserError(f"{engine_dir}/config.json build_config.backend is {backend!r}; expected one of {BACKENDS}.")
+    return EngineConfig(info, build, backend, str(d.get("version", "")), d)
