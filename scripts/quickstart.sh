@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# From a fresh clone: install, make a tiny Llama + drafter, convert it for TP=2, build a torch engine, and decode
+# the same prompt auto-regressively and with ReDrafter under mpirun. Everything lands in ./out/quickstart.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install.sh
+OUT=${OUT:-out/quickstart}
+rm -rf "$OUT"; mkdir -p "$OUT"
+set -x
+trt-redrafter make-tiny --output "$OUT/tiny" --seed 0
+trt-redrafter convert --config builders/tiny.yaml --base-model "$OUT/tiny/base" --drafter "$OUT/tiny/drafter" \
+    --output "$OUT/ckpt-tp2" --tp 2 --dtype float32
+build-engine --config builders/tiny.yaml --checkpoint "$OUT/ckpt-tp2" --output "$OUT/engine-tp2" --tp 2 \
+    --tokenizer "$OUT/tiny/base"
+trt-redrafter run --engine "$OUT/engine-tp2" --mode ar --prompt "def fibonacci(n):" --max-tokens 32 --json
+trt-redrafter run --engine "$OUT/engine-tp2" --mode redrafter --prompt "def fibonacci(n):" --max-tokens 32 --json

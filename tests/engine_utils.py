@@ -1,0 +1,113 @@
+"""Helpers shared by the engine tests: build tiny engines through the real CLI, and reference outputs."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+from trt_redrafter.cli import main as cli
+from trt_redrafter.config import SamplingConfig
+from trt_redrafter.decoding import tree
+from trt_redrafter.runtime.distributed import Dist
+from trt_redrafter.runtime.engine import Engine
+from trt_redrafter.runtime.sequence import Draft
+
+
+def run_cli(*args) -> None:
+    rc = cli([str(a) for a in args])
+    assert rc == 0, f"trt-redrafter {' '.join(map(str, args))} exited {rc}"
+
+
+def build_tiny_engines(root: Path, *, seed: int, num_beams: int, draft_len: int, tps=(1,), dtype="float32",
+                       max_batch_size=4, max_seq_len=160, **sizes) -> tuple[Path, dict[int, Path]]:
+    """make-tiny -> convert (per TP) -> build-engine. Returns (HF base dir, {tp: engine dir})."""
+    tiny = root / "tiny"
+    flags = []
+    for k, v in sizes.items():
+        if isinstance(v, bool):
+            flags.append(f"--{'' if v else 'no-'}{k.replace('_', '-')}")
+        else:
+            flags += [f"--{k.replace('_', '-')}", v]
+    run_cli("make-tiny", "--output", tiny, "--seed", seed, *flags)
+    engines = {}
+    for tp in tps:
+        ckpt, eng = root / f"ckpt-tp{tp}", root / f"engine-tp{tp}"
+        run_cli("convert", "--base-model", tiny / "base", "--drafter", tiny / "drafter", "--output", ckpt,
+                "--tp", tp, "--dtype", dtype, "--num-beams", num_beams, "--draft-len-per-beam", draft_len)
+        run_cli("build-engine", "--checkpoint", ckpt, "--output", eng, "--tp", tp, "--backend", "torch",
+                "--max-batch-size", max_batch_size, "--max-input-len", 64, "--max-seq-len", max_seq_len,
+                "--tokenizer", tiny / "base")
+        engines[tp] = eng
+    return tiny / "base", engines
+
+
+def load_engine(engine_dir: Path, **kw) -> Engine:
+    return Engine(engine_dir, Dist(0, 1, torch.device("cpu")), **kw)
+
+
+@functools.lru_cache(maxsize=None)
+def _hf_model(base_dir: str):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model.generation_config.eos_token_id = None  # generate exactly max_new_tokens, like --ignore-eos
+    return model.eval()
+
+
+def hf_greedy(base_dir: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
+    model = _hf_model(str(base_dir))
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def random_prompts(vocab: int, lengths: list[int], seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def greedy(max_tokens: int) -> SamplingConfig:
+    return SamplingConfig(max_tokens=max_tokens)
+
+
+def install_oracle_drafter(engine: Engine, continuations: dict[int, list[int]], corrupt_every: int = 0,
+                           seed: int = 0) -> None:
+    """Replace the drafter with an oracle that drafts the known AR continuation as one of its beams.
+
+    The other beams branch off the oracle beam at random depths with random tokens, so the verify step sees a
+    real tree. `continuations[seq_id]` is the request's full AR output. With `corrupt_every=k`, every k-th
+    draft has its oracle beam corrupted at a random depth, exercising partial acceptance.
+    """
+    g = torch.Generator().manual_seed(seed)
+    rd, V = engine.redrafter, engine.cfg.checkpoint.model.vocab_size
+    calls = [0]
+
+    def draft(seqs, h):
+        rows = []
+        for s in seqs:
+            known = continuations[s.seq_id]
+            cont = known[len(s.output):len(s.output) + rd.draft_len_per_beam]
+            cont = cont + [1] * (rd.draft_len_per_beam - len(cont))
+            beams = torch.randint(3, V, (rd.num_beams, rd.beam_length), generator=g)
+            beams[:, 0] = s.pending
+            oracle = int(torch.randint(0, rd.num_beams, (1,), generator=g))
+            beams[oracle, 1:] = torch.tensor(cont)
+            for b in range(rd.num_beams):  # share a random prefix with the oracle beam
+                depth = int(torch.randint(0, rd.beam_length, (1,), generator=g))
+                beams[b, :depth + 1] = beams[oracle, :depth + 1]
+            calls[0] += 1
+            if corrupt_every and calls[0] % corrupt_every == 0:
+                d = int(torch.randint(1, rd.beam_length, (1,), generator=g))
+                beams[oracle, d] = (beams[oracle, d] + 1) % V
+            rows.append(beams)
+        beams = torch.stack(rows)
+        packed = tree.pack_beams(beams)
+        for i, s in enumerate(seqs):
+            n = int(packed.lengths[i])
+            s.draft = Draft(beams=beams[i], tokens=packed.tokens[i, :n], mask=packed.mask[i, :n, :n],
+                            offsets=packed.position_offsets[i, :n], unpacker=packed.unpacker[i])
+
+    engine._draft = draft

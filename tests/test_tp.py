@@ -1,0 +1,86 @@
+"""Tensor parallelism under real `mpirun`: TP=2 and TP=4 give the same tokens as TP=1; a dead rank ends the job."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from engine_utils import build_tiny_engines, random_prompts
+
+pytestmark = [pytest.mark.mpi, pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI's mpirun is not installed")]
+
+MAX_NEW = 20
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    pytest.importorskip("mpi4py", reason="mpi4py is not installed")
+    _, engines = build_tiny_engines(tmp_path_factory.mktemp("tp"), seed=5, num_beams=4, draft_len=3, tps=(1, 2, 4),
+                                    num_heads=4, num_kv_heads=2, rnn=True, vocab_size=512)
+    return engines
+
+
+def run_json(engine_dir, prompts, mode, extra=()):
+    cmd = [sys.executable, "-m", "trt_redrafter", "run", "--engine", str(engine_dir), "--mode", mode, "--json",
+           "--max-tokens", str(MAX_NEW), "--ignore-eos", "--prompt-ids", *[",".join(map(str, p)) for p in prompts],
+           *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    docs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(docs) == len(prompts), proc.stdout  # rank 0 alone prints
+    return [d["output_ids"] for d in docs]
+
+
+@pytest.mark.parametrize("mode", ["redrafter", "ar"])
+def test_tp_ranks_give_the_tp1_tokens(engines, mode):
+    prompts = random_prompts(512, [4, 9, 6], seed=3)
+    ref = run_json(engines[1], prompts, mode)
+    for tp in (2, 4):
+        assert run_json(engines[tp], prompts, mode) == ref, f"tp={tp} {mode} differs from tp=1"
+
+
+def test_tp_sampled_output_is_reproducible_across_tp(engines):
+    prompts = random_prompts(512, [5, 7], seed=4)
+    extra = ["--temperature", "0.8", "--top-k", "50", "--seed", "123"]
+    assert run_json(engines[2], prompts, "redrafter", extra) == run_json(engines[1], prompts, "redrafter", extra)
+
+
+def test_a_dead_rank_ends_the_job_within_seconds(engines):
+    prompts = random_prompts(512, [6] * 4, seed=9)
+    from trt_redrafter.commands.run import mpirun_command
+
+    argv = ["run", "--engine", str(engines[2]), "--json", "--ignore-eos", "--max-tokens", "130",
+            "--prompt-ids", *[",".join(map(str, p)) for p in prompts] * 40]
+    proc = subprocess.Popen(mpirun_command(2, argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        ranks = _wait_for_children(proc.pid, 2, timeout=60)
+        time.sleep(8)  # past start-up, inside the decode loop
+        assert proc.poll() is None, "the run finished before a rank could be killed; make it longer"
+        os.kill(ranks[-1], signal.SIGKILL)
+        t0 = time.monotonic()
+        rc = proc.wait(timeout=60)
+        elapsed = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert rc != 0
+    assert elapsed < 15, f"survivors took {elapsed:.1f}s to exit"
+
+
+def _wait_for_children(pid: int, n: int, timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        out = subprocess.run(["pgrep", "-P", str(pid), "-f", "trt_redrafter"], capture_output=True, text=True).stdout
+        kids = [int(x) for x in out.split()]
+        if len(kids) >= n:
+            return sorted(kids)
+        time.sleep(0.2)
+    raise AssertionError(f"mpirun did not start {n} ranks in {timeout}s")
