@@ -1,0 +1,228 @@
+"""TensorRT-LLM checkpoint `config.json`: write it as TensorRT-LLM's converters do, and read it back.
+
+Two layouts (see /work/notes/trtllm-facts.md §1, §3 and reference/trtllm-redrafter.md §2.2):
+
+- "1.x" (TensorRT-LLM 1.0-1.2, two-step converter): the LLaMA `LLaMAConfig.to_dict()` of the base checkpoint, key
+  order = `__dict__` insertion order (LLaMA fields first, then `PretrainedConfig` fields, then implicit kwargs), then
+  `base_model_architecture` and the seven `redrafter_*` keys appended; `architecture` = `ReDrafterForLLaMALM`,
+  kept in its original position.
+- "legacy" (TensorRT-LLM 0.12-0.21, one-step converter): a plain `PretrainedConfig` with the two rotary kwargs;
+  `architecture` = `ReDrafterForCausalLM`. Deviation on purpose: the old converter read HF `rotary_scaling` (a
+  name HF never writes) and so always stored null; we store the real scaling so a rope-scaled model is not silently
+  mis-rotated.
+
+Values that come from TensorRT-LLM defaults we cannot read at run time (moe, mapping, quantization field lists) follow
+the 1.0 sources; runtimes read only the model keys, `mapping.tp_size` and the `redrafter_*` keys.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..config import DTYPES, DrafterConfig, ModelConfig, ReDrafterConfig
+from ..errors import UserError
+from ..fsutil import read_json
+
+FORMATS = ("1.x", "legacy")
+REDRAFTER_ARCH = {"1.x": "ReDrafterForLLaMALM", "legacy": "ReDrafterForCausalLM"}
+REDRAFTER_KEYS = ("redrafter_num_layers", "redrafter_hidden_size", "redrafter_exit_dim", "redrafter_is_rnn",
+                  "redrafter_num_beams", "redrafter_draft_len_per_beam", "redrafter_greedy_search")
+LOGITS_DTYPE = "float32"  # TensorRT-LLM's default logits_dtype
+GPUS_PER_NODE = 8  # Mapping default
+
+
+def _mapping(tp: int, fmt: str) -> dict:
+    if fmt == "legacy":
+        return {"world_size": tp, "gpus_per_node": GPUS_PER_NODE, "cp_size": 1, "tp_size": tp, "pp_size": 1,
+                "moe_tp_size": tp, "moe_ep_size": 1}
+    return {"world_size": tp, "gpus_per_node": GPUS_PER_NODE, "cp_size": 1, "tp_size": tp, "pp_size": 1,
+            "moe_tp_size": tp, "moe_cluster_size": 1, "moe_ep_size": 1, "attn_tp_size": tp, "attn_cp_size": 1,
+            "cp_config": {}, "auto_parallel": False}
+
+
+def _quantization(fmt: str) -> dict:
+    q: dict[str, Any] = {"quant_algo": None, "kv_cache_quant_algo": None, "group_size": 128, "smoothquant_val": 0.5,
+                         "clamp_val": None}
+    if fmt != "legacy":
+        q["use_meta_recipe"] = False
+    q.update({"has_zero_point": False, "pre_quant_scale": False, "exclude_modules": None})
+    if fmt != "legacy":
+        q["mamba_ssm_cache_dtype"] = None
+    return q
+
+
+def _moe() -> dict:
+    return {"num_experts": 0, "shared_expert_intermediate_size": 0, "top_k": 0, "normalization_mode": None,
+            "sparse_mixer_epsilon": 0.01, "tp_mode": 0, "device_limited_n_group": 0, "device_limited_topk_group": 0,
+            "device_limited_routed_scaling_factor": 1.0}
+
+
+def llama_pretrained_config(m: ModelConfig, tp: int, fmt: str = "1.x") -> dict:
+    """The base LLaMA config TensorRT-LLM writes for `m` at TP=tp (no ReDrafter keys)."""
+    if fmt not in FORMATS:
+        raise UserError(f"--trtllm-format must be one of {', '.join(FORMATS)}, got {fmt!r}.")
+    generic = {
+        "architecture": m.architecture, "dtype": m.dtype, "vocab_size": m.vocab_size, "hidden_size": m.hidden_size,
+        "num_hidden_layers": m.num_hidden_layers, "num_attention_heads": m.num_attention_heads,
+        "hidden_act": m.hidden_act, "logits_dtype": LOGITS_DTYPE, "norm_epsilon": m.norm_epsilon,
+    }
+    if fmt == "1.x":
+        generic["runtime_defaults"] = None
+    generic.update({
+        "position_embedding_type": "rope_gpt_neox", "num_key_value_heads": m.num_key_value_heads,
+        "intermediate_size": m.intermediate_size, "max_position_embeddings": m.max_position_embeddings,
+        "mapping": _mapping(tp, fmt), "quantization": _quantization(fmt), "use_parallel_embedding": False,
+        "embedding_sharding_dim": 0,
+    })
+    if fmt == "legacy":
+        generic["share_embedding_table"] = False
+    generic.update({"head_size": m.head_size, "qk_layernorm": False, "rotary_embedding_dim": m.head_size})
+    if fmt == "legacy":
+        return {**generic, "rotary_base": m.rotary_base, "rotary_scaling": m.rotary_scaling}
+    llama = {
+        "mlp_bias": False, "attn_bias": False, "rotary_base": m.rotary_base, "rotary_scaling": m.rotary_scaling,
+        "residual_mlp": False, "disable_weight_only_quant_plugin": False, "moe": _moe(),
+        "remove_duplicated_kv_heads": False, "fc_after_embed": False, "use_input_layernorm_in_first_layer": True,
+        "use_last_layernorm": True, "layer_idx_offset": 0, "embedding_multiplier": 1.0, "attention_multiplier": 1.0,
+        "residual_multiplier": 1.0, "output_multiplier_scale": 1.0,
+    }
+    return {**llama, **generic, "tie_word_embeddings": m.tie_word_embeddings}
+
+
+def add_redrafter_keys(base: dict, drafter: DrafterConfig, redrafter: ReDrafterConfig, fmt: str = "1.x") -> dict:
+    """TensorRT-LLM's `hf_redrafter_config`: the base config plus the ReDrafter architecture and keys."""
+    out = json.loads(json.dumps(base))  # deep copy, JSON types only
+    out["base_model_architecture"] = base["architecture"]
+    out["architecture"] = REDRAFTER_ARCH[fmt]  # an existing key keeps its position
+    out.update({
+        "redrafter_num_layers": drafter.num_draft_layers, "redrafter_hidden_size": drafter.hidden_size,
+        "redrafter_exit_dim": drafter.exit_dim, "redrafter_is_rnn": drafter.rnn,
+        "redrafter_num_beams": redrafter.num_beams, "redrafter_draft_len_per_beam": redrafter.draft_len_per_beam,
+        "redrafter_greedy_search": redrafter.greedy_search,
+    })
+    q = out.get("quantization") or {}
+    if q.get("exclude_modules") is not None:  # a quantized base: keep the drafter unquantized
+        q["exclude_modules"] += ["drafter", "drafter.layers", "drafter.lm_head"]
+        if drafter.rnn:
+            q["exclude_modules"] += ["drafter.rnn_u", "drafter.rnn_w"]
+        for j in range(drafter.num_draft_layers):
+            q["exclude_modules"] += [f"drafter.layers.{j}", f"drafter.layers.{j}.linear"]
+    return out
+
+
+def build_pretrained_config(model: ModelConfig, drafter: DrafterConfig, redrafter: ReDrafterConfig, tp: int,
+                            fmt: str = "1.x") -> dict:
+    """The ReDrafter checkpoint config.json TensorRT-LLM's converter writes (one-step equivalent of two steps)."""
+    return add_redrafter_keys(llama_pretrained_config(model, tp, fmt), drafter, redrafter, fmt)
+
+
+def write_config(path: str | Path, config: dict) -> None:
+    """`json.dump(config, f, indent=4)` exactly as TensorRT-LLM writes it (no sorting, no trailing newline)."""
+    with open(path, "w") as f:
+        json.dump(config, f, indent=4)
+
+
+# ---- reading -------------------------------------------------------------------------------------------------
+
+@dataclass
+class CheckpointInfo:
+    """What a runtime needs from a ReDrafter checkpoint config.json."""
+
+    model: ModelConfig
+    drafter: DrafterConfig
+    redrafter: ReDrafterConfig
+    tp_size: int
+    architecture: str
+    raw: dict
+
+
+def _need(d: dict, keys: tuple[str, ...], where: str, what: str) -> None:
+    missing = [k for k in keys if k not in d]
+    if missing:
+        raise UserError(f"{where}: missing key(s) {', '.join(missing)}; is this a {what} config.json?")
+
+
+def tp_size_of(d: dict, where: str) -> int:
+    mapping = d.get("mapping")
+    tp = mapping.get("tp_size") if isinstance(mapping, dict) else None
+    if not isinstance(tp, int) or tp < 1 or (mapping.get("pp_size", 1) or 1) != 1:
+        raise UserError(f"{where}: mapping must have a positive tp_size and pp_size 1, got {mapping!r}.")
+    return tp
+
+
+def model_config_from_trtllm(d: dict, where: str) -> ModelConfig:
+    """The base model of a TensorRT-LLM LLaMA (or ReDrafter) config dict."""
+    _need(d, ("architecture", "dtype", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+              "intermediate_size"), where, "TensorRT-LLM checkpoint")
+    arch = d.get("base_model_architecture", d["architecture"])
+    if arch != "LlamaForCausalLM":
+        raise UserError(f"{where}: base architecture {arch!r} is not LlamaForCausalLM, the only base this project "
+                        f"handles.")
+    scaling = d.get("rotary_scaling")
+    if isinstance(scaling, dict) and "type" not in scaling and "rope_type" in scaling:
+        scaling = {**scaling, "type": scaling["rope_type"]}
+    return ModelConfig.from_dict(dict(
+        vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
+        num_hidden_layers=d["num_hidden_layers"], num_attention_heads=d["num_attention_heads"],
+        num_key_value_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
+        head_size=d.get("head_size") or d["hidden_size"] // d["num_attention_heads"],
+        max_position_embeddings=d.get("max_position_embeddings") or 2048,
+        norm_epsilon=float(d.get("norm_epsilon", 1e-6)), rotary_base=float(d.get("rotary_base", 10000.0)),
+        rotary_scaling=scaling, hidden_act=d.get("hidden_act", "silu"),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)), dtype=d["dtype"], architecture=arch,
+    ), where=where)
+
+
+def parse_checkpoint_config(d: dict, where: str) -> CheckpointInfo:
+    """Read a ReDrafter checkpoint (or engine `pretrained_config`) dict; raise UserError naming what is wrong."""
+    if not isinstance(d, dict):
+        raise UserError(f"{where}: expected a JSON object, got {type(d).__name__}.")
+    _need(d, REDRAFTER_KEYS, where, "ReDrafter checkpoint (converted with `trt-redrafter convert`)")
+    arch = d.get("architecture")
+    if arch not in REDRAFTER_ARCH.values():
+        raise UserError(f"{where}: architecture {arch!r} is not a ReDrafter architecture "
+                        f"({', '.join(REDRAFTER_ARCH.values())}).")
+    if d.get("dtype") not in DTYPES:
+        raise UserError(f"{where}: dtype must be one of {', '.join(DTYPES)}, got {d.get('dtype')!r}.")
+    model = model_config_from_trtllm(d, where)
+    drafter = DrafterConfig.from_dict(dict(
+        vocab_size=model.vocab_size, hidden_size=d["redrafter_hidden_size"], exit_dim=d["redrafter_exit_dim"],
+        num_draft_layers=d["redrafter_num_layers"], rnn=d["redrafter_is_rnn"]), where=f"{where} (redrafter_*)")
+    redrafter = ReDrafterConfig.from_dict(dict(
+        num_beams=d["redrafter_num_beams"], draft_len_per_beam=d["redrafter_draft_len_per_beam"],
+        greedy_search=d["redrafter_greedy_search"]), where=f"{where} (redrafter_*)")
+    return CheckpointInfo(model, drafter, redrafter, tp_size_of(d, where), arch, d)
+
+
+@dataclass
+class TrtllmCheckpoint:
+    """A plain TensorRT-LLM LLaMA checkpoint directory (input of the two-step conversion)."""
+
+    path: Path
+    raw: dict
+    model: ModelConfig
+    tp_size: int
+
+    def rank_file(self, rank: int) -> Path:
+        return self.path / f"rank{rank}.safetensors"
+
+
+def read_trtllm_checkpoint(path: str | Path) -> TrtllmCheckpoint:
+    """Open a TensorRT-LLM LLaMA checkpoint: config.json + rank{r}.safetensors for every TP rank."""
+    path = Path(path)
+    if not path.is_dir():
+        raise UserError(f"base checkpoint directory {path} does not exist.")
+    where = str(path / "config.json")
+    raw = read_json(path / "config.json", "base checkpoint config")
+    if any(k in raw for k in REDRAFTER_KEYS):
+        raise UserError(f"{where} is already a ReDrafter checkpoint; pass the plain base LLaMA checkpoint.")
+    if raw.get("architecture") != "LlamaForCausalLM":
+        raise UserError(f"{where}: architecture {raw.get('architecture')!r} is not LlamaForCausalLM.")
+    ckpt = TrtllmCheckpoint(path, raw, model_config_from_trtllm(raw, where), tp_size_of(raw, where))
+    missing = [ckpt.rank_file(r).name for r in range(ckpt.tp_size) if not ckpt.rank_file(r).is_file()]
+    if missing:
+        raise UserError(f"base checkpoint {path} (tp_size={ckpt.tp_size}) lacks {', '.join(missing)}.")
+    return ckpt

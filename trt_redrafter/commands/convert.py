@@ -1,0 +1,51 @@
+"""`trt-redrafter convert`: HF Llama/Vicuna (or a TensorRT-LLM LLaMA checkpoint) + Apple drafter -> ReDrafter
+TensorRT-LLM checkpoint. Thin: flags and recipe in, `checkpoint.convert` does the work."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..checkpoint.convert import DEFAULT_DTYPE, ConvertConfig, convert_base_checkpoint, convert_checkpoint
+from ..config import ReDrafterConfig, load_recipe
+from ..errors import UserError
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "convert", help="convert a Llama/Vicuna base + Apple drafter to a TP-sharded TensorRT-LLM ReDrafter checkpoint",
+        description="Write config.json + rank{r}.safetensors exactly as TensorRT-LLM's ReDrafter converter does. "
+                    "Recipe values (--config) are defaults; flags override them.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--base-model", type=Path, help="Hugging Face Llama/Vicuna directory (one-step form)")
+    src.add_argument("--base-checkpoint", type=Path,
+                     help="TensorRT-LLM LLaMA checkpoint directory (two-step form: its tensors are copied unchanged)")
+    p.add_argument("--drafter", type=Path, help="Apple-format drafter directory (config.json + model.safetensors)")
+    p.add_argument("--output", type=Path, required=True, help="checkpoint directory to create")
+    p.add_argument("--config", type=Path, help="build recipe (YAML), e.g. builders/vicuna-7b.yaml")
+    p.add_argument("--force", action="store_true", help="replace an existing output directory")
+    p.add_argument("--base-only", action="store_true",
+                   help="write only the plain TensorRT-LLM LLaMA checkpoint of --base-model (two-step input)")
+    ConvertConfig.add_cli_args(p)
+    ReDrafterConfig.add_cli_args(p)
+    p.add_argument("--no-greedy", dest="greedy_search", action="store_false", default=None,
+                   help="alias of --no-greedy-search (TensorRT-LLM's --redrafter_no_greedy_search)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    recipe = load_recipe(args.config) if args.config else None
+    opts = ConvertConfig.from_sources(recipe, args)
+    if args.base_only:
+        if args.base_model is None:
+            raise UserError("--base-only needs --base-model (it writes the plain LLaMA checkpoint of an HF model).")
+        convert_base_checkpoint(args.base_model, args.output, tp=opts.tp or 1, dtype=opts.dtype or DEFAULT_DTYPE,
+                                workers=opts.workers, force=args.force)
+        return 0
+    if args.drafter is None:
+        raise UserError("--drafter is required: the Apple-format drafter directory to attach to the base model.")
+    redrafter = ReDrafterConfig.from_sources(recipe, args)
+    convert_checkpoint(args.drafter, args.output, opts, redrafter, base_model=args.base_model,
+                       base_checkpoint=args.base_checkpoint, force=args.force,
+                       recipe_model=(recipe or {}).get("model"), recipe_where=str(args.config or ""))
+    return 0
