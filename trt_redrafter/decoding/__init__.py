@@ -1,0 +1,19 @@
+"""ReDrafter decoding math, model-free: drafter beam search, beams -> packed tree, sampling, acceptance.
+
+One engine step (DESIGN.md, "The decoding step"): verify the packed tree with the base model -> `acceptance`
+(choose beam, accepted count, next token) -> rewind KV along `tree.path_packed_indices` -> `beam_search.beam_search`
+from the hidden state at the last accepted position and the next token -> `tree.pack_beams` for the next verify.
+Terms (bs, nb, dl, bl = dl + 1, V, H) are defined in `trt_redrafter.config`; see docs/decoding.md.
+"""
+
+from .acceptance import Acceptance, accept_apple, accept_exact, accept_greedy, emitted_tokens
+from .beam_search import BeamSearchResult, DrafterProtocol, beam_search
+from .sampling import process_logits, sample
+from .tree import PackedTree, dedup_prefix, pack_beams, path_packed_indices
+
+__all__ = [
+    "Acceptance", "accept_apple", "accept_exact", "accept_greedy", "emitted_tokens",
+    "BeamSearchResult", "DrafterProtocol", "beam_search",
+    "process_logits", "sample",
+    "PackedTree", "dedup_prefix", "pack_beams", "path_packed_indices",
+]
