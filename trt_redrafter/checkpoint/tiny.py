@@ -17,6 +17,7 @@ import importlib
 import inspect
 import json
 import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -88,7 +89,9 @@ def _corpus() -> list[str]:
         mod = importlib.import_module(name)
         texts.append(inspect.getdoc(mod) or "")
         for attr in sorted(a for a in dir(mod) if not a.startswith("_")):
-            doc = inspect.getdoc(getattr(mod, attr, None))
+            with warnings.catch_warnings():  # e.g. typing.io warns when touched
+                warnings.simplefilter("ignore", DeprecationWarning)
+                doc = inspect.getdoc(getattr(mod, attr, None))
             if doc:
                 texts.append(doc)
     return [t for t in texts if t]

@@ -1,0 +1,35 @@
+"""Shared fixtures: tiny random Llama + drafter pairs written by `make-tiny`'s library function.
+
+`tiny_pair` is the default-size pair (DIR with base/ and drafter/); `make_tiny_pair(**sizes)` makes (and caches
+for the session) a pair with other `TinyConfig` sizes, e.g. `make_tiny_pair(num_kv_heads=1, exit_dim=96)`.
+Treat both as read-only: copy a directory before editing it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from trt_redrafter.checkpoint.tiny import TinyConfig, make_tiny
+
+
+@pytest.fixture(scope="session")
+def make_tiny_pair(tmp_path_factory) -> Callable[..., Path]:
+    cache: dict[tuple, Path] = {}
+
+    def make(**sizes) -> Path:
+        key = tuple(sorted(sizes.items()))
+        if key not in cache:
+            out = tmp_path_factory.mktemp("tiny") / "pair"
+            make_tiny(out, TinyConfig(**sizes))
+            cache[key] = out
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(make_tiny_pair) -> Path:
+    return make_tiny_pair()
