@@ -1,0 +1,198 @@
+"""The `trtllm` backend (trt_redrafter/backends/trtllm.py).
+
+CPU tests run everywhere without TensorRT-LLM (and without faking it): the module imports lazily, the missing
+package is one clear UserError, the equivalent trtllm-build command line, and the refusals that come before
+TensorRT-LLM is touched. Tests marked `trtllm` build and run a real TensorRT-LLM engine and skip where
+tensorrt_llm is not importable.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trt_redrafter.backends import trtllm as backend
+from trt_redrafter.checkpoint.trtllm_config import parse_checkpoint_config
+from trt_redrafter.cli import main as cli
+from trt_redrafter.config import BuildConfig
+from trt_redrafter.errors import UserError
+from trt_redrafter.fsutil import read_json
+
+HAVE_TRTLLM = importlib.util.find_spec("tensorrt_llm") is not None
+SKIP_REASON = "needs TensorRT-LLM 1.0-1.2 (tensorrt_llm) and an NVIDIA GPU with SM >= 80"
+NB, DL = 2, 3
+
+
+def _cli(*args) -> int:
+    return cli([str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory) -> tuple[Path, Path]:
+    """(HF base dir with tokenizer, fp16 ReDrafter checkpoint dir) of a tiny random Llama + drafter."""
+    root = tmp_path_factory.mktemp("trtllm-tiny")
+    assert _cli("make-tiny", "--output", root / "tiny", "--seed", 5) == 0
+    ckpt = root / "ckpt"
+    assert _cli("convert", "--base-model", root / "tiny" / "base", "--drafter", root / "tiny" / "drafter",
+                "--output", ckpt, "--dtype", "float16", "--num-beams", NB, "--draft-len-per-beam", DL) == 0
+    return root / "tiny" / "base", ckpt
+
+
+# ---- CPU: no TensorRT-LLM needed ---------------------------------------------------------------------------------
+def test_module_imports_without_importing_tensorrt_llm():
+    code = ("import sys, trt_redrafter.backends.trtllm as m; "
+            "assert 'tensorrt_llm' not in sys.modules, 'imported eagerly'; print(m.TRTLLM_SUPPORTED)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ">=1.0,<1.3"
+
+
+@pytest.mark.skipif(HAVE_TRTLLM, reason="tensorrt_llm is installed here, so the missing-package error cannot happen")
+def test_require_trtllm_without_package_is_one_clear_user_error():
+    with pytest.raises(UserError) as e:
+        backend.require_trtllm()
+    msg = str(e.value)
+    assert "tensorrt_llm is not installed" in msg
+    assert "nvcr.io/nvidia/tritonserver:<yy.mm>-trtllm-python-py3" in msg
+    assert "pip install tensorrt_llm==1.2.* --extra-index-url https://pypi.nvidia.com" in msg
+    assert "8.0" in msg and "GPU" in msg
+    assert "\n" not in msg
+
+
+@pytest.mark.parametrize("version,ok", [("1.0.0", True), ("1.1.0rc0", True), ("1.2.0", True), ("1.2.3", True),
+                                        ("1.3.0", False), ("1.3.0rc1", False), ("0.21.0", False),
+                                        ("1.0.0rc4", False), ("not-a-version", False)])
+def test_version_pin(version, ok):
+    assert backend.version_supported(version) is ok
+
+
+def test_build_argv_is_the_documented_trtllm_build_command(tiny_ckpt, tmp_path):
+    _, ckpt = tiny_ckpt
+    info = parse_checkpoint_config(read_json(ckpt / "config.json", "ckpt"), "ckpt")
+    build = BuildConfig(max_batch_size=4, max_input_len=64, max_seq_len=160)
+    argv = backend.trtllm_build_argv(ckpt, tmp_path / "eng", build, info)
+    flags = dict(zip(argv[::2], argv[1::2]))
+    assert len(flags) * 2 == len(argv)
+    assert flags == {
+        "--checkpoint_dir": str(ckpt), "--output_dir": str(tmp_path / "eng"), "--gemm_plugin": "float16",
+        "--speculative_decoding_mode": "explicit_draft_tokens", "--max_beam_width": "1",
+        "--max_batch_size": "4", "--max_input_len": "64", "--max_seq_len": "160",
+        "--max_num_tokens": str(build.resolved_max_num_tokens(info.redrafter)),
+        "--kv_cache_type": "paged", "--remove_input_padding": "enable", "--context_fmha": "enable",
+        "--use_paged_context_fmha": "enable",
+    }
+
+
+@pytest.mark.skipif(HAVE_TRTLLM, reason="tensorrt_llm is installed here")
+def test_build_without_tensorrt_llm_fails_clearly_and_writes_nothing(tiny_ckpt, tmp_path):
+    base, ckpt = tiny_ckpt
+    out = tmp_path / "engine"
+    with pytest.raises(UserError, match="tensorrt_llm is not installed"):
+        backend.build_trtllm_engine(ckpt, out, BuildConfig(max_batch_size=2, max_input_len=32, max_seq_len=96),
+                                    None, tokenizer_dir=base)
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".engine")]
+
+
+def test_build_refuses_a_dtype_other_than_the_checkpoints(tiny_ckpt, tmp_path):
+    _, ckpt = tiny_ckpt
+    with pytest.raises(UserError, match="checkpoint's dtype"):
+        backend.build_trtllm_engine(ckpt, tmp_path / "e", BuildConfig(max_input_len=32, max_seq_len=96,
+                                                                      dtype="bfloat16"), None)
+
+
+def test_build_refuses_a_tp_the_checkpoint_was_not_sharded_for(tiny_ckpt, tmp_path):
+    _, ckpt = tiny_ckpt
+    with pytest.raises(UserError, match="--tp 2"):
+        backend.build_trtllm_engine(ckpt, tmp_path / "e", BuildConfig(max_input_len=32, max_seq_len=96), 2)
+
+
+@pytest.fixture
+def trtllm_marked_engine(tiny_ckpt, tmp_path) -> Path:
+    """A torch engine dir whose config says backend trtllm: enough for `run` to route to run_trtllm."""
+    base, ckpt = tiny_ckpt
+    eng = tmp_path / "engine"
+    assert _cli("build-engine", "--checkpoint", ckpt, "--output", eng, "--backend", "torch", "--max-batch-size", 2,
+                "--max-input-len", 32, "--max-seq-len", 96, "--tokenizer", base) == 0
+    cfg = read_json(eng / "config.json", "engine")
+    cfg["build_config"]["backend"] = "trtllm"
+    (eng / "config.json").write_text(json.dumps(cfg))
+    return eng
+
+
+def test_run_ar_mode_on_a_redrafter_trtllm_engine_is_refused(trtllm_marked_engine, capsys):
+    rc = _cli("run", "--engine", trtllm_marked_engine, "--prompt-ids", "1,2,3", "--mode", "ar")
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "--mode ar" in err and "plain Llama engine" in err
+
+
+@pytest.mark.skipif(HAVE_TRTLLM, reason="tensorrt_llm is installed here")
+def test_run_without_tensorrt_llm_is_one_clear_error(trtllm_marked_engine, capsys):
+    rc = _cli("run", "--engine", trtllm_marked_engine, "--prompt-ids", "1,2,3", "--max-tokens", 4)
+    assert rc == 2
+    assert "tensorrt_llm is not installed" in capsys.readouterr().err
+
+
+# ---- real TensorRT-LLM ------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def trtllm_engine(tiny_ckpt, tmp_path_factory) -> Path:
+    pytest.importorskip("tensorrt_llm", reason=SKIP_REASON)
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip(SKIP_REASON)
+    base, ckpt = tiny_ckpt
+    out = tmp_path_factory.mktemp("trtllm-engine") / "engine"
+    backend.build_trtllm_engine(ckpt, out, BuildConfig(max_batch_size=4, max_input_len=64, max_seq_len=160),
+                                None, tokenizer_dir=base)
+    return out
+
+
+@pytest.mark.trtllm
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_trtllm_build_of_tiny_checkpoint(trtllm_engine):
+    from trt_redrafter.runtime.engine_config import load_engine_config
+
+    assert (trtllm_engine / "rank0.engine").is_file()
+    assert (trtllm_engine / "tokenizer" / "tokenizer.json").is_file()
+    marker = read_json(trtllm_engine / backend.MARKER_FILE, "marker")
+    assert marker["backend"] == "trtllm" and backend.version_supported(marker["tensorrt_llm_version"])
+    cfg = read_json(trtllm_engine / "config.json", "engine")
+    bc = cfg["build_config"]
+    assert "backend" not in bc  # TensorRT-LLM's config.json is left as TensorRT-LLM wrote it
+    assert bc["max_draft_len"] == NB * DL
+    assert bc["max_beam_width"] == 1 and bc["max_batch_size"] == 4
+    assert str(bc["speculative_decoding_mode"]).lower().endswith(("explicit_draft_tokens", "16"))
+    assert cfg["pretrained_config"]["architecture"] == "ReDrafterForLLaMALM"
+    assert load_engine_config(trtllm_engine).backend == "trtllm"
+    assert not [p for p in trtllm_engine.parent.iterdir() if p.name.startswith(".engine")]
+
+
+def _run_json(engine: Path, prompts: list[str], max_tokens: int, *extra) -> list[dict]:
+    proc = subprocess.run([sys.executable, "-m", "trt_redrafter", "run", "--engine", str(engine), "--prompt-ids",
+                           *prompts, "--max-tokens", str(max_tokens), "--ignore-eos", "--json", *extra],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.trtllm
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_trtllm_greedy_equals_torch_backend_greedy(trtllm_engine, tiny_ckpt, tmp_path):
+    base, ckpt = tiny_ckpt
+    torch_engine = tmp_path / "torch-engine"
+    assert _cli("build-engine", "--checkpoint", ckpt, "--output", torch_engine, "--backend", "torch",
+                "--max-batch-size", 4, "--max-input-len", 64, "--max-seq-len", 160, "--tokenizer", base) == 0
+    prompts = ["1,17,42,5,9", "3,3,8", "200,11,7,64,2,90,31"]
+    got = _run_json(trtllm_engine, prompts, 24)
+    want = _run_json(torch_engine, prompts, 24, "--drafter-semantics", "trtllm")
+    assert [d["output_ids"] for d in got] == [d["output_ids"] for d in want]
+    assert all(len(d["output_ids"]) == 24 and d["finish_reason"] == "length" for d in got)
+    assert all(d["backend"] == "trtllm" and d["ms_per_token"] > 0 for d in got)
+

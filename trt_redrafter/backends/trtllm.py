@@ -1,0 +1,365 @@
+"""The `trtllm` backend: build and run ReDrafter engines with the real TensorRT-LLM (TensorRT-engine path).
+
+Pinned to TensorRT-LLM 1.0-1.2.x, the releases that still have `trtllm-build`, the C++ Executor and
+`ReDrafterForLLaMALM`. `tensorrt_llm` is imported inside functions only, so this module imports everywhere.
+
+What each function does is what the TensorRT-LLM command line does, through its Python API; the source files
+followed are cited where they are used (paths inside the NVIDIA/TensorRT-LLM repository). See docs/trtllm.md
+for the API surface, what was verified and what was not.
+
+Engine directory written by `build_trtllm_engine` (OUT):
+    config.json            TensorRT-LLM's own (`Engine.save`), left byte-for-byte as TensorRT-LLM wrote it
+    rank{r}.engine         one serialized TensorRT engine per TP rank
+    trt_redrafter.json     this project's marker: {"backend": "trtllm", the equivalent trtllm-build argv, versions}
+    tokenizer/             when a tokenizer dir was given
+The backend marker is NOT put into config.json's build_config: TensorRT-LLM's runtime re-reads that object
+(`ModelRunnerCpp.from_dir` -> `EngineConfig.from_json_file` -> `BuildConfig.from_dict`), and from TensorRT-LLM's
+move of BuildConfig to pydantic (PR #8330, late 2025) we could not verify that an unknown key is still ignored.
+`runtime/engine_config.load_engine_config` already reads an engine without `build_config.backend` as `trtllm`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ..config import BuildConfig, SamplingConfig
+from ..errors import UserError
+from ..fsutil import atomic_output_dir, write_json
+from ..log import get_logger, rank0_print
+
+logger = get_logger(__name__)
+
+TRTLLM_SUPPORTED = ">=1.0,<1.3"
+MARKER_FILE = "trt_redrafter.json"
+
+_INSTALL_HINT = ("run inside NVIDIA's NGC container nvcr.io/nvidia/tritonserver:<yy.mm>-trtllm-python-py3 (one whose "
+                 "TensorRT-LLM is 1.0-1.2) or `pip install tensorrt_llm==1.2.* --extra-index-url https://pypi.nvidia.com`, "
+                 "on a machine with an NVIDIA GPU of compute capability 8.0 or newer")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Import and version pin
+# ---------------------------------------------------------------------------------------------------------------
+def version_supported(version: str) -> bool:
+    """True when `version` is inside TRTLLM_SUPPORTED (release candidates of 1.1/1.2 included, of 1.3 not)."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return SpecifierSet(TRTLLM_SUPPORTED, prereleases=True).contains(Version(version))
+    except InvalidVersion:
+        return False
+
+
+def require_trtllm():
+    """Import `tensorrt_llm` and check it against the pin; returns the module or raises one clear UserError."""
+    try:
+        # tensorrt_llm/__init__.py prints "[TensorRT-LLM] TensorRT LLM version: ..." on stdout at import time;
+        # keep stdout clean for `run --json`.
+        with contextlib.redirect_stdout(sys.stderr):
+            import tensorrt_llm
+    except ModuleNotFoundError as e:
+        if e.name != "tensorrt_llm":
+            raise UserError(f"tensorrt_llm is installed but cannot be imported (missing module {e.name!r}); "
+                            f"{_INSTALL_HINT}.") from e
+        raise UserError(f"the trtllm backend needs TensorRT-LLM {TRTLLM_SUPPORTED} and tensorrt_llm is not installed; "
+                        f"{_INSTALL_HINT}, or use --backend torch.") from e
+    except (ImportError, OSError, RuntimeError) as e:
+        raise UserError(f"tensorrt_llm is installed but fails to import ({e}); {_INSTALL_HINT}.") from e
+    version = str(getattr(tensorrt_llm, "__version__", ""))
+    if not version_supported(version):
+        raise UserError(f"tensorrt_llm {version or '(unknown version)'} is installed but the trtllm backend supports "
+                        f"TensorRT-LLM {TRTLLM_SUPPORTED} (later releases dropped the TensorRT-engine path and "
+                        f"ReDrafter); {_INSTALL_HINT}.")
+    return tensorrt_llm
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Build
+# ---------------------------------------------------------------------------------------------------------------
+def trtllm_build_argv(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, build: BuildConfig,
+                      info) -> list[str]:
+    """The `trtllm-build` arguments equivalent to a build with `build` of the checkpoint described by `info`.
+
+    build_trtllm_engine parses exactly these with trtllm-build's own parser, so the defaults of every option we do
+    not name are the installed release's. Flag names: tensorrt_llm/commands/build.py (`parse_arguments`) and
+    tensorrt_llm/plugin/plugin.py (`add_plugin_argument`).
+    """
+    dtype = info.model.dtype
+    return [
+        "--checkpoint_dir", str(ckpt_dir),
+        "--output_dir", str(out_dir),
+        "--gemm_plugin", dtype,
+        "--speculative_decoding_mode", "explicit_draft_tokens",
+        "--max_beam_width", "1",
+        "--max_batch_size", str(build.max_batch_size),
+        "--max_input_len", str(build.max_input_len),
+        "--max_seq_len", str(build.max_seq_len),
+        "--max_num_tokens", str(build.resolved_max_num_tokens(info.redrafter)),
+        "--kv_cache_type", "paged",
+        "--remove_input_padding", "enable",
+        "--context_fmha", "enable",
+        "--use_paged_context_fmha", "enable",
+    ]
+
+
+def _trtllm_build_config(argv: list[str]):
+    """(TensorRT-LLM BuildConfig, parsed args) for `argv`, as `tensorrt_llm/commands/build.py:main` makes them.
+
+    main() does: parse_arguments().parse_args(); PluginConfig.from_arguments(args); plugin_config.validate();
+    SpeculativeDecodingMode.from_arguments(args); BuildConfig.from_dict({...}, plugin_config=...) then
+    update_from_dict({'kv_cache_type': ...}) (1.0) or BuildConfig(...) keywords (after PR #8330). The keyword
+    constructor below works with both: in 1.0 BuildConfig is a dataclass with these fields (tensorrt_llm/builder.py).
+    """
+    from tensorrt_llm.builder import BuildConfig as TrtBuildConfig
+    from tensorrt_llm.commands.build import parse_arguments
+    from tensorrt_llm.models.modeling_utils import SpeculativeDecodingMode
+    from tensorrt_llm.plugin import PluginConfig
+
+    try:
+        args = parse_arguments().parse_args(argv)
+    except SystemExit as e:  # argparse already printed why
+        raise UserError(f"the installed TensorRT-LLM rejected the trtllm-build arguments {' '.join(argv)}.") from e
+    plugin_config = PluginConfig.from_arguments(args)
+    plugin_config.validate()
+    build_config = TrtBuildConfig(
+        max_input_len=args.max_input_len,
+        max_seq_len=args.max_seq_len,
+        max_batch_size=args.max_batch_size,
+        max_beam_width=args.max_beam_width,
+        max_num_tokens=args.max_num_tokens,
+        opt_num_tokens=args.opt_num_tokens,
+        max_prompt_embedding_table_size=args.max_prompt_embedding_table_size,
+        kv_cache_type=args.kv_cache_type,  # parsed by trtllm-build's own enum parser, so the release's type
+        gather_context_logits=False,
+        gather_generation_logits=False,
+        strongly_typed=True,  # trtllm-build always passes True
+        weight_sparsity=args.weight_sparsity,
+        profiling_verbosity=args.profiling_verbosity,
+        enable_debug_output=args.enable_debug_output,
+        max_draft_len=args.max_draft_len,  # 0: tensorrt_llm/builder.py:build sets num_beams * draft_len_per_beam
+        speculative_decoding_mode=SpeculativeDecodingMode.from_arguments(args),
+        input_timing_cache=args.input_timing_cache,
+        output_timing_cache=args.output_timing_cache,
+        dry_run=args.dry_run,
+        visualize_network=args.visualize_network,
+        max_encoder_input_len=args.max_encoder_input_len,
+        weight_streaming=args.weight_streaming,
+        monitor_memory=args.monitor_memory,
+        plugin_config=plugin_config,
+    )
+    return build_config, args
+
+
+def _build_rank(rank: int, gpu_id: int, argv: list[str], log_level: str = "info") -> int:
+    """Build and save the engine of one TP rank (a top-level function so a spawned process pool can run it).
+
+    Follows tensorrt_llm/commands/build.py `build_and_save` + `build_model`: set the GPU, load the checkpoint
+    config (`PretrainedConfig.from_json_file`), copy it and `set_rank(rank)`, `MODEL_MAP[architecture]
+    .from_checkpoint(ckpt_dir, config=rank_config)` (reads rank{r}.safetensors), `tensorrt_llm.builder.build`,
+    `Engine.save(output_dir)` (rank 0 also writes config.json).
+    """
+    import torch
+
+    tensorrt_llm = require_trtllm()
+    from tensorrt_llm.logger import logger as trt_logger
+    from tensorrt_llm.models import MODEL_MAP, PretrainedConfig
+
+    torch.cuda.set_device(gpu_id)
+    trt_logger.set_level(log_level)
+    build_config, args = _trtllm_build_config(argv)
+    model_config = PretrainedConfig.from_json_file(os.path.join(args.checkpoint_dir, "config.json"))
+    architecture = model_config.architecture
+    if architecture not in MODEL_MAP:
+        raise UserError(f"TensorRT-LLM {tensorrt_llm.__version__} has no model class for architecture "
+                        f"{architecture!r}; re-convert the checkpoint with the default --trtllm-format 1.x "
+                        f"(architecture ReDrafterForLLaMALM).")
+    rank_config = copy.deepcopy(model_config)
+    rank_config.set_rank(rank)
+    model = MODEL_MAP[architecture].from_checkpoint(args.checkpoint_dir, config=rank_config)
+    build_config.use_refit = False  # as build_model does with trtllm-build's default kwargs
+    engine = tensorrt_llm.builder.build(model, build_config)  # build() deep-copies build_config itself
+    if engine is None:
+        raise RuntimeError(f"TensorRT-LLM failed to build the engine of rank {rank}; see its log above.")
+    engine.save(args.output_dir)
+    return rank
+
+
+def _gpu_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:  # noqa: BLE001 - no usable CUDA: the build itself will say so
+        return 0
+
+
+def build_trtllm_engine(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, build: BuildConfig,
+                        tp: int | None, tokenizer_dir: str | os.PathLike | None = None, force: bool = False,
+                        workers: int = 1) -> Path:
+    """Build a TensorRT-LLM ReDrafter engine dir from a checkpoint, as the equivalent `trtllm-build` would.
+
+    Ranks are built one after another, or in a spawned process pool of `workers` (capped at the number of
+    GPUs, rank r on GPU r % workers), like trtllm-build's `parallel_build` without MPI.
+    """
+    from .torch_build import TOKENIZER_FILES, check_checkpoint, copy_tokenizer
+
+    ckpt_dir, out_dir = Path(ckpt_dir).absolute(), Path(out_dir).absolute()
+    info = check_checkpoint(ckpt_dir, tp)
+    if build.dtype and build.dtype != info.model.dtype:
+        raise UserError(f"the trtllm backend builds in the checkpoint's dtype ({info.model.dtype}) but "
+                        f"--dtype {build.dtype} was asked; re-run convert with --dtype {build.dtype} or drop --dtype.")
+    if tokenizer_dir is not None and not any((Path(tokenizer_dir) / f).is_file() for f in TOKENIZER_FILES):
+        raise UserError(f"--tokenizer {tokenizer_dir} holds no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}).")
+    tensorrt_llm = require_trtllm()
+    n_workers = max(1, min(workers, _gpu_count() or 1))
+    log_level = os.environ.get("TRT_REDRAFTER_TRTLLM_LOG", "info")
+
+    with atomic_output_dir(out_dir, force, what="engine") as tmp:
+        argv = trtllm_build_argv(ckpt_dir, tmp, build, info)
+        logger.info("building TensorRT-LLM %s engines (tp=%d): trtllm-build %s", tensorrt_llm.__version__,
+                    info.tp_size, " ".join(trtllm_build_argv(ckpt_dir, out_dir, build, info)))
+        t0 = time.time()
+        if n_workers == 1:
+            for r in range(info.tp_size):
+                _build_rank(r, r % n_workers, argv, log_level)
+        else:
+            from concurrent.futures import ProcessPoolExecutor
+            from multiprocessing import get_context
+
+            with ProcessPoolExecutor(max_workers=n_workers, mp_context=get_context("spawn")) as pool:
+                futures = [pool.submit(_build_rank, r, r % n_workers, argv, log_level) for r in range(info.tp_size)]
+                errors = [f.exception() for f in futures]
+            failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+            if failed:
+                r, e = failed[0]
+                if isinstance(e, UserError):
+                    raise e
+                raise RuntimeError(f"TensorRT-LLM engine build failed for rank(s) {[r for r, _ in failed]}: {e}") from e
+        missing = [f"rank{r}.engine" for r in range(info.tp_size) if not (tmp / f"rank{r}.engine").is_file()]
+        if missing or not (tmp / "config.json").is_file():
+            raise RuntimeError(f"TensorRT-LLM finished without writing {', '.join(missing) or 'config.json'}.")
+        write_json(tmp / MARKER_FILE, {
+            "backend": "trtllm",
+            "tensorrt_llm_version": str(tensorrt_llm.__version__),
+            "trtllm_build_argv": trtllm_build_argv(ckpt_dir, out_dir, build, info),
+            "build": build.to_dict(),
+        })
+        if tokenizer_dir is not None:
+            copy_tokenizer(Path(tokenizer_dir), tmp / "tokenizer")
+    logger.info("built TensorRT-LLM engine %s (tp=%d, %s) in %.0f s", out_dir, info.tp_size, info.model.dtype,
+                time.time() - t0)
+    return out_dir
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Run
+# ---------------------------------------------------------------------------------------------------------------
+_TRTLLM_NOTE = ("TensorRT-LLM's ModelRunnerCpp does not report per-request steps, acceptance or first-token time; "
+                "ms_per_token is batch wall time / this request's output tokens, not TPOT")
+
+
+def _warn_ignored(args: argparse.Namespace, params: SamplingConfig, greedy_engine: bool) -> None:
+    if params.top_k:
+        logger.warning("--top-k %d is ignored: TensorRT-LLM ReDrafter engines apply no top-k", params.top_k)
+    if params.top_p < 1.0:
+        logger.warning("--top-p %g is ignored: TensorRT-LLM ReDrafter engines apply no top-p", params.top_p)
+    if params.temperature > 0 and greedy_engine:
+        logger.warning("--temperature %g is ignored: this engine was built with redrafter_greedy_search=true "
+                       "(re-convert with --no-greedy for sampling)", params.temperature)
+    if params.temperature == 0 and not greedy_engine:
+        logger.warning("this engine was built with redrafter_greedy_search=false and always samples; "
+                       "temperature 0 is not greedy there (TensorRT-LLM's default temperature 1.0 is used)")
+    if params.acceptance:
+        logger.warning("--acceptance %s is ignored: TensorRT-LLM engines use their own rule (the torch backend's "
+                       "'apple')", params.acceptance)
+
+
+def run_trtllm(args: argparse.Namespace, ecfg) -> int:
+    """`trt-redrafter run` on a TensorRT-LLM engine: ModelRunnerCpp (C++ Executor), one process per TP rank.
+
+    Follows examples/run.py of TensorRT-LLM (the ModelRunnerCpp path) and tensorrt_llm/runtime/model_runner_cpp.py.
+    """
+    from ..commands.run import _load_tokenizer, _parse_ids, mpirun_command
+    from ..runtime.distributed import in_mpi_world
+
+    if getattr(args, "mode", "redrafter") == "ar":
+        raise UserError(f"{args.engine} is a TensorRT-LLM ReDrafter engine, which always decodes speculatively, so "
+                        f"--mode ar cannot run on it; for auto-regressive numbers build a plain Llama engine "
+                        f"(TensorRT-LLM's examples/models/core/llama/convert_checkpoint.py, then trtllm-build without "
+                        f"--speculative_decoding_mode) or build this checkpoint with --backend torch, which runs both modes.")
+    tp = ecfg.tp_size
+    if tp > 1 and not in_mpi_world():
+        return subprocess.call(mpirun_command(tp, args.argv))
+
+    params = SamplingConfig.from_sources(None, args)
+    greedy_engine = ecfg.checkpoint.redrafter.greedy_search
+    _warn_ignored(args, params, greedy_engine)
+    tokenizer = _load_tokenizer(args)
+    if args.prompt is not None:
+        if tokenizer is None:
+            raise UserError(f"--prompt needs a tokenizer but {args.engine} has none; pass --tokenizer DIR or use --prompt-ids.")
+        prompts = [tokenizer.encode(t) for t in args.prompt]
+    else:
+        prompts = _parse_ids(args.prompt_ids)
+    if args.ignore_eos:
+        end_id = -1  # no stop token; output_ids are padded with it and cut by sequence_lengths
+    else:
+        end_id = args.end_id if args.end_id is not None else (tokenizer.eos_token_id if tokenizer else None)
+        end_id = -1 if end_id is None else int(end_id)
+    pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else max(end_id, 0)
+
+    tensorrt_llm = require_trtllm()
+    import torch
+    from tensorrt_llm.runtime import ModelRunnerCpp
+
+    rank = tensorrt_llm.mpi_rank()
+    runner = ModelRunnerCpp.from_dir(engine_dir=str(args.engine), rank=rank)
+    sampling = {"random_seed": params.seed}
+    if params.temperature > 0 and not greedy_engine:
+        sampling["temperature"] = params.temperature
+    results = []
+    for i in range(0, len(prompts), runner.max_batch_size):
+        chunk = prompts[i:i + runner.max_batch_size]
+        batch = [torch.tensor(p, dtype=torch.int32) for p in chunk]
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = runner.generate(batch, max_new_tokens=params.max_tokens, end_id=end_id, pad_id=pad_id,
+                                  streaming=False, return_dict=True, output_sequence_lengths=True, **sampling)
+        wall_ms = (time.perf_counter() - t0) * 1e3
+        if not out:  # non-leader ranks: the Executor's leader (rank 0) owns requests and results
+            continue
+        torch.cuda.synchronize()
+        ids, lengths = out["output_ids"].cpu(), out["sequence_lengths"].cpu()
+        for b, prompt in enumerate(chunk):
+            # output_ids[b][0] = prompt + generated tokens, padded; sequence_lengths[b][0] is where it ends
+            # (the slicing examples/run.py uses in print_output)
+            gen = ids[b, 0, len(prompt):int(lengths[b, 0])].tolist()
+            if end_id >= 0 and end_id in gen:
+                gen = gen[:gen.index(end_id) + 1]
+            stopped = end_id >= 0 and (len(gen) < params.max_tokens or gen[-1:] == [end_id])
+            reason = "stop" if stopped else "length"
+            if stopped and gen[-1:] != [end_id]:
+                # the torch backend keeps the stop token in output_ids; whether TensorRT-LLM's output includes it
+                # is not verified, so make both read the same
+                gen.append(end_id)
+            results.append((gen, reason, wall_ms / max(len(gen), 1)))
+
+    for gen, reason, ms in results:
+        text = tokenizer.decode(gen, skip_special_tokens=True) if tokenizer else None
+        if args.json:
+            rank0_print(json.dumps({"output_ids": gen, "text": text, "finish_reason": reason, "steps": None,
+                                    "tokens_per_step": None, "accepted_draft_tokens": None, "draft_tokens": None,
+                                    "ttft_ms": None, "ms_per_token": ms, "backend": "trtllm", "note": _TRTLLM_NOTE}),
+                        rank=rank)
+        else:
+            rank0_print(text if text is not None else " ".join(map(str, gen)), rank=rank)
+    return 0
