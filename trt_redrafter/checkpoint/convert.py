@@ -46,18 +46,19 @@ class ConvertConfig(ConfigBase):
 
     SECTION: ClassVar[str] = "convert"
 
-    tp: int = _f(0, help="tensor-parallel size; 0 means the base checkpoint's TP (two-step form), else 1")
-    dtype: str = _f("", help="weight dtype (float16, bfloat16, float32); empty means the base checkpoint's dtype "
-                             "(two-step form), else float16")
+    tp: Optional[int] = _f(None, help="tensor-parallel size (default: the base checkpoint's TP in the two-step "
+                                      "form, else 1)")
+    dtype: Optional[str] = _f(None, help="weight dtype: float16, bfloat16 or float32 (default: the base "
+                                         "checkpoint's dtype in the two-step form, else float16)")
     trtllm_format: str = _f("1.x", help="1.x: ReDrafterForLLaMALM (TensorRT-LLM 1.0-1.2); legacy: "
                                         "ReDrafterForCausalLM (TensorRT-LLM 0.12-0.21)", choices=FORMATS)
     workers: int = _f(1, help="ranks converted in parallel")
 
     def validate(self) -> None:
         s = self.SECTION
-        if not isinstance(self.tp, int) or self.tp < 0:
+        if self.tp is not None and (not isinstance(self.tp, int) or self.tp < 1):
             raise UserError(f"{s}.tp (--tp): expected a positive integer, got {self.tp!r}.")
-        if self.dtype not in DTYPES + ("",):
+        if self.dtype is not None and self.dtype not in DTYPES:
             raise UserError(f"{s}.dtype (--dtype): expected one of {', '.join(DTYPES)}, got {self.dtype!r}.")
         if self.trtllm_format not in FORMATS:
             raise UserError(f"{s}.trtllm_format (--trtllm-format): expected one of {', '.join(FORMATS)}, "
