@@ -76,3 +76,17 @@ def test_sample_frequencies():
     draws = sample(p.expand(N, 4), g)
     counts = torch.bincount(draws, minlength=4).double()
     assert chisquare(counts.numpy(), (p.double() * N).numpy()).pvalue > 1e-3
+
+
+def test_top_k_then_top_p_fast_path_and_ties_match_hf():
+    # every nucleus row also has top-k, so only the top k_max get sorted; row 2 has ties at its k-th logit,
+    # which keep more than k tokens (HF keeps ties), forcing the full-sort path
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 64, generator=g)
+    logits[2, :10] = 4.0
+    settings = [(1.0, 5, 0.9), (0.8, 12, 0.7), (1.0, 3, 0.95)]
+    t, k, p = (torch.tensor([s[n] for s in settings]) for n in range(3))
+    for rows in ([0, 1], [0, 1, 2]):
+        probs = process_logits(logits[rows], t[rows], k[rows], p[rows])
+        for n, r in enumerate(rows):
+            torch.testing.assert_close(probs[n], hf_probs(logits[r], *settings[r]), rtol=1e-5, atol=1e-7)

@@ -105,7 +105,7 @@ def beam_search(drafter: DrafterProtocol, embed: Callable[[torch.Tensor], torch.
 
         beams[:, :, :t + 1] = beams[rows, parent, :t + 1]
         beams[:, :, t + 1] = token
-        state = state.view(bs, nb, -1)[rows, parent].reshape(bs * nb, -1)
+        state = state.reshape(bs, nb, -1)[rows, parent].reshape(bs * nb, -1)
         log_probs[:, :, :t] = log_probs[rows, parent, :t]
         log_probs[:, :, t] = step_logp[rows, parent]
 

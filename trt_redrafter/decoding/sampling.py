@@ -32,20 +32,30 @@ def process_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     temp = torch.where(greedy, 1.0, temperature.float()).to(scores.device)  # [N]
     scores = scores / temp[:, None]
 
-    if bool((top_k > 0).any()):
-        k = torch.where(top_k > 0, top_k.clamp(max=V), V).to(device=scores.device, dtype=torch.long)  # [N]
-        sorted_desc = scores.sort(dim=-1, descending=True).values  # [N, V]
-        kth = sorted_desc.gather(1, (k - 1)[:, None])  # [N, 1]
+    k_on = (top_k > 0).to(scores.device)  # [N]
+    k_max = min(int(top_k.max()), V) if bool(k_on.any()) else V
+    if bool(k_on.any()):
+        # One topk of the largest k instead of a full sort of V.
+        k = top_k.to(device=scores.device, dtype=torch.long).clamp(1, k_max)  # [N]
+        kth = scores.topk(k_max, dim=-1).values.gather(1, (k - 1)[:, None])  # [N, 1]
+        kth = torch.where(k_on[:, None], kth, float("-inf"))
         scores = scores.masked_fill(scores < kth, float("-inf"))
 
-    nucleus = top_p < 1.0  # [N]
+    nucleus = (top_p < 1.0).to(scores.device)  # [N]
     if bool(nucleus.any()):
-        sorted_asc, order = scores.sort(dim=-1)  # [N, V]
-        cum = sorted_asc.softmax(dim=-1).cumsum(dim=-1)  # [N, V]
+        # Rows already cut to at most k_max tokens only need their top k_max sorted (ties at the k-th logit can
+        # keep more than k, hence the count check).
+        short = k_max < V and bool(((scores > float("-inf")).sum(dim=-1) <= k_max).all())
+        if short:
+            top_vals, top_idx = scores.topk(k_max, dim=-1)  # [N, k_max] descending
+            sorted_asc, order = top_vals.flip(-1), top_idx.flip(-1)
+        else:
+            sorted_asc, order = scores.sort(dim=-1)  # [N, V]
+        cum = sorted_asc.softmax(dim=-1).cumsum(dim=-1)  # [N, k_max or V]
         drop_sorted = cum <= (1.0 - top_p.float().to(scores.device))[:, None]
         drop_sorted[:, -1] = False  # the most likely token always stays
-        drop_sorted &= nucleus.to(scores.device)[:, None]
-        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        drop_sorted &= nucleus[:, None]
+        drop = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter(1, order, drop_sorted)
         scores = scores.masked_fill(drop, float("-inf"))
 
     probs = scores.softmax(dim=-1)  # [N, V]
