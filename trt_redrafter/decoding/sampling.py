@@ -69,7 +69,7 @@ def sample(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tens
     """One token per row of probs [N, V] (rows need not be normalized), row n drawn with generators[n] -> [N].
 
     Uses `torch.multinomial`, the call HF `generate` samples with, so a request seeded like HF's global generator
-    draws the same token from the same probabilities.
+    draws the same token from the same probabilities. Each generator must live on probs' device.
     """
     assert probs.dim() == 2 and len(generators) == probs.shape[0], \
         f"probs must be [N, V] with N={len(generators)} generators, got shape {tuple(probs.shape)}"
