@@ -68,10 +68,10 @@ def test_kv_rewind_matches_recomputation(tiny):
         engine.step([s])
     assert s.stats.accepted_draft_tokens > 0
     s.mode, s.draft = "ar", None
+    history = tiny["prompts"][0] + s.output  # the continued step feeds output[-1] at position len(history) - 1
     _, logits_cont = _last_logits(engine, s)
 
     fresh = load_engine(tiny["engine_dir"])
-    history = tiny["prompts"][0] + s.output  # the continued step feeds output[-1] at position len(history) - 1
     f = fresh.new_sequence(history, greedy(4))
     _, logits_ref = _last_logits(fresh, f)
     torch.testing.assert_close(logits_cont, logits_ref, rtol=1e-4, atol=1e-4)
