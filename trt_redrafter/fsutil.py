@@ -32,6 +32,7 @@ def atomic_output_dir(target: str | os.PathLike, force: bool = False, what: str 
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=parent))
     try:
         yield tmp
+        _publishable(tmp)
         if target.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=parent))
             os.replace(target, old / "x")
@@ -42,6 +43,16 @@ def atomic_output_dir(target: str | os.PathLike, force: bool = False, what: str 
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _publishable(root: Path) -> None:
+    """mkdtemp makes 0700 dirs (and some writers 0600 files); give the result the usual umask-based modes."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for dirpath, _, files in os.walk(root):
+        os.chmod(dirpath, 0o777 & ~umask)
+        for f in files:
+            os.chmod(os.path.join(dirpath, f), 0o666 & ~umask)
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> None:

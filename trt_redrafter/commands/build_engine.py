@@ -7,7 +7,8 @@ import tempfile
 from pathlib import Path
 
 from ..backends import BACKENDS, default_backend, trtllm_available
-from ..config import BuildConfig, load_recipe
+from ..checkpoint.convert import ConvertConfig, convert_checkpoint
+from ..config import BuildConfig, ReDrafterConfig, load_recipe
 from ..errors import UserError
 from ..log import get_logger
 
@@ -31,10 +32,10 @@ def register(sub) -> None:
     p.add_argument("--force", action="store_true", help="replace an existing output directory")
     BuildConfig.add_cli_args(p)
     g = p.add_argument_group("conversion (with --base-model)")
-    g.add_argument("--num-beams", type=int)
-    g.add_argument("--draft-len-per-beam", type=int)
-    g.add_argument("--no-greedy", action="store_true")
-    g.add_argument("--trtllm-format", choices=("1.x", "legacy"))
+    ReDrafterConfig.add_cli_args(g)
+    g.add_argument("--no-greedy", dest="greedy_search", action="store_false", default=None,
+                   help="alias of --no-greedy-search")
+    ConvertConfig.add_cli_args(g, only=("trtllm_format",))
     p.set_defaults(func=run)
 
 
@@ -66,9 +67,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _convert(args, recipe, ckpt: Path) -> None:
-    from ..commands.convert import convert_from_args
-
-    convert_from_args(args, recipe, base_model=args.base_model, drafter=args.drafter, output=ckpt, tp=args.tp or 1)
+    opts = ConvertConfig.from_sources(recipe, args)
+    convert_checkpoint(args.drafter, ckpt, opts, ReDrafterConfig.from_sources(recipe, args), base_model=args.base_model,
+                       recipe_model=(recipe or {}).get("model"), recipe_where=str(args.config or ""))
 
 
 def _build(backend: str, ckpt: Path, out: Path, build: BuildConfig, args, tokenizer) -> None:

@@ -1,0 +1,88 @@
+"""build-engine and run through the real CLI: the one-shot form, engine config shape, and refusals."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from trt_redrafter.cli import main as cli
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_pair, tmp_path_factory):
+    out = tmp_path_factory.mktemp("eng") / "engine"
+    rc = cli(["build-engine", "--config", "builders/tiny.yaml", "--base-model", str(tiny_pair / "base"),
+              "--drafter", str(tiny_pair / "drafter"), "--output", str(out), "--tp", "1"])
+    assert rc == 0
+    return out
+
+
+def test_one_shot_build_writes_a_trtllm_shaped_engine(engine):
+    cfg = json.loads((engine / "config.json").read_text())
+    assert set(cfg) == {"version", "pretrained_config", "build_config"}
+    pc, bc = cfg["pretrained_config"], cfg["build_config"]
+    assert pc["architecture"] == "ReDrafterForLLaMALM" and pc["redrafter_num_beams"] == 3
+    assert bc["backend"] == "torch" and bc["max_batch_size"] == 4 and bc["max_seq_len"] == 128
+    assert bc["max_draft_len"] == pc["redrafter_num_beams"] * pc["redrafter_draft_len_per_beam"]
+    assert bc["speculative_decoding_mode"] == "explicit_draft_tokens"
+    assert (engine / "rank0.safetensors").is_file() and (engine / "tokenizer" / "tokenizer.json").is_file()
+    assert not any(p.name.startswith(".") for p in engine.parent.iterdir())  # the temporary checkpoint is gone
+
+
+def test_run_json_reports_the_documented_fields(engine, capsys):
+    assert cli(["run", "--engine", str(engine), "--prompt", "def f(x):", "--max-tokens", "8", "--json",
+                "--ignore-eos"]) == 0
+    doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for key in ("output_ids", "text", "tokens_per_step", "accepted_draft_tokens", "steps", "ms_per_token"):
+        assert key in doc
+    assert len(doc["output_ids"]) == 8 and doc["steps"] == 7
+
+
+def _refused(argv, capsys, *needles):
+    rc = cli(argv)
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    for n in needles:
+        assert n in err, err
+    return err
+
+
+def test_build_refuses_tp_that_does_not_match_the_checkpoint(tiny_pair, tmp_path, capsys):
+    ckpt = tmp_path / "ckpt"
+    assert cli(["convert", "--base-model", str(tiny_pair / "base"), "--drafter", str(tiny_pair / "drafter"),
+                "--output", str(ckpt), "--tp", "2", "--dtype", "float32"]) == 0
+    _refused(["build-engine", "--checkpoint", str(ckpt), "--output", str(tmp_path / "e"), "--tp", "4"], capsys,
+             "--tp 4", "tp=2")
+    assert not (tmp_path / "e").exists()
+
+
+def test_build_refuses_missing_checkpoint_and_existing_output(engine, tmp_path, capsys):
+    _refused(["build-engine", "--checkpoint", str(tmp_path / "nope"), "--output", str(tmp_path / "e")], capsys,
+             "does not exist")
+    _refused(["build-engine", "--checkpoint", str(tmp_path / "nope"), "--output", str(engine)], capsys,
+             "already exists", "--force")
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--prompt-ids", ",".join(["5"] * 65)], "max_input_len"),
+    (["--prompt-ids", "5,6", "--max-tokens", "200"], "max_seq_len"),
+    (["--prompt-ids", "5,x"], "not a comma-separated list"),
+    (["--prompt-ids", "5,99999"], "outside the vocabulary"),
+    (["--prompt-ids", "5", "--temperature", "-1"], "temperature"),
+    (["--prompt-ids", "5", "--top-p", "0"], "top_p"),
+])
+def test_run_refuses_bad_requests(engine, capsys, argv, needle):
+    _refused(["run", "--engine", str(engine), *argv], capsys, needle)
+
+
+def test_run_refuses_a_checkpoint_dir_as_engine(tiny_pair, tmp_path, capsys):
+    _refused(["run", "--engine", str(tiny_pair / "base"), "--prompt-ids", "5"], capsys, "not an engine directory")
+
+
+def test_console_script_exit_status(engine):
+    proc = subprocess.run([sys.executable, "-m", "trt_redrafter", "run", "--engine", str(engine / "missing"),
+                           "--prompt-ids", "5"], capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr.strip().startswith("error:")
