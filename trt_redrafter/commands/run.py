@@ -87,11 +87,16 @@ def run(args: argparse.Namespace) -> int:
 
     from ..runtime.engine import Engine
     from ..runtime.generate import generate
+    from ..runtime.scheduler import follow
 
     dist = init_dist(tp, args.device)
     try:
         engine = Engine(args.engine, dist, drafter_semantics=args.drafter_semantics)
-        results = generate(engine, prompts, params, args.mode, stop)
+        if dist.is_driver:
+            results = generate(engine, prompts, params, args.mode, stop)
+        else:
+            follow(engine)
+            results = []
     finally:
         shutdown_dist()
     for r in results:

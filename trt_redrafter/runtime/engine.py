@@ -113,10 +113,15 @@ class Engine:
     def release(self, seq: Sequence) -> None:
         self.cache.free(seq.seq_id)
 
+    def restart(self, seq: Sequence) -> None:
+        """Forget `seq`'s KV state (after preemption); its next step recomputes prompt + output so far."""
+        self.cache.free(seq.seq_id)
+        seq.ctx_len, seq.pending, seq.draft = 0, None, None
+
     def tokens_needed(self, seq: Sequence) -> int:
         """KV positions `seq` needs for its next step."""
         if seq.in_prompt_phase:
-            return len(seq.prompt)
+            return len(seq.prompt) + len(seq.output)
         if seq.draft is not None:
             return seq.ctx_len + int(seq.draft.tokens.numel())
         return seq.ctx_len + 1
@@ -129,9 +134,9 @@ class Engine:
         spans, ids = [], []
         for s in seqs:
             self.cache.reserve(s.seq_id, self.tokens_needed(s))
-            if s.in_prompt_phase:
-                toks = torch.tensor(s.prompt)
-                spans.append(SpanSpec(s.seq_id, 0, torch.arange(len(s.prompt)), causal_mask(len(s.prompt))))
+            if s.in_prompt_phase:  # prompt (+ output, when resuming after preemption)
+                toks = torch.tensor(s.prompt + s.output)
+                spans.append(SpanSpec(s.seq_id, 0, torch.arange(len(toks)), causal_mask(len(toks))))
             elif s.draft is not None:
                 toks = s.draft.tokens
                 spans.append(SpanSpec(s.seq_id, s.ctx_len, s.ctx_len + s.draft.offsets, s.draft.mask))
@@ -162,8 +167,9 @@ class Engine:
                 s.stats.accepted_draft_tokens += n
                 s.stats.draft_tokens += self.redrafter.draft_len_per_beam
             elif s.in_prompt_phase:
-                emitted, h_row = [nxt], start + len(s.prompt) - 1
-                s.ctx_len = len(s.prompt)
+                n_ctx = len(s.prompt) + len(s.output)
+                emitted, h_row = [nxt], start + n_ctx - 1
+                s.ctx_len = n_ctx
             else:
                 emitted, h_row = [nxt], start
                 s.ctx_len += 1

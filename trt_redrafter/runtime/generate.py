@@ -1,13 +1,12 @@
-"""Offline generation: run a list of requests to completion, at most `max_batch_size` at a time (first come,
-first served; a finished request's slot and KV blocks go to the next waiting one between steps)."""
+"""Offline generation: run a list of requests to completion through the in-flight batching scheduler."""
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 
 from ..config import SamplingConfig
 from .engine import Engine
+from .scheduler import Request, Scheduler
 from .sequence import Sequence
 
 
@@ -34,18 +33,11 @@ class GenerationResult:
 
 def generate(engine: Engine, prompts: list[list[int]], params: SamplingConfig | list[SamplingConfig],
              mode: str = "redrafter", stop_ids: tuple[int, ...] = ()) -> list[GenerationResult]:
+    """Run requests to completion through the in-flight scheduler (driver rank; followers run `follow`)."""
     if isinstance(params, SamplingConfig):
         params = [params] * len(prompts)
-    waiting = deque(engine.new_sequence(p, sp, mode, stop_ids) for p, sp in zip(prompts, params))
-    order = [s.seq_id for s in waiting]
-    running: list[Sequence] = []
-    done: dict[int, Sequence] = {}
-    while waiting or running:
-        while waiting and len(running) < engine.build.max_batch_size:
-            running.append(waiting.popleft())
-        engine.step(running)
-        for s in [s for s in running if s.finished]:
-            engine.release(s)
-            done[s.seq_id] = s
-        running = [s for s in running if not s.finished]
-    return [GenerationResult.of(done[i]) for i in order]
+    sched = Scheduler(engine)
+    reqs = [sched.submit(Request(str(i), p, sp, mode, stop_ids)) for i, (p, sp) in enumerate(zip(prompts, params))]
+    sched.run_until_idle()
+    engine.dist.broadcast_object(None)  # release the follower ranks
+    return [GenerationResult.of(r.seq) for r in reqs]

@@ -1,0 +1,270 @@
+"""In-flight batching: a request queue in front of the engine; new requests join running ones between steps.
+
+Policy (first come, first served, no starvation):
+  * Between steps, cancelled requests are finished and their KV blocks freed, then waiting requests are
+    admitted in arrival order while the batch stays within `max_batch_size`, the step within `max_num_tokens`
+    and the KV cache has the blocks their prompt needs. A request that does not fit blocks the ones behind it,
+    so a long prompt is never overtaken indefinitely.
+  * A step mixes the prompt processing of newly admitted requests with ReDrafter (or AR) steps of running ones.
+  * If the KV cache runs out while running requests grow, the most recently admitted one is preempted: its
+    blocks are freed and it re-queues at the front, to resume by recomputing its prompt + output (vLLM's
+    recompute preemption). Tokens already streamed are never taken back.
+
+With TP > 1 the scheduler runs on rank 0 and broadcasts each step's plan; `follow` runs the same steps on the
+other ranks. The scheduler knows nothing about text or Triton: token ids in, callbacks out.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from ..config import SamplingConfig
+from ..errors import UserError
+from ..log import get_logger
+from .engine import Engine
+from .kv_cache import KVCacheFull
+from .sequence import Sequence
+
+logger = get_logger(__name__)
+
+OnTokens = Callable[["Request", list[int], bool], None]  # (request, new tokens, finished)
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: list[int]
+    params: SamplingConfig
+    mode: str = "redrafter"
+    stop_ids: tuple[int, ...] = ()
+    on_tokens: Optional[OnTokens] = None
+    seq: Optional[Sequence] = None  # set on submission
+    done: threading.Event = field(default_factory=threading.Event)
+    cancelled: bool = False
+
+
+@dataclass
+class SchedulerMetrics:
+    waiting: int
+    running: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    steps: int
+    finished: int
+    accepted_draft_tokens: int
+    generation_steps: int
+
+    @property
+    def mean_tokens_per_step(self) -> float:
+        """Acceptance length: tokens a generation step emits on average (accepted drafts + 1)."""
+        return 1.0 + self.accepted_draft_tokens / self.generation_steps if self.generation_steps else 0.0
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, max_num_tokens: int | None = None):
+        self.engine = engine
+        self.max_batch_size = engine.build.max_batch_size
+        self.max_num_tokens = max_num_tokens or engine.build.resolved_max_num_tokens(engine.redrafter)
+        self._lock = threading.Condition()
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []
+        self._by_id: dict[str, Request] = {}
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._steps = self._finished = self._accepted = self._gen_steps = 0
+
+    # ---- client side (any thread) ----------------------------------------------------------------------
+    def submit(self, req: Request) -> Request:
+        """Validate and queue a request; raises UserError for a request the engine cannot serve."""
+        req.seq = self.engine.new_sequence(req.prompt, req.params, req.mode, req.stop_ids)
+        worst = len(req.prompt) + req.params.max_tokens + self.engine.redrafter.max_tree_tokens
+        if not self.engine.cache.can_fit(worst):
+            raise UserError(f"a {len(req.prompt)}-token prompt with max_tokens={req.params.max_tokens} needs more KV "
+                            f"cache than the engine has ({self.engine.cache.num_blocks} blocks of "
+                            f"{self.engine.cache.block_size}); ask for fewer tokens or give the engine more KV memory.")
+        with self._lock:
+            if req.request_id in self._by_id:
+                raise ValueError(f"request id {req.request_id!r} is already in flight")
+            self._by_id[req.request_id] = req
+            self._waiting.append(req)
+            self._lock.notify_all()
+        return req
+
+    def cancel(self, request_id: str) -> bool:
+        """Mark a request cancelled; its KV blocks are freed before the next step. False if unknown/finished."""
+        with self._lock:
+            req = self._by_id.get(request_id)
+            if req is None:
+                return False
+            req.cancelled = True
+            self._lock.notify_all()
+            return True
+
+    def cancel_all(self) -> None:
+        with self._lock:
+            for req in self._by_id.values():
+                req.cancelled = True
+            self._lock.notify_all()
+
+    def metrics(self) -> SchedulerMetrics:
+        c = self.engine.cache
+        with self._lock:
+            return SchedulerMetrics(len(self._waiting), len(self._running), c.used_blocks, c.num_blocks, self._steps,
+                                    self._finished, self._accepted, self._gen_steps)
+
+    # ---- the loop (one thread) ---------------------------------------------------------------------------
+    def start(self) -> "Scheduler":
+        self._thread = threading.Thread(target=self.run_forever, name="trt-redrafter-scheduler", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._lock:
+            self._stop = True
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def run_forever(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stop and not self._waiting and not self._running and not self._any_cancelled():
+                    self._lock.wait(timeout=1.0)
+                if self._stop:
+                    break
+            self.step_once()
+        self.engine.dist.broadcast_object(None)  # tell followers to exit
+
+    def run_until_idle(self) -> None:
+        """Step until nothing is waiting or running (offline use and tests)."""
+        while True:
+            with self._lock:
+                if not self._waiting and not self._running:
+                    return
+            self.step_once()
+
+    def step_once(self) -> None:
+        with self._lock:
+            self._reap_cancelled()
+            self._admit()
+            batch = [r for r in self._running]
+        if not batch:
+            assert not self._waiting, "a waiting request cannot be admitted into an empty batch"
+            return
+        seqs = self._reserve(batch)
+        plan = [(s.seq_id, s.prompt, s.output, s.sampling, s.mode, tuple(s.stop_ids)) for s in seqs]
+        self.engine.dist.broadcast_object(("step", plan))
+        events = self.engine.step(seqs)
+        self._steps += 1
+        for req, ev in zip([self._req_of(s) for s in seqs], events):
+            if req.on_tokens is not None:
+                req.on_tokens(req, ev.new_tokens, ev.finished)
+            if ev.finished:
+                self._retire(req)
+
+    # ---- internals (scheduler thread) --------------------------------------------------------------------
+    def _req_of(self, seq: Sequence) -> Request:
+        return next(r for r in self._running if r.seq is seq)
+
+    def _any_cancelled(self) -> bool:
+        return any(r.cancelled for r in self._by_id.values())
+
+    def _reap_cancelled(self) -> None:
+        for req in [r for r in self._waiting if r.cancelled]:
+            self._waiting.remove(req)
+            self._finish_cancelled(req)
+        for req in [r for r in self._running if r.cancelled]:
+            self._running.remove(req)
+            self.engine.release(req.seq)
+            self._finish_cancelled(req)
+
+    def _finish_cancelled(self, req: Request) -> None:
+        req.seq.finish("cancelled")
+        self._by_id.pop(req.request_id, None)
+        self.engine.dist.broadcast_object(("free", req.seq.seq_id))
+        if req.on_tokens is not None:
+            req.on_tokens(req, [], True)
+        req.done.set()
+
+    def _step_tokens(self, seq: Sequence) -> int:
+        return self.engine.tokens_needed(seq) - seq.ctx_len
+
+    def _admit(self) -> None:
+        budget = self.max_num_tokens - sum(self._step_tokens(r.seq) for r in self._running)
+        cache = self.engine.cache
+        free = cache.free_blocks
+        while self._waiting and len(self._running) < self.max_batch_size:
+            req = self._waiting[0]
+            need_tokens = self._step_tokens(req.seq)
+            # the prompt, plus room for one draft tree so the request can take its first generation step
+            need_blocks = cache.blocks_needed(req.seq.seq_id, self.engine.tokens_needed(req.seq)
+                                              + self.engine.redrafter.max_tree_tokens)
+            if need_tokens > budget or need_blocks > free:
+                break
+            self._waiting.popleft()
+            self._running.append(req)
+            budget -= need_tokens
+            free -= need_blocks
+
+    def _reserve(self, batch: list[Request]) -> list[Sequence]:
+        """Reserve KV for every running request's next step, preempting the newest ones if the cache is full."""
+        while True:
+            try:
+                for req in self._running:
+                    self.engine.cache.reserve(req.seq.seq_id, self.engine.tokens_needed(req.seq))
+                return [r.seq for r in self._running]
+            except KVCacheFull:
+                if len(self._running) == 1:
+                    raise
+                self._preempt(self._running[-1])
+
+    def _preempt(self, req: Request) -> None:
+        with self._lock:
+            self._running.remove(req)
+            self._waiting.appendleft(req)
+        self.engine.release(req.seq)
+        self.engine.dist.broadcast_object(("free", req.seq.seq_id))
+        self.engine.restart(req.seq)
+        logger.info("preempted request %s (KV cache full); it will resume by recomputation", req.request_id)
+
+    def _retire(self, req: Request) -> None:
+        st = req.seq.stats
+        with self._lock:
+            self._running.remove(req)
+            self._by_id.pop(req.request_id, None)
+            self._finished += 1
+            self._accepted += st.accepted_draft_tokens
+            self._gen_steps += st.steps
+        self.engine.release(req.seq)
+        req.done.set()
+
+
+def follow(engine: Engine) -> None:
+    """Non-driver ranks: mirror rank 0's scheduler, one broadcast plan at a time, until it says stop."""
+    seqs: dict[int, Sequence] = {}
+    while True:
+        msg = engine.dist.broadcast_object(None)
+        if msg is None:
+            return
+        kind, body = msg
+        if kind == "free":
+            s = seqs.pop(body, None)
+            if s is not None:
+                engine.release(s)
+            continue
+        batch = []
+        for seq_id, prompt, output, params, mode, stop_ids in body:
+            s = seqs.get(seq_id)
+            if s is None:  # newly admitted, or re-admitted after preemption (then it resumes from its output)
+                s = engine.new_sequence(prompt, params, mode, stop_ids, seq_id=seq_id)
+                s.output = list(output)
+                seqs[seq_id] = s
+            engine.cache.reserve(seq_id, engine.tokens_needed(s))
+            batch.append(s)
+        for ev in engine.step(batch):
+            if ev.finished:
+                engine.release(seqs.pop(ev.seq_id))
