@@ -114,6 +114,24 @@ def init_dist(tp_size: int, device: str = "auto") -> Dist:
     return Dist(rank, world, dev)
 
 
+def init_dist_tcp(rank: int, world_size: int, port: int, device: str = "auto",
+                  addr: str = "127.0.0.1") -> Dist:
+    """Join a TP group whose rendezvous address is known (serving: the Triton model instance is rank 0 and the
+    follower ranks it launches with mpirun are ranks 1..tp-1)."""
+    dev = _pick_device(device, rank)
+    if world_size == 1:
+        return Dist(0, 1, dev)
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    tdist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world_size,
+                             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    return Dist(rank, world_size, dev)
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago, for a TP rendezvous."""
+    return _free_port()
+
+
 def _pick_device(device: str, rank: int) -> torch.device:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -88,7 +88,8 @@ class Engine:
 
     # ---- requests --------------------------------------------------------------------------------------------
     def new_sequence(self, prompt: list[int], params: SamplingConfig, mode: str = "redrafter",
-                     stop_ids: tuple[int, ...] = (), seq_id: int | None = None) -> Sequence:
+                     stop_ids: tuple[int, ...] = (), seq_id: int | None = None,
+                     stop_sequences: tuple[tuple[int, ...], ...] = ()) -> Sequence:
         """Validate a request against the engine's limits and make its state."""
         if mode not in ("redrafter", "ar"):
             raise UserError(f"mode must be 'redrafter' or 'ar', got {mode!r}.")
@@ -108,7 +109,8 @@ class Engine:
         gen = torch.Generator(device="cpu")
         gen.manual_seed(params.seed)
         sid = next(self._ids) if seq_id is None else seq_id
-        return Sequence(sid, list(prompt), params, mode, frozenset(stop_ids), self.build.max_seq_len, gen)
+        return Sequence(sid, list(prompt), params, mode, frozenset(stop_ids), self.build.max_seq_len, gen,
+                        stop_sequences=tuple(tuple(q) for q in stop_sequences if q))
 
     def release(self, seq: Sequence) -> None:
         self.cache.free(seq.seq_id)

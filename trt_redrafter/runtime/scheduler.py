@@ -41,6 +41,7 @@ class Request:
     params: SamplingConfig
     mode: str = "redrafter"
     stop_ids: tuple[int, ...] = ()
+    stop_sequences: tuple[tuple[int, ...], ...] = ()
     on_tokens: Optional[OnTokens] = None
     seq: Optional[Sequence] = None  # set on submission
     done: threading.Event = field(default_factory=threading.Event)
@@ -80,7 +81,8 @@ class Scheduler:
     # ---- client side (any thread) ----------------------------------------------------------------------
     def submit(self, req: Request) -> Request:
         """Validate and queue a request; raises UserError for a request the engine cannot serve."""
-        req.seq = self.engine.new_sequence(req.prompt, req.params, req.mode, req.stop_ids)
+        req.seq = self.engine.new_sequence(req.prompt, req.params, req.mode, req.stop_ids,
+                                           stop_sequences=req.stop_sequences)
         worst = len(req.prompt) + req.params.max_tokens + self.engine.redrafter.max_tree_tokens
         if not self.engine.cache.can_fit(worst):
             raise UserError(f"a {len(req.prompt)}-token prompt with max_tokens={req.params.max_tokens} needs more KV "
@@ -156,7 +158,7 @@ class Scheduler:
             assert not self._waiting, "a waiting request cannot be admitted into an empty batch"
             return
         seqs = self._reserve(batch)
-        plan = [(s.seq_id, s.prompt, s.output, s.sampling, s.mode, tuple(s.stop_ids)) for s in seqs]
+        plan = [(s.seq_id, s.prompt, s.output, s.sampling, s.mode, tuple(s.stop_ids), s.stop_sequences) for s in seqs]
         self.engine.dist.broadcast_object(("step", plan))
         events = self.engine.step(seqs)
         self._steps += 1
@@ -257,10 +259,10 @@ def follow(engine: Engine) -> None:
                 engine.release(s)
             continue
         batch = []
-        for seq_id, prompt, output, params, mode, stop_ids in body:
+        for seq_id, prompt, output, params, mode, stop_ids, stop_sequences in body:
             s = seqs.get(seq_id)
             if s is None:  # newly admitted, or re-admitted after preemption (then it resumes from its output)
-                s = engine.new_sequence(prompt, params, mode, stop_ids, seq_id=seq_id)
+                s = engine.new_sequence(prompt, params, mode, stop_ids, seq_id=seq_id, stop_sequences=stop_sequences)
                 s.output = list(output)
                 seqs[seq_id] = s
             engine.cache.reserve(seq_id, engine.tokens_needed(s))

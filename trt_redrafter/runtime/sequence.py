@@ -51,6 +51,7 @@ class Sequence:
     stop_ids: frozenset[int]
     max_len: int  # prompt + output limit (engine max_seq_len)
     generator: torch.Generator
+    stop_sequences: tuple[tuple[int, ...], ...] = ()  # multi-token stop words (TensorRT-LLM `stop_words`)
     output: list[int] = field(default_factory=list)
     ctx_len: int = 0  # committed KV entries
     pending: Optional[int] = None  # the true token: emitted, not yet in the KV cache (root of the next tree)
@@ -71,7 +72,8 @@ class Sequence:
                 break
             self.output.append(t)
             out.append(t)
-            if t in self.stop_ids:
+            if t in self.stop_ids or any(len(q) <= len(self.output) and tuple(self.output[-len(q):]) == q
+                                         for q in self.stop_sequences):
                 self.finish("stop")
             elif len(self.output) >= self.sampling.max_tokens or len(self.prompt) + len(self.output) >= self.max_len:
                 self.finish("length")
