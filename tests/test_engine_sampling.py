@@ -1,0 +1,116 @@
+"""`exact` acceptance inside the engine samples from the AR distribution (chi-square over many seeds), and a
+deliberately biased acceptance rule fails the same test.
+
+The target is a tiny model with top-k 3 sampling, so the first two tokens have at most 9 outcomes whose exact AR
+probabilities come from Hugging Face forward passes. A test drafter proposes the target's two most likely next
+tokens as the tree's first level (so verification both hits and misses), with random deeper tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from engine_utils import _hf_model, build_tiny_engines, load_engine
+from trt_redrafter.config import SamplingConfig
+from trt_redrafter.decoding import acceptance, sampling, tree
+from trt_redrafter.runtime.generate import generate
+from trt_redrafter.runtime.sequence import Draft
+
+TOP_K, TEMPERATURE, N = 3, 1.0, 2400
+PROMPT = [17, 42, 99, 7]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    base, engines = build_tiny_engines(tmp_path_factory.mktemp("sampling"), seed=21, num_beams=3, draft_len=2,
+                                       max_batch_size=32, num_heads=4, num_kv_heads=2, rnn=True)
+    hf = _hf_model(str(base))
+
+    @functools.lru_cache(maxsize=None)
+    def cached(prefix: tuple[int, ...]) -> torch.Tensor:
+        with torch.no_grad():
+            logits = hf(torch.tensor([prefix])).logits[0, -1:].float()
+        one = torch.ones(1)
+        return sampling.process_logits(logits, one * TEMPERATURE, torch.tensor([TOP_K]), one)[0]
+
+    def probs(prefix: list[int]) -> torch.Tensor:
+        return cached(tuple(prefix))
+
+    p1 = probs(PROMPT)
+    joint = {}
+    for t1 in p1.nonzero().flatten().tolist():
+        p2 = probs(PROMPT + [t1])
+        for t2 in p2.nonzero().flatten().tolist():
+            joint[(t1, t2)] = float(p1[t1] * p2[t2])
+    return engines[1], probs, joint
+
+
+def _install_top2_drafter(engine, probs):
+    g = torch.Generator().manual_seed(0)
+    rd, V = engine.redrafter, engine.cfg.checkpoint.model.vocab_size
+
+    def draft(seqs, h):
+        rows = []
+        for s in seqs:
+            top2 = probs(s.prompt + s.output).topk(2).indices.tolist()
+            beams = torch.randint(3, V, (rd.num_beams, rd.beam_length), generator=g)
+            beams[:, 0] = s.pending
+            for b in range(rd.num_beams):
+                beams[b, 1] = top2[b % 2]
+            rows.append(beams)
+        beams = torch.stack(rows)
+        packed = tree.pack_beams(beams)
+        for i, s in enumerate(seqs):
+            n = int(packed.lengths[i])
+            s.draft = Draft(beams=beams[i], tokens=packed.tokens[i, :n], mask=packed.mask[i, :n, :n],
+                            offsets=packed.position_offsets[i, :n], unpacker=packed.unpacker[i])
+
+    engine._draft = draft
+
+
+def _pvalue(engine_dir, probs, joint):
+    engine = load_engine(engine_dir)
+    _install_top2_drafter(engine, probs)
+    params = [SamplingConfig(max_tokens=2, temperature=TEMPERATURE, top_k=TOP_K, seed=s, acceptance="exact")
+              for s in range(N)]
+    res = generate(engine, [PROMPT] * N, params, mode="redrafter")
+    counts = {k: 0 for k in joint}
+    for r in res:
+        key = tuple(r.output_ids)
+        assert key in counts, f"sampled {key}, which has probability 0 under top-k={TOP_K}"
+        counts[key] += 1
+    keys = sorted(joint)
+    accepted = sum(r.accepted_draft_tokens for r in res)
+    total = sum(joint.values())
+    expected = [joint[k] / total * N for k in keys]
+    return chisquare([counts[k] for k in keys], expected).pvalue, accepted
+
+
+def test_exact_acceptance_follows_the_ar_distribution(setup):
+    engine_dir, probs, joint = setup
+    p, accepted = _pvalue(engine_dir, probs, joint)
+    assert accepted > N // 4  # the tree's first level is taken often, so acceptance is really tested
+    assert p > 1e-3, p
+
+
+def test_a_biased_acceptance_rule_fails_the_same_test(setup, monkeypatch):
+    engine_dir, probs, joint = setup
+    exact = acceptance.accept_exact
+
+    def biased(beams, target_probs, generators):
+        """Always take beam 0's first draft when it is among the target's two most likely tokens."""
+        acc = exact(beams, target_probs, generators)
+        top2 = target_probs[:, 0, 0].topk(2).indices  # [bs, 2] distribution at the root
+        favoured = (top2 == beams[:, 0, 1:2]).any(-1)
+        acc.beam_index[favoured] = 0
+        acc.num_accepted[favoured] = 1
+        acc.next_token[favoured] = target_probs[favoured, 0, 1].argmax(-1)
+        return acc
+
+    monkeypatch.setattr(acceptance, "accept_exact", biased)
+    p, _ = _pvalue(engine_dir, probs, joint)
+    assert p < 1e-6, p
