@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from trt_redrafter.config import SamplingConfig
-from trt_redrafter.runtime.distributed import init_dist, mpi_world, shutdown_dist
+from trt_redrafter.runtime.distributed import init_dist, shutdown_dist
 from trt_redrafter.runtime.engine import Engine
 from trt_redrafter.runtime.engine_config import load_engine_config
 from trt_redrafter.runtime.generate import generate

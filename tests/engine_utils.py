@@ -9,10 +9,9 @@ import torch
 
 from trt_redrafter.cli import main as cli
 from trt_redrafter.config import SamplingConfig
-from trt_redrafter.decoding import tree
 from trt_redrafter.runtime.distributed import Dist
 from trt_redrafter.runtime.engine import Engine
-from trt_redrafter.runtime.sequence import Draft
+from trt_redrafter.runtime.sequence import attach_drafts
 
 
 def run_cli(*args) -> None:
@@ -103,11 +102,6 @@ def install_oracle_drafter(engine: Engine, continuations: dict[int, list[int]], 
                 d = int(torch.randint(1, rd.beam_length, (1,), generator=g))
                 beams[oracle, d] = (beams[oracle, d] + 1) % V
             rows.append(beams)
-        beams = torch.stack(rows)
-        packed = tree.pack_beams(beams)
-        for i, s in enumerate(seqs):
-            n = int(packed.lengths[i])
-            s.draft = Draft(beams=beams[i], tokens=packed.tokens[i, :n], mask=packed.mask[i, :n, :n],
-                            offsets=packed.position_offsets[i, :n], unpacker=packed.unpacker[i])
+        attach_drafts(seqs, torch.stack(rows))
 
     engine._draft = draft

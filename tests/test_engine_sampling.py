@@ -16,9 +16,9 @@ from scipy.stats import chisquare
 
 from engine_utils import _hf_model, build_tiny_engines, load_engine
 from trt_redrafter.config import SamplingConfig
-from trt_redrafter.decoding import acceptance, sampling, tree
+from trt_redrafter.decoding import acceptance, sampling
 from trt_redrafter.runtime.generate import generate
-from trt_redrafter.runtime.sequence import Draft
+from trt_redrafter.runtime.sequence import attach_drafts
 
 TOP_K, TEMPERATURE, N = 3, 1.0, 2400
 PROMPT = [17, 42, 99, 7]
@@ -62,12 +62,7 @@ def _install_top2_drafter(engine, probs):
             for b in range(rd.num_beams):
                 beams[b, 1] = top2[b % 2]
             rows.append(beams)
-        beams = torch.stack(rows)
-        packed = tree.pack_beams(beams)
-        for i, s in enumerate(seqs):
-            n = int(packed.lengths[i])
-            s.draft = Draft(beams=beams[i], tokens=packed.tokens[i, :n], mask=packed.mask[i, :n, :n],
-                            offsets=packed.position_offsets[i, :n], unpacker=packed.unpacker[i])
+        attach_drafts(seqs, torch.stack(rows))
 
     engine._draft = draft
 

@@ -288,7 +288,7 @@ def run_trtllm(args: argparse.Namespace, ecfg) -> int:
 
     Follows examples/run.py of TensorRT-LLM (the ModelRunnerCpp path) and tensorrt_llm/runtime/model_runner_cpp.py.
     """
-    from ..commands.run import _load_tokenizer, _parse_ids, mpirun_command
+    from ..commands.run import load_prompts, mpirun_command, resolve_end_id
     from ..runtime.distributed import in_mpi_world
 
     if getattr(args, "mode", "redrafter") == "ar":
@@ -303,18 +303,9 @@ def run_trtllm(args: argparse.Namespace, ecfg) -> int:
     params = SamplingConfig.from_sources(None, args)
     greedy_engine = ecfg.checkpoint.redrafter.greedy_search
     _warn_ignored(args, params, greedy_engine)
-    tokenizer = _load_tokenizer(args)
-    if args.prompt is not None:
-        if tokenizer is None:
-            raise UserError(f"--prompt needs a tokenizer but {args.engine} has none; pass --tokenizer DIR or use --prompt-ids.")
-        prompts = [tokenizer.encode(t) for t in args.prompt]
-    else:
-        prompts = _parse_ids(args.prompt_ids)
-    if args.ignore_eos:
-        end_id = -1  # no stop token; output_ids are padded with it and cut by sequence_lengths
-    else:
-        end_id = args.end_id if args.end_id is not None else (tokenizer.eos_token_id if tokenizer else None)
-        end_id = -1 if end_id is None else int(end_id)
+    tokenizer, prompts = load_prompts(args)
+    end_id = resolve_end_id(args, tokenizer)
+    end_id = -1 if end_id is None else int(end_id)  # -1: no stop token; outputs are cut by sequence_lengths
     pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else max(end_id, 0)
 
     tensorrt_llm = require_trtllm()

@@ -73,17 +73,9 @@ def run(args: argparse.Namespace) -> int:
         return subprocess.call(mpirun_command(tp, args.argv))
 
     params = SamplingConfig.from_sources(None, args)
-    tokenizer = _load_tokenizer(args)
-    if args.prompt is not None:
-        if tokenizer is None:
-            raise UserError(f"--prompt needs a tokenizer but {args.engine} has none; pass --tokenizer DIR or use --prompt-ids.")
-        prompts = [tokenizer.encode(t) for t in args.prompt]
-    else:
-        prompts = _parse_ids(args.prompt_ids)
-    stop = ()
-    if not args.ignore_eos:
-        end_id = args.end_id if args.end_id is not None else (tokenizer.eos_token_id if tokenizer else None)
-        stop = () if end_id is None else (end_id,)
+    tokenizer, prompts = load_prompts(args)
+    end_id = resolve_end_id(args, tokenizer)
+    stop = () if end_id is None else (end_id,)
 
     from ..runtime.engine import Engine
     from ..runtime.generate import generate
@@ -108,6 +100,23 @@ def run(args: argparse.Namespace) -> int:
         else:
             rank0_print(text if text is not None else " ".join(map(str, r.output_ids)), rank=dist.rank)
     return 0
+
+
+def load_prompts(args) -> tuple[object, list[list[int]]]:
+    """(tokenizer or None, prompt token ids) from --prompt texts or --prompt-ids."""
+    tokenizer = _load_tokenizer(args)
+    if args.prompt is None:
+        return tokenizer, _parse_ids(args.prompt_ids)
+    if tokenizer is None:
+        raise UserError(f"--prompt needs a tokenizer but {args.engine} has none; pass --tokenizer DIR or use --prompt-ids.")
+    return tokenizer, [tokenizer.encode(t) for t in args.prompt]
+
+
+def resolve_end_id(args, tokenizer) -> int | None:
+    """The stop token: --end-id, else the tokenizer's EOS; None with --ignore-eos or when neither exists."""
+    if args.ignore_eos:
+        return None
+    return args.end_id if args.end_id is not None else (tokenizer.eos_token_id if tokenizer else None)
 
 
 def _load_tokenizer(args):

@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file
 
 from ..config import BuildConfig, SamplingConfig
-from ..decoding import acceptance, beam_search, sampling, tree
+from ..decoding import acceptance, beam_search, sampling
 from ..errors import UserError
 from ..log import get_logger
 from ..model.attention import AttentionBatch, SpanSpec, causal_mask
@@ -35,7 +35,7 @@ from ..model.llama import LlamaRank
 from .distributed import Dist
 from .engine_config import EngineConfig, load_engine_config
 from .kv_cache import PagedKVCache, blocks_for_budget
-from .sequence import Draft, Sequence
+from .sequence import Sequence, attach_drafts
 
 logger = get_logger(__name__)
 
@@ -240,10 +240,4 @@ class Engine:
         res = beam_search.beam_search(self.drafter, self.model.embed, h, true_tok, rd.num_beams,
                                       rd.draft_len_per_beam, warp_top_k=warp)
         beams = self.dist.broadcast(res.beams.contiguous()).cpu()  # [g, nb, bl]
-        packed = tree.pack_beams(beams)
-        keep_logp = [s.sampling.resolved_acceptance == "apple" for s in seqs]
-        for i, s in enumerate(seqs):
-            n = int(packed.lengths[i])
-            s.draft = Draft(beams=beams[i], tokens=packed.tokens[i, :n], mask=packed.mask[i, :n, :n],
-                            offsets=packed.position_offsets[i, :n], unpacker=packed.unpacker[i],
-                            log_probs=res.log_probs[i] if keep_logp[i] else None)
+        attach_drafts(seqs, beams, res.log_probs)

@@ -17,7 +17,6 @@ other ranks. The scheduler knows nothing about text or Triton: token ids in, cal
 from __future__ import annotations
 
 import threading
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional

@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 
 from ..config import SamplingConfig
+from ..decoding import tree
 
 
 @dataclass
@@ -83,3 +84,17 @@ class Sequence:
         self.finished, self.finish_reason = True, reason
         self.stats.finish_time = time.perf_counter()
         self.draft = None
+
+
+def attach_drafts(seqs: list[Sequence], beams: torch.Tensor, log_probs: torch.Tensor | None = None) -> None:
+    """Pack beams [g, nb, bl] (row i belongs to seqs[i]) and give each sequence its draft tree for the next step.
+
+    `log_probs` [g, nb, dl, V] is kept only for requests that use `apple` acceptance (the only rule that needs Q).
+    """
+    packed = tree.pack_beams(beams)
+    for i, s in enumerate(seqs):
+        n = int(packed.lengths[i])
+        keep = log_probs is not None and s.sampling.resolved_acceptance == "apple"
+        s.draft = Draft(beams=beams[i], tokens=packed.tokens[i, :n], mask=packed.mask[i, :n, :n],
+                        offsets=packed.position_offsets[i, :n], unpacker=packed.unpacker[i],
+                        log_probs=log_probs[i] if keep else None)
