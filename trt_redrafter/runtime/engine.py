@@ -106,7 +106,7 @@ class Engine:
             raise UserError(f"max_tokens={params.max_tokens} with a {len(prompt)}-token prompt exceeds the engine's "
                             f"max_seq_len={self.build.max_seq_len}; ask for at most "
                             f"{self.build.max_seq_len - len(prompt)} tokens.")
-        gen = torch.Generator(device="cpu")
+        gen = torch.Generator(device=self.dist.device)  # sampling draws on the device the probabilities live on
         gen.manual_seed(params.seed)
         sid = next(self._ids) if seq_id is None else seq_id
         return Sequence(sid, list(prompt), params, mode, frozenset(stop_ids), self.build.max_seq_len, gen,
