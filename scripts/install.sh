@@ -11,4 +11,4 @@ fi
 PIP="python3 -m pip install -q --disable-pip-version-check"
 # torch first and pinned, so the dependency resolver does not pull a CUDA build
 python3 -c 'import torch' 2>/dev/null || $PIP "torch==2.13.0" || $PIP "torch>=2.4"
-$PIP -e ".[dev]"
+$PIP -e ".[dev,serving]"

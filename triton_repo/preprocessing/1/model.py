@@ -1,0 +1,50 @@
+"""Triton adapter: TensorRT-LLM's preprocessing model (text -> ids); the logic is trt_redrafter.serving.text."""
+
+import json
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from trt_redrafter.errors import UserError
+from trt_redrafter.serving.text import TextCodec
+
+
+def _strings(tensor):
+    return [x.decode() if isinstance(x, bytes) else str(x) for x in tensor.as_numpy().reshape(-1)]
+
+
+def _id(request, name, default):
+    t = pb_utils.get_input_tensor_by_name(request, name)
+    return np.array([[default if t is None else int(t.as_numpy().reshape(-1)[0])]], dtype=np.int32)
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        params = {k: v["string_value"] for k, v in json.loads(args["model_config"])["parameters"].items()}
+        self.codec = TextCodec(params["tokenizer_dir"])
+
+    def execute(self, requests):
+        return [self._one(r) for r in requests]
+
+    def _one(self, request):
+        try:
+            texts = _strings(pb_utils.get_input_tensor_by_name(request, "QUERY"))
+            if len(texts) != 1:
+                raise UserError(f"send one text_input per request, got {len(texts)}.")
+            if not texts[0]:
+                raise UserError("text_input is empty; send a non-empty prompt.")
+            ids = np.array([self.codec.encode(texts[0])], dtype=np.int32)
+            words = {}
+            for name, out in (("BAD_WORDS_DICT", "BAD_WORDS_IDS"), ("STOP_WORDS_DICT", "STOP_WORDS_IDS")):
+                t = pb_utils.get_input_tensor_by_name(request, name)
+                words[out] = self.codec.words_to_list(_strings(t) if t is not None else [])[None]
+        except UserError as e:
+            return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e)))
+        return pb_utils.InferenceResponse([
+            pb_utils.Tensor("INPUT_ID", ids),
+            pb_utils.Tensor("REQUEST_INPUT_LEN", np.array([[ids.shape[1]]], dtype=np.int32)),
+            pb_utils.Tensor("BAD_WORDS_IDS", words["BAD_WORDS_IDS"]),
+            pb_utils.Tensor("STOP_WORDS_IDS", words["STOP_WORDS_IDS"]),
+            pb_utils.Tensor("OUT_END_ID", _id(request, "END_ID", self.codec.end_id)),
+            pb_utils.Tensor("OUT_PAD_ID", _id(request, "PAD_ID", self.codec.pad_id)),
+        ])

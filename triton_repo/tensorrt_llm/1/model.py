@@ -1,0 +1,51 @@
+"""Triton Python-backend adapter for trt-redrafter's torch engine; the logic is trt_redrafter.serving.engine_model."""
+
+import json
+
+import triton_python_backend_utils as pb_utils
+
+from trt_redrafter.serving.engine_model import EngineModel
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+INPUTS = ("input_ids", "input_lengths", "request_output_len", "end_id", "pad_id", "stop_words_list", "bad_words_list",
+          "beam_width", "temperature", "runtime_top_k", "runtime_top_p", "seed", "streaming", "stop")
+
+
+class _Sink:
+    def __init__(self, sender):
+        self.sender = sender
+
+    def send(self, outputs, error, final):
+        if error is not None:
+            response = pb_utils.InferenceResponse(error=pb_utils.TritonError(error))
+        elif outputs is not None:
+            response = pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in outputs.items()])
+        else:
+            response = None
+        if response is None:
+            self.sender.send(flags=FINAL)
+        else:
+            self.sender.send(response, flags=FINAL if final else 0)
+
+    def is_cancelled(self):
+        return self.sender.is_cancelled()
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        params = {k: v["string_value"] for k, v in json.loads(args["model_config"])["parameters"].items()}
+        self.model = EngineModel(params["engine_dir"], int(params["tp_size"]), pb_utils.MetricFamily,
+                                 model_name=args["model_name"])
+
+    def execute(self, requests):
+        for request in requests:
+            inputs = {}
+            for name in INPUTS:
+                t = pb_utils.get_input_tensor_by_name(request, name)
+                if t is not None:
+                    inputs[name] = t.as_numpy()
+            self.model.submit(request.request_id(), inputs, _Sink(request.get_response_sender()))
+        return None  # decoupled: responses are sent from the scheduler thread
+
+    def finalize(self):
+        self.model.close()

@@ -1,0 +1,28 @@
+"""`trt-redrafter make-repo`: a Triton model repository for an engine (logic: serving/repo.py)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub) -> None:
+    p = sub.add_parser("make-repo", help="write a Triton model repository for an engine",
+                       description="Fill the triton_repo/ templates (ensemble -> preprocessing -> engine -> "
+                                   "postprocessing, TensorRT-LLM's tensor names) from the engine's config.json.")
+    p.add_argument("--engine", required=True, help="engine directory made by build-engine")
+    p.add_argument("--output", required=True, help="model repository to write")
+    p.add_argument("--tokenizer", help="tokenizer directory (default: ENGINE/tokenizer)")
+    p.add_argument("--backend", choices=("torch", "tensorrtllm"),
+                   help="engine model: torch (Python backend) or TensorRT-LLM's tensorrtllm backend "
+                        "(default: the engine's backend)")
+    p.add_argument("--force", action="store_true", help="replace an existing --output")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..serving.repo import make_repo
+
+    spec = make_repo(args.engine, args.output, args.tokenizer, args.backend, args.force)
+    print(f"model repository written to {args.output} ({spec.backend} backend); serve it with "
+          f"`trt-redrafter serve --repo {args.output}`")
+    return 0

@@ -1,0 +1,318 @@
+"""Start a real `tritonserver` on a model repository, wait until it is ready, and shut it down cleanly.
+
+Which server: a system `tritonserver` on PATH (or /opt/tritonserver, as in NGC containers), else the one bundled
+in the `nvidia-pytriton` wheel. The bundled one needs what PyTriton sets up internally (found on this project's
+CPU machines, docs/serving.md): a backend directory holding the Python backend next to the stub built for this
+interpreter's X.Y, `LD_LIBRARY_PATH` starting with this interpreter's libpython (else the stub may load another
+3.X.Y build's and crash) and the wheel's vendored libraries, and this interpreter's bin directory first on PATH
+(the stub finds its prefix, and so NumPy < 2, through `python3` on PATH; NumPy 2 silently corrupts tensors).
+
+Shutdown order (SIGINT alone breaks ensemble streams that are still open, and can leave the stub and a
+/dev/shm region behind):
+    1. drain   a `stop=true` request with id DRAIN_REQUEST_ID ends every open stream with a final response
+    2. SIGINT  tritonserver unloads the models (the engine model stops its follower ranks) and exits
+    3. kill    anything left in the server's process group (stubs, mpirun followers) after the timeout
+    4. clean   remove /dev/shm/<this launch's unique prefix>* and the temporary backend directory
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Optional, TextIO
+
+import numpy as np
+
+from ..errors import UserError
+from ..log import get_logger
+from . import DRAIN_REQUEST_ID, ENGINE_MODEL
+
+logger = get_logger(__name__)
+
+SYSTEM_TRITON = ("/opt/tritonserver/bin/tritonserver",)
+SHM_PREFIX_STEM = "trtrd"
+LOG_TAIL_LINES = 40
+
+
+def _pytriton_home() -> Optional[Path]:
+    try:
+        import pytriton
+    except ImportError:
+        return None
+    home = Path(pytriton.__file__).parent / "tritonserver"
+    return home if (home / "bin" / "tritonserver").is_file() else None
+
+
+def find_tritonserver() -> tuple[Path, bool]:
+    """(binary, bundled): the system server where installed, else nvidia-pytriton's."""
+    found = shutil.which("tritonserver") or next((p for p in SYSTEM_TRITON if os.path.isfile(p)), None)
+    if found:
+        return Path(found), False
+    home = _pytriton_home()
+    if home is None:
+        raise UserError("no tritonserver found: install the serving extra (pip install 'trt-redrafter[serving]', "
+                        "which bundles one) or run inside NVIDIA's Triton container.")
+    return home / "bin" / "tritonserver", True
+
+
+def _bundled_backends(home: Path, dst: Path) -> Path:
+    """dst/python = the bundle's Python backend + the stub matching this interpreter (as PyTriton does)."""
+    ver = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = home / "python_backend_stubs" / ver / "triton_python_backend_stub"
+    if not stub.is_file():
+        raise UserError(f"nvidia-pytriton has no Python-backend stub for Python {ver}; use Python 3.8-3.13.")
+    py = dst / "python"
+    py.mkdir(parents=True)
+    for name in ("libtriton_python.so", "triton_python_backend_utils.py"):
+        os.symlink(home / "backends" / "python" / name, py / name)
+    shutil.copy2(stub, py / "triton_python_backend_stub")
+    return dst
+
+
+def server_env(bundled: bool) -> dict[str, str]:
+    env = dict(os.environ)
+    libdirs = [sysconfig.get_config_var("LIBDIR") or ""]
+    if bundled:
+        home = _pytriton_home()
+        libdirs.append(str(home.parents[1] / "nvidia_pytriton.libs"))
+    env["LD_LIBRARY_PATH"] = os.pathsep.join([d for d in libdirs if d] + [env.get("LD_LIBRARY_PATH", "")]).rstrip(":")
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
+    pkg_root = str(Path(__file__).resolve().parents[2])  # model.py files import trt_redrafter from here too
+    env["PYTHONPATH"] = os.pathsep.join([pkg_root, env.get("PYTHONPATH", "")]).rstrip(":")
+    return env
+
+
+def _ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+class TritonServer:
+    """`with TritonServer(repo, grpc_port=..., ...) as srv:` a ready server; leaving the block shuts it down.
+
+    Logs go to `log_path` (a temporary file by default) and, with `echo`, to `echo` too.
+    """
+
+    def __init__(self, repo: str | Path, grpc_port: int = 8001, http_port: int = 8000, metrics_port: int = 8002,
+                 host: str = "127.0.0.1", ready_timeout: float = 180.0, exit_timeout: int = 10,
+                 log_path: str | Path | None = None, echo: Optional[TextIO] = None, verbose: bool = False):
+        self.repo = Path(repo).absolute()
+        if not (self.repo / "ensemble" / "config.pbtxt").is_file() and not any(self.repo.glob("*/config.pbtxt")):
+            raise UserError(f"{self.repo} is not a Triton model repository; make one with `trt-redrafter make-repo`.")
+        self.host, self.grpc_port, self.http_port, self.metrics_port = host, grpc_port, http_port, metrics_port
+        self.ready_timeout, self.exit_timeout, self.verbose = ready_timeout, exit_timeout, verbose
+        self.shm_prefix = f"{SHM_PREFIX_STEM}{os.getpid()}x{int(time.time() * 1e3) % 100000}_"
+        self._tmp = Path(tempfile.mkdtemp(prefix="trt-redrafter-triton-"))
+        self.log_path = Path(log_path) if log_path else self._tmp / "tritonserver.log"
+        self._echo = echo
+        self.proc: Optional[subprocess.Popen] = None
+        self._pump: Optional[threading.Thread] = None
+
+    # ---- addresses -------------------------------------------------------------------------------------------
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.host}:{self.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.host}:{self.http_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.host}:{self.metrics_port}/metrics"
+
+    # ---- start -----------------------------------------------------------------------------------------------
+    def command(self, binary: Path, backends: Optional[Path]) -> list[str]:
+        cmd = [str(binary), f"--model-repository={self.repo}", "--disable-auto-complete-config",
+               f"--http-address={self.host}", f"--http-port={self.http_port}",
+               f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
+               f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
+               "--allow-gpu-metrics=false",
+               f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
+               f"--exit-timeout-secs={self.exit_timeout}"]
+        if backends is not None:
+            cmd.append(f"--backend-directory={backends}")
+        if self.verbose:
+            cmd.append("--log-verbose=1")
+        return cmd
+
+    def start(self) -> "TritonServer":
+        binary, bundled = find_tritonserver()
+        backends = _bundled_backends(binary.parents[1], self._tmp / "backends") if bundled else None
+        cmd = self.command(binary, backends)
+        logger.debug("starting %s", " ".join(cmd))
+        log = open(self.log_path, "wb")
+        # own process group: whatever the server starts (stubs, mpirun followers) can be found and killed
+        self.proc = subprocess.Popen(cmd, env=server_env(bundled), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        self._pump = threading.Thread(target=self._pump_log, args=(log,), name="tritonserver-log", daemon=True)
+        self._pump.start()
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _pump_log(self, log) -> None:
+        with log:
+            for line in iter(self.proc.stdout.readline, b""):
+                log.write(line)
+                log.flush()
+                if self._echo is not None:
+                    self._echo.write(line.decode(errors="replace"))
+                    self._echo.flush()
+
+    def _wait_ready(self) -> None:
+        t0 = time.monotonic()
+        url = f"{self.http_url}/v2/health/ready"
+        while not _ready(url):
+            if self.proc.poll() is not None:
+                raise UserError(f"tritonserver exited with status {self.proc.returncode} before it was ready; "
+                                f"its log ({self.log_path}) ends with:\n{self.log_tail()}")
+            if time.monotonic() - t0 > self.ready_timeout:
+                raise UserError(f"tritonserver was not ready after {self.ready_timeout:.0f} s; its log "
+                                f"({self.log_path}) ends with:\n{self.log_tail()}")
+            time.sleep(0.1)
+        logger.info("tritonserver ready in %.1f s (gRPC %s, HTTP %s, metrics %s)", time.monotonic() - t0,
+                    self.grpc_url, self.http_url, self.metrics_url)
+
+    def log_tail(self, n: int = LOG_TAIL_LINES) -> str:
+        time.sleep(0.2)  # let the log pump catch up
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+    def poll(self) -> Optional[int]:
+        return None if self.proc is None else self.proc.poll()
+
+    # ---- stop ------------------------------------------------------------------------------------------------
+    def drain(self, timeout: float = 5.0) -> None:
+        """End every open request with a final response (the engine model's DRAIN_REQUEST_ID stop request)."""
+        if not (self.repo / ENGINE_MODEL / "1" / "model.py").is_file():
+            return  # only the torch engine model understands the drain request
+        import tritonclient.grpc as grpcclient
+
+        done = threading.Event()
+        client = grpcclient.InferenceServerClient(self.grpc_url)
+        try:
+            inputs = []
+            for name, arr in (("input_ids", np.zeros((1, 1), np.int32)),
+                              ("request_output_len", np.ones((1, 1), np.int32)),
+                              ("stop", np.ones((1, 1), bool))):
+                t = grpcclient.InferInput(name, list(arr.shape), "BOOL" if arr.dtype == bool else "INT32")
+                t.set_data_from_numpy(arr)
+                inputs.append(t)
+            client.start_stream(callback=lambda result, error: done.set())
+            client.async_stream_infer(ENGINE_MODEL, inputs, request_id=DRAIN_REQUEST_ID,
+                                      enable_empty_final_response=True)
+            if not done.wait(timeout):
+                logger.warning("the drain request got no answer within %.0f s", timeout)
+            client.stop_stream()
+        except Exception as e:  # a server already going down; SIGINT and the kill below still run
+            logger.warning("drain request failed: %s", e)
+        finally:
+            client.close()
+
+    def stop(self) -> dict:
+        """Drain, SIGINT, kill stragglers, remove shm regions. Returns what had to be cleaned up."""
+        report = {"killed": [], "removed_shm": [], "returncode": None}
+        if self.proc is not None:
+            pgid = self.proc.pid
+            if self.proc.poll() is None:
+                self.drain()
+                time.sleep(0.3)  # let the final responses reach clients before the endpoints close
+                self.proc.send_signal(signal.SIGINT)
+                try:
+                    self.proc.wait(timeout=self.exit_timeout + 10)
+                except subprocess.TimeoutExpired:
+                    logger.warning("tritonserver did not exit within %d s; killing it", self.exit_timeout + 10)
+                    self.proc.kill()
+                    self.proc.wait()
+            report["returncode"] = self.proc.returncode
+            report["killed"] = self._kill_group(pgid)
+            if self._pump is not None:
+                self._pump.join(timeout=5)
+            self.proc.stdout.close()
+            self.proc = None
+        for p in glob.glob(f"/dev/shm/{self.shm_prefix}*"):
+            try:
+                os.unlink(p)
+                report["removed_shm"].append(p)
+            except FileNotFoundError:
+                pass
+        # keep the log of a server that failed (errors quote its path)
+        shutil.rmtree(self._tmp if report["returncode"] == 0 else self._tmp / "backends", ignore_errors=True)
+        if report["killed"] or report["removed_shm"]:
+            logger.warning("cleaned up after tritonserver: %s", report)
+        return report
+
+    @staticmethod
+    def _kill_group(pgid: int, grace: float = 3.0) -> list[int]:
+        """SIGTERM, then SIGKILL, whatever is left in the server's process group (stubs, mpirun followers)."""
+        left = group_members(pgid)
+        if not left:
+            return []
+        for pid in left:
+            _signal(pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while group_members(pgid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for pid in group_members(pgid):
+            _signal(pid, signal.SIGKILL)
+        return left
+
+    def __enter__(self) -> "TritonServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes in process group `pgid`, from /proc."""
+    out = []
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        state, pg = fields[0], int(fields[2])
+        if pg == pgid and state != "Z":
+            out.append(int(stat.split("/")[2]))
+    return out
+
+
+def shm_regions(prefix: str = SHM_PREFIX_STEM) -> list[str]:
+    return glob.glob(f"/dev/shm/{prefix}*")
+
+
+def parse_host_port(url: str, default_port: int) -> tuple[str, int]:
+    m = re.fullmatch(r"(?:\w+://)?([^:/]+)(?::(\d+))?/?", url)
+    if not m:
+        raise UserError(f"--url {url!r} is not HOST:PORT.")
+    return m.group(1), int(m.group(2) or default_port)

@@ -1,0 +1,93 @@
+"""The engine model's Prometheus metrics (Triton custom metrics, next to `nv_inference_*` on /metrics).
+
+    trt_redrafter_active_requests       gauge      requests in the running batch
+    trt_redrafter_waiting_requests      gauge      requests queued for admission
+    trt_redrafter_kv_blocks_used        gauge      paged KV-cache blocks in use
+    trt_redrafter_kv_blocks_total       gauge      paged KV-cache blocks in all
+    trt_redrafter_tokens_per_step       histogram  acceptance length: tokens one generation step emitted
+    trt_redrafter_mean_tokens_per_step  gauge      the same, averaged over finished requests
+    trt_redrafter_requests_total        counter    finished requests by outcome (completed|cancelled|rejected)
+    trt_redrafter_generated_tokens_total counter   tokens streamed to clients
+
+`ServingMetrics` takes the metric-family class as an argument (`pb_utils.MetricFamily` inside Triton, a fake in
+unit tests), so it imports without Triton. `scrape` reads the endpoint back for tests and load tests.
+"""
+
+from __future__ import annotations
+
+import re
+import urllib.request
+
+PREFIX = "trt_redrafter_"
+OUTCOMES = ("completed", "cancelled", "rejected")
+
+
+class ServingMetrics:
+    def __init__(self, family_cls, labels: dict[str, str], max_tokens_per_step: int):
+        self._families = []  # Triton requires a family to outlive its metrics
+
+        def fam(name, desc, kind):
+            self._families.append(family_cls(name=PREFIX + name, description=desc, kind=kind))
+            return self._families[-1]
+
+        g, c, h = family_cls.GAUGE, family_cls.COUNTER, family_cls.HISTOGRAM
+        self.active = fam("active_requests", "requests in the running batch", g).Metric(labels=labels)
+        self.waiting = fam("waiting_requests", "requests queued for admission", g).Metric(labels=labels)
+        self.kv_used = fam("kv_blocks_used", "paged KV-cache blocks in use", g).Metric(labels=labels)
+        self.kv_total = fam("kv_blocks_total", "paged KV-cache blocks in all", g).Metric(labels=labels)
+        self.mean_tps = fam("mean_tokens_per_step", "mean tokens per generation step (acceptance length) over "
+                            "finished requests", g).Metric(labels=labels)
+        # one bucket per possible acceptance length: 1 (nothing accepted) .. dl + 1 (a whole beam accepted)
+        buckets = [float(b) for b in range(1, max_tokens_per_step + 1)]
+        self.tokens_per_step = fam("tokens_per_step", "tokens one generation step emitted for a request "
+                                   "(acceptance length)", h).Metric(labels=labels, buckets=buckets)
+        requests = fam("requests_total", "finished requests by outcome", c)
+        self.outcomes = {o: requests.Metric(labels={**labels, "outcome": o}) for o in OUTCOMES}
+        self.generated = fam("generated_tokens_total", "tokens streamed to clients", c).Metric(labels=labels)
+
+    def update_scheduler(self, m) -> None:
+        """From `Scheduler.metrics()` (a `SchedulerMetrics`)."""
+        self.active.set(m.running)
+        self.waiting.set(m.waiting)
+        self.kv_used.set(m.kv_blocks_used)
+        self.kv_total.set(m.kv_blocks_total)
+        self.mean_tps.set(m.mean_tokens_per_step)
+
+    def step(self, new_tokens: int, generation_step: bool) -> None:
+        self.generated.increment(new_tokens)
+        if generation_step and new_tokens:
+            self.tokens_per_step.observe(new_tokens)
+
+    def finished(self, outcome: str) -> None:
+        self.outcomes[outcome].increment(1)
+
+
+_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+
+
+def parse_prometheus(text: str, prefix: str = PREFIX) -> dict[str, float]:
+    """`name{labels} value` lines whose name starts with `prefix` -> {"name{labels}": value}; labels sorted,
+    so `metric_key("trt_redrafter_kv_blocks_used", model="tensorrt_llm")` finds a value."""
+    out = {}
+    for line in text.splitlines():
+        m = _LINE.match(line)
+        if not m or not m.group(1).startswith(prefix):
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+        out[metric_key(m.group(1), **labels)] = float(m.group(3))
+    return out
+
+
+def metric_key(name: str, **labels: str) -> str:
+    return name + ("{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}" if labels else "")
+
+
+def scrape(url: str, timeout: float = 5.0) -> dict[str, float]:
+    """Read `trt_redrafter_*` metrics from a Triton metrics endpoint (http://host:port/metrics)."""
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return parse_prometheus(r.read().decode())
+
+
+def sum_metric(metrics: dict[str, float], name: str) -> float:
+    """Total of one metric over all its label sets (e.g. KV blocks over model instances)."""
+    return sum(v for k, v in metrics.items() if k == name or k.startswith(name + "{"))

@@ -1,0 +1,94 @@
+"""Text <-> token ids for the pre/postprocessing models. The engine never sees text.
+
+Streaming detokenization: a byte-level BPE token can end in the middle of a UTF-8 character, and decoding
+tokens one response at a time would print broken characters. Each response therefore carries the tokens sent
+before it, and the new text is the suffix that decoding all of them adds to decoding the earlier ones, holding
+back a trailing incomplete character (U+FFFD) until a later token completes it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import UserError
+
+REPLACEMENT = "\ufffd"  # what an incomplete UTF-8 sequence decodes to
+
+
+def load_tokenizer(path: str | Path):
+    path = Path(path)
+    if not path.is_dir():
+        raise UserError(f"tokenizer directory {path} does not exist; pass --tokenizer DIR to make-repo.")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot load a tokenizer from {path}: {e}") from e
+
+
+class TextCodec:
+    def __init__(self, tokenizer_dir: str | Path, skip_special_tokens: bool = True):
+        self.tok = load_tokenizer(tokenizer_dir)
+        self.skip_special_tokens = skip_special_tokens
+
+    @property
+    def end_id(self) -> int:
+        return -1 if self.tok.eos_token_id is None else int(self.tok.eos_token_id)
+
+    @property
+    def pad_id(self) -> int:
+        pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
+        return -1 if pad is None else int(pad)
+
+    def encode(self, text: str) -> list[int]:
+        """The prompt's ids, special tokens included, exactly as `trt-redrafter run --prompt` encodes it."""
+        return self.tok.encode(text)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=self.skip_special_tokens, clean_up_tokenization_spaces=False)
+
+    def decode_delta(self, preceding: list[int], new: list[int]) -> str:
+        """The text `new` adds after `preceding` (incomplete trailing characters held back)."""
+        before = self.decode(preceding).rstrip(REPLACEMENT) if preceding else ""
+        after = self.decode(list(preceding) + list(new)).rstrip(REPLACEMENT)
+        if after.startswith(before):
+            return after[len(before):]
+        n = 0  # decoding is not prefix-stable for this tokenizer here: emit from the first difference
+        while n < min(len(before), len(after)) and before[n] == after[n]:
+            n += 1
+        return after[n:]
+
+    def words_to_list(self, words: list[str]) -> np.ndarray:
+        """TensorRT-LLM's word-list format [2, L]: row 0 the words' ids back to back, row 1 each word's end
+        offset, padded with -1 (`to_word_list_format` in TensorRT-LLM's preprocessing model)."""
+        ids, offsets = [], []
+        for w in words:
+            if not w:
+                continue
+            wid = self.tok.encode(w, add_special_tokens=False)
+            if wid:
+                ids += wid
+                offsets.append(len(ids))
+        if not ids:
+            return np.array([[0], [-1]], dtype=np.int32)
+        out = np.full((2, len(ids)), -1, dtype=np.int32)
+        out[0] = ids
+        out[1, :len(offsets)] = offsets
+        return out
+
+
+def list_to_words(word_list: np.ndarray) -> tuple[tuple[int, ...], ...]:
+    """Inverse of `words_to_list`: [2, L] -> one id tuple per word."""
+    assert word_list.ndim == 2 and word_list.shape[0] == 2, word_list.shape
+    ids, offsets = word_list[0].tolist(), word_list[1].tolist()
+    words, start = [], 0
+    for end in offsets:
+        if end < 0:
+            break
+        if end > start:
+            words.append(tuple(ids[start:end]))
+        start = end
+    return tuple(words)
