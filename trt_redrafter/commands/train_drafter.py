@@ -1,0 +1,57 @@
+"""`trt-redrafter train-drafter`: distil an Apple-format ReDrafter drafter from an HF Llama base. Thin over
+`training.drafter_training`."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..training.drafter_training import DrafterTrainConfig, train_drafter
+
+_D = DrafterTrainConfig()
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "train-drafter", help="distil an Apple-format drafter from an HF Llama base (self-distillation)",
+        description="The frozen base generates greedy continuations of text windows; the drafter learns the base's "
+                    "own next-token predictions on them (summed cross-entropy over --draft-len steps). Writes "
+                    "OUTPUT/config.json, model.safetensors (Apple names) and training.json.")
+    p.add_argument("--base-model", type=Path, required=True, help="HF Llama directory (with tokenizer)")
+    p.add_argument("--output", type=Path, required=True, help="drafter directory to create")
+    p.add_argument("--force", action="store_true", help="replace an existing output directory")
+    p.add_argument("--draft-len", type=int, default=_D.draft_len, help="drafter steps trained (T)")
+    p.add_argument("--num-layers", type=int, default=_D.num_layers, help="ResBlocks")
+    p.add_argument("--rnn", action=argparse.BooleanOptionalAction, default=_D.rnn, help="recurrent state")
+    p.add_argument("--exit-dim", type=int, default=_D.exit_dim, help="ResBlock width; 0 means 2*hidden (no input_proj)")
+    p.add_argument("--steps", type=int, default=_D.steps, help="optimizer steps")
+    p.add_argument("--lr", type=float, default=_D.lr, help="peak learning rate (AdamW, warmup + cosine)")
+    p.add_argument("--batch-size", type=int, default=_D.batch_size, help="drafting positions per step")
+    p.add_argument("--seq-len", type=int, default=_D.seq_len, help="tokens the base generates per sequence")
+    p.add_argument("--num-sequences", type=int, default=_D.num_sequences, help="distillation sequences")
+    p.add_argument("--eval-sequences", type=int, default=_D.eval_sequences, help="held-out sequences")
+    p.add_argument("--prompt-min", type=int, default=_D.prompt_min, help="shortest prompt window (tokens)")
+    p.add_argument("--prompt-max", type=int, default=_D.prompt_max, help="longest prompt window (tokens)")
+    p.add_argument("--gen-batch-size", type=int, default=_D.gen_batch_size, help="sequences per generate call")
+    p.add_argument("--seed", type=int, default=_D.seed)
+    p.add_argument("--data", default=None,
+                   help="text: 'stdlib' (default: the Python standard library), a directory of *.py/*.txt/*.md "
+                        "files, or one text file")
+    p.add_argument("--device", default=_D.device, choices=("auto", "cpu", "cuda"))
+    p.add_argument("--threads", type=int, default=_D.threads, help="torch CPU threads (0: torch's default)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = DrafterTrainConfig(
+        draft_len=args.draft_len, num_layers=args.num_layers, rnn=args.rnn, exit_dim=args.exit_dim, steps=args.steps,
+        lr=args.lr, batch_size=args.batch_size, seq_len=args.seq_len, num_sequences=args.num_sequences,
+        eval_sequences=args.eval_sequences, prompt_min=args.prompt_min, prompt_max=args.prompt_max,
+        gen_batch_size=args.gen_batch_size, seed=args.seed, data=args.data, device=args.device,
+        threads=args.threads)
+    s = train_drafter(args.base_model, args.output, cfg, force=args.force)
+    held = s["held_out"]
+    print(f"wrote {args.output}: final loss {s['final_loss']}, held-out top-1 per step "
+          f"{' '.join(f'{a:.3f}' for a in held['top1'])} (1-beam expected tokens/step "
+          f"{held['expected_tokens_per_step_1beam']})")
+    return 0

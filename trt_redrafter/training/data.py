@@ -1,0 +1,89 @@
+"""Offline text: the running interpreter's standard-library sources, split into training and held-out modules.
+
+Files are the top-level `*.py` of `sysconfig.get_paths()['stdlib']` in sorted order (deterministic for one Python
+version). `HELD_OUT_MODULES` never enter training (tokenizer, base model or drafter); their text gives held-out
+evaluation windows and prompts.
+"""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+import torch
+
+SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")  # ids 0..3, Llama's order for unk/bos/eos
+HELD_OUT_MODULES = ("bisect", "colorsys", "fractions", "heapq", "queue", "sched", "shlex", "textwrap")
+SKIP_MODULES = ("this", "antigravity", "__phello__.foo")  # not source-like text
+
+
+def stdlib_files(root: str | Path | None = None) -> tuple[list[Path], list[Path]]:
+    """(training files, held-out files): top-level stdlib `*.py`, sorted by name."""
+    root = Path(root or sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.glob("*.py") if p.is_file() and p.stem not in SKIP_MODULES)
+    held = [p for p in files if p.stem in HELD_OUT_MODULES]
+    return [p for p in files if p.stem not in HELD_OUT_MODULES], held
+
+
+def read_texts(files: list[Path]) -> list[str]:
+    return [p.read_text(encoding="utf-8", errors="replace") for p in files]
+
+
+def build_tokenizer(vocab_size: int, files: list[Path]):
+    """A byte-level BPE `PreTrainedTokenizerFast` of exactly `vocab_size` tokens trained on `files`; adds bos."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), min_frequency=2)
+    tok.train_from_iterator(read_texts(files), trainer)
+    short = vocab_size - tok.get_vocab_size()
+    if short > 0:  # the corpus ran out of merges: pad with never-produced tokens so V is exact
+        tok.add_tokens([f"<extra_{i}>" for i in range(short)])
+    assert tok.get_vocab_size() == vocab_size, (tok.get_vocab_size(), vocab_size)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>", clean_up_tokenization_spaces=False)
+
+
+def token_stream(tokenizer, files: list[Path]) -> torch.Tensor:
+    """All files tokenized (no bos) and joined by eos: a 1-D long tensor."""
+    eos = tokenizer.eos_token_id
+    ids: list[int] = []
+    for enc in tokenizer(read_texts(files), add_special_tokens=False)["input_ids"]:
+        ids.extend(enc)
+        ids.append(eos)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def text_files(source: str | None) -> tuple[list[Path], list[Path]]:
+    """The training/held-out files for a `--data` source: None/'stdlib', a directory, or a single text file.
+
+    A directory gives its `*.py`, `*.txt` and `*.md` files (recursively, sorted); every 10th file is held out.
+    """
+    if source in (None, "", "stdlib"):
+        return stdlib_files()
+    from ..errors import UserError
+
+    path = Path(source)
+    if path.is_file():
+        return [path], [path]
+    if not path.is_dir():
+        raise UserError(f"--data {source}: expected 'stdlib', a directory of text files or a text file.")
+    files = sorted(p for ext in ("*.py", "*.txt", "*.md") for p in path.rglob(ext) if p.is_file())
+    if not files:
+        raise UserError(f"--data {source}: the directory holds no *.py, *.txt or *.md files.")
+    held = files[9::10] or files[:1]
+    train = [p for p in files if p not in held] or held
+    return train, held
+
+
+def prompt_windows(stream: torch.Tensor, n: int, min_len: int, max_len: int, g: torch.Generator) -> list[list[int]]:
+    """`n` windows of the token stream at random offsets, lengths uniform in [min_len, max_len] (no bos)."""
+    lengths = torch.randint(min_len, max_len + 1, (n,), generator=g).tolist()
+    starts = torch.randint(0, max(1, len(stream) - max_len), (n,), generator=g).tolist()
+    return [stream[s:s + k].tolist() for s, k in zip(starts, lengths)]
