@@ -233,9 +233,8 @@ def evaluate(drafter: Drafter, corpus: Corpus, T: int, embed: torch.Tensor, devi
         full = ok.all(dim=1)  # positions with all T targets, for the chained rate
         hits += hit.sum(0).float().cpu()
         valid += ok.sum(0).float().cpu()
-        chain += (hit.cumprod(dim=1).bool() & full[:, None]).sum(0).float().cpu() / max(1, int(full.sum())) * \
-            int(full.sum())
-    n_full = float(valid[-1])
+        chain += (hit.cumprod(dim=1).bool() & full[:, None]).sum(0).float().cpu()
+    n_full = float(valid[-1])  # positions with all T targets (the last step's count)
     top1 = (hits / valid.clamp(min=1)).tolist()
     chained = (chain / max(1.0, n_full)).tolist()
     return {"loss": loss_sum / max(1, nb), "top1": [round(a, 4) for a in top1],
