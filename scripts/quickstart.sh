@@ -14,3 +14,9 @@ build-engine --config builders/tiny.yaml --checkpoint "$OUT/ckpt-tp2" --output "
     --tokenizer "$OUT/tiny/base"
 trt-redrafter run --engine "$OUT/engine-tp2" --mode ar --prompt "def fibonacci(n):" --max-tokens 32 --json
 trt-redrafter run --engine "$OUT/engine-tp2" --mode redrafter --prompt "def fibonacci(n):" --max-tokens 32 --json
+# the committed small trained pair: AR vs ReDrafter ms/token and tokens/step, same engine, same run
+trt-redrafter convert --base-model models/small/base --drafter models/small/drafter --output "$OUT/small-ckpt" \
+    --tp 1 --dtype float32 --num-beams 4 --draft-len-per-beam 4
+build-engine --checkpoint "$OUT/small-ckpt" --output "$OUT/small-engine" --tokenizer models/small/base \
+    --max-batch-size 8 --max-input-len 256 --max-seq-len 512
+python3 scripts/bench_engine.py --engine "$OUT/small-engine" --num-prompts 4 --max-tokens 96 --repeats 3
