@@ -33,6 +33,7 @@ class GenerationRequest:
     stop_words: tuple[str, ...] = ()
     stream: bool = True
     prompt_ids: Optional[list[int]] = None  # engine model only: token ids instead of text
+    decoding_mode: Optional[str] = None  # torch engine only: "redrafter" (default) | "ar"
 
 
 @dataclass
@@ -112,6 +113,8 @@ def build_inputs(req: GenerationRequest, model: str = ENSEMBLE_MODEL, stop: bool
                               ("end_id", req.end_id, np.int32)):
         if value is not None:
             inputs.append(_tensor(n(key), np.array([[value]], dtype)))
+    if req.decoding_mode is not None:
+        inputs.append(_tensor("decoding_mode", np.array([[req.decoding_mode.encode()]], dtype=object)))
     if req.stop_words and not engine:
         inputs.append(_tensor("stop_words", np.array([[w.encode() for w in req.stop_words]], dtype=object)))
     if stop:

@@ -36,6 +36,9 @@ from .text import list_to_words
 
 logger = get_logger(__name__)
 
+# `decoding_mode` values (an optional BYTES input, torch engine only): the same engine decodes a request with
+# ReDrafter or auto-regressively, so a benchmark can compare both on one server with requests interleaved.
+DECODING_MODES = {"redrafter": "redrafter", "ar": "ar", "auto_regressive": "ar"}
 CANCEL_POLL_S = 0.02  # how often client cancellation is checked
 METRICS_PERIOD_S = 0.1  # how often the scheduler gauges are refreshed
 FOLLOWER_EXIT_TIMEOUT_S = 15.0
@@ -56,6 +59,7 @@ class ParsedRequest:
     streaming: bool
     stop_ids: tuple[int, ...]
     stop_sequences: tuple[tuple[int, ...], ...]
+    mode: str = "redrafter"  # "redrafter" | "ar": the optional `decoding_mode` input (torch engine only)
 
 
 @dataclass
@@ -122,7 +126,15 @@ def parse_inputs(inputs: dict[str, np.ndarray]) -> ParsedRequest:
         stop_sequences = list_to_words(inputs["stop_words_list"].reshape(2, -1))
     if inputs.get("bad_words_list") is not None and list_to_words(inputs["bad_words_list"].reshape(2, -1)):
         logger.info("bad_words are accepted but not applied by the torch engine; ignoring them")
-    return ParsedRequest(prompt, params, bool(_scalar(inputs, "streaming", False)), stop_ids, stop_sequences)
+    mode = inputs.get("decoding_mode")
+    if mode is not None and mode.size != 1:
+        raise UserError(f"input 'decoding_mode' must hold one value per request, got shape {list(mode.shape)}.")
+    mode = b"redrafter" if mode is None else mode.reshape(-1)[0]  # BYTES arrive as an object array of bytes
+    mode = (mode.decode(errors="replace") if isinstance(mode, bytes) else str(mode)).strip().lower() or "redrafter"
+    if mode not in DECODING_MODES:
+        raise UserError(f"decoding_mode must be one of {', '.join(DECODING_MODES)}, got {mode!r}.")
+    return ParsedRequest(prompt, params, bool(_scalar(inputs, "streaming", False)), stop_ids, stop_sequences,
+                         DECODING_MODES[mode])
 
 
 def response_tensors(new: list[int], preceding: list[int], seq) -> dict[str, np.ndarray]:
@@ -185,7 +197,7 @@ class EngineModel:
             with self._lock:
                 self._open[rid] = state
             try:
-                self.scheduler.submit(Request(rid, p.prompt, p.params, "redrafter", p.stop_ids, p.stop_sequences,
+                self.scheduler.submit(Request(rid, p.prompt, p.params, p.mode, p.stop_ids, p.stop_sequences,
                                               on_tokens=self._on_tokens))
             except BaseException:
                 with self._lock:

@@ -33,6 +33,9 @@ ENGINE_BACKEND_FOR = {"torch": "torch", "tensorrtllm": "trtllm"}  # repo backend
 PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 TEXT_MODELS = ("ensemble", "preprocessing", "postprocessing")
 
+# torch only: a per-request `decoding_mode` ("redrafter" | "ar"; the same engine decodes either way)
+_ENSEMBLE_EXTRA_INPUTS = ',\n  { name: "decoding_mode" data_type: TYPE_STRING dims: [ 1 ] optional: true }'
+_ENGINE_EXTRA_INPUT_MAP = '      input_map  { key: "decoding_mode"      value: "decoding_mode" }'
 # torch only: the engine sends the tokens preceding each response so postprocessing can detokenize incrementally
 _ENGINE_EXTRA_OUTPUT_MAP = '      output_map { key: "preceding_output_ids"        value: "_PRECEDING_TOKENS" }'
 _POST_EXTRA_INPUT_MAP = '      input_map  { key: "PRECEDING_TOKENS"            value: "_PRECEDING_TOKENS" }'
@@ -55,6 +58,8 @@ class RepoSpec:
             "max_seq_len": str(b.max_seq_len),
             "engine_dir": str(self.engine_dir),
             "tokenizer_dir": str(self.tokenizer_dir),
+            "ensemble_extra_inputs": _ENSEMBLE_EXTRA_INPUTS if torch else "",
+            "engine_extra_input_map": _ENGINE_EXTRA_INPUT_MAP if torch else "",
             "engine_extra_output_map": _ENGINE_EXTRA_OUTPUT_MAP if torch else "",
             "postprocessing_extra_input_map": _POST_EXTRA_INPUT_MAP if torch else "",
         }
