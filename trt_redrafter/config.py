@@ -254,6 +254,8 @@ class BuildConfig(ConfigBase):
     max_seq_len: int = _f(2048, help="longest prompt + output in tokens")
     max_num_tokens: int = _f(0, help="most tokens in one engine step; 0 derives it from the other limits")
     kv_block_size: int = _f(64, help="tokens per paged KV-cache block (torch backend)")
+    max_tokens_in_paged_kv_cache: int = _f(0, help="KV-cache capacity in tokens (torch backend); 0 sizes it for "
+                                                   "max_batch_size requests of max_seq_len tokens")
     dtype: str = _f("", help="compute dtype; empty means the checkpoint's dtype", choices=DTYPES + ("",))
 
     def validate(self) -> None:
@@ -261,6 +263,9 @@ class BuildConfig(ConfigBase):
             _positive(self.SECTION, n, getattr(self, n))
         if self.max_input_len >= self.max_seq_len:
             raise _bad(self.SECTION, "max_input_len", f"less than max_seq_len={self.max_seq_len}", self.max_input_len)
+        if self.max_tokens_in_paged_kv_cache < 0:
+            raise _bad(self.SECTION, "max_tokens_in_paged_kv_cache", "0 (derive) or a positive integer",
+                       self.max_tokens_in_paged_kv_cache)
         if self.max_num_tokens < 0:
             raise _bad(self.SECTION, "max_num_tokens", "0 (derive) or a positive integer", self.max_num_tokens)
         if self.dtype not in DTYPES + ("",):

@@ -34,7 +34,7 @@ from ..model.drafter import DrafterRank
 from ..model.llama import LlamaRank
 from .distributed import Dist
 from .engine_config import EngineConfig, load_engine_config
-from .kv_cache import PagedKVCache, blocks_for_budget
+from .kv_cache import PagedKVCache
 from .sequence import Sequence, attach_drafts
 
 logger = get_logger(__name__)
@@ -54,7 +54,7 @@ class StepEvent:
 
 class Engine:
     def __init__(self, engine_dir: str | Path, dist: Dist, drafter_semantics: str = "apple",
-                 kv_cache_bytes: int | None = None, dtype: str | None = None):
+                 kv_cache_tokens: int | None = None, dtype: str | None = None):
         self.engine_dir = Path(engine_dir)
         self.cfg: EngineConfig = load_engine_config(self.engine_dir)
         info = self.cfg.checkpoint
@@ -77,12 +77,9 @@ class Engine:
         m = info.model
         kv_heads = max(m.num_key_value_heads // dist.world_size, 1)
         bs = self.build.kv_block_size
-        if kv_cache_bytes is None:
-            # default: every request of a full batch at max_seq_len (+ one draft tree) fits
-            per_seq = -(-(self.build.max_seq_len + self.redrafter.max_tree_tokens) // bs)
-            num_blocks = per_seq * self.build.max_batch_size
-        else:
-            num_blocks = blocks_for_budget(kv_cache_bytes, m.num_hidden_layers, bs, kv_heads, m.head_size, self.dtype)
+        per_seq = self.build.max_seq_len + self.redrafter.max_tree_tokens  # a full request plus one draft tree
+        tokens = kv_cache_tokens or self.build.max_tokens_in_paged_kv_cache or per_seq * self.build.max_batch_size
+        num_blocks = -(-tokens // bs)
         self.cache = PagedKVCache(m.num_hidden_layers, num_blocks, bs, kv_heads, m.head_size, self.dtype, dist.device)
         self._ids = itertools.count()
 

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import UserError
 
 
 class KVCacheFull(Exception):
@@ -98,15 +97,3 @@ class PagedKVCache:
             return
         self.k[:, dst] = self.k[:, src]
         self.v[:, dst] = self.v[:, src]
-
-
-def blocks_for_budget(bytes_budget: int, num_layers: int, block_size: int, kv_heads: int, head_size: int,
-                      dtype: torch.dtype) -> int:
-    """How many blocks fit in `bytes_budget` (K and V, all layers)."""
-    elem = torch.tensor([], dtype=dtype).element_size()
-    per_block = 2 * num_layers * block_size * kv_heads * head_size * elem
-    n = bytes_budget // per_block
-    if n < 1:
-        raise UserError(f"the KV-cache budget of {bytes_budget} bytes holds no {block_size}-token block "
-                        f"({per_block} bytes each); raise --kv-cache-bytes.")
-    return int(n)

@@ -57,6 +57,7 @@ class SchedulerMetrics:
     finished: int
     accepted_draft_tokens: int
     generation_steps: int
+    preemptions: int
 
     @property
     def mean_tokens_per_step(self) -> float:
@@ -75,18 +76,22 @@ class Scheduler:
         self._by_id: dict[str, Request] = {}
         self._stop = False
         self._thread: threading.Thread | None = None
-        self._steps = self._finished = self._accepted = self._gen_steps = 0
+        self._steps = self._finished = self._accepted = self._gen_steps = self._preemptions = 0
 
     # ---- client side (any thread) ----------------------------------------------------------------------
     def submit(self, req: Request) -> Request:
         """Validate and queue a request; raises UserError for a request the engine cannot serve."""
         req.seq = self.engine.new_sequence(req.prompt, req.params, req.mode, req.stop_ids,
                                            stop_sequences=req.stop_sequences)
+        if len(req.prompt) > self.max_num_tokens:
+            raise UserError(f"the prompt has {len(req.prompt)} tokens but one step may hold at most "
+                            f"max_num_tokens={self.max_num_tokens}; shorten it or raise --max-num-tokens.")
         worst = len(req.prompt) + req.params.max_tokens + self.engine.redrafter.max_tree_tokens
         if not self.engine.cache.can_fit(worst):
             raise UserError(f"a {len(req.prompt)}-token prompt with max_tokens={req.params.max_tokens} needs more KV "
                             f"cache than the engine has ({self.engine.cache.num_blocks} blocks of "
-                            f"{self.engine.cache.block_size}); ask for fewer tokens or give the engine more KV memory.")
+                            f"{self.engine.cache.block_size} tokens); ask for fewer tokens or rebuild the engine with a larger "
+                            f"--max-tokens-in-paged-kv-cache.")
         with self._lock:
             if req.request_id in self._by_id:
                 raise ValueError(f"request id {req.request_id!r} is already in flight")
@@ -115,7 +120,7 @@ class Scheduler:
         c = self.engine.cache
         with self._lock:
             return SchedulerMetrics(len(self._waiting), len(self._running), c.used_blocks, c.num_blocks, self._steps,
-                                    self._finished, self._accepted, self._gen_steps)
+                                    self._finished, self._accepted, self._gen_steps, self._preemptions)
 
     # ---- the loop (one thread) ---------------------------------------------------------------------------
     def start(self) -> "Scheduler":
@@ -227,6 +232,7 @@ class Scheduler:
         with self._lock:
             self._running.remove(req)
             self._waiting.appendleft(req)
+            self._preemptions += 1
         self.engine.release(req.seq)
         self.engine.dist.broadcast_object(("free", req.seq.seq_id))
         self.engine.restart(req.seq)

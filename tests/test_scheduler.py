@@ -1,0 +1,109 @@
+"""In-flight batching: joining mid-run, streaming callbacks, cancellation, FCFS admission and KV preemption never
+change a request's greedy output."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_utils import build_tiny_engines, greedy, install_oracle_drafter, load_engine, random_prompts
+from trt_redrafter.errors import UserError
+from trt_redrafter.runtime.generate import generate
+from trt_redrafter.runtime.scheduler import Request, Scheduler
+
+MAX_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    _, engines = build_tiny_engines(tmp_path_factory.mktemp("sched"), seed=8, num_beams=3, draft_len=3,
+                                    max_batch_size=4, kv_block_size=8, num_heads=4, num_kv_heads=2, rnn=True)
+    engine = load_engine(engines[1])
+    prompts = random_prompts(engine.cfg.checkpoint.model.vocab_size, [6, 13, 4, 9, 11, 7], seed=2)
+    ar = [r.output_ids for r in generate(engine, prompts, greedy(MAX_NEW), mode="ar")]
+    return engines[1], prompts, ar
+
+
+def _collect(sched, reqs):
+    streamed = {r.request_id: [] for r in reqs}
+    finals = {}
+
+    def on_tokens(req, toks, finished):
+        streamed[req.request_id] += toks
+        if finished:
+            finals[req.request_id] = finals.get(req.request_id, 0) + 1
+
+    for r in reqs:
+        r.on_tokens = on_tokens
+    return streamed, finals
+
+
+def test_requests_joining_mid_run_keep_their_greedy_output(tiny):
+    engine_dir, prompts, ar = tiny
+    engine = load_engine(engine_dir)
+    install_oracle_drafter(engine, dict(enumerate(ar)), corrupt_every=3)
+    sched = Scheduler(engine)
+    reqs = [Request(str(i), p, greedy(MAX_NEW)) for i, p in enumerate(prompts)]
+    streamed, finals = _collect(sched, reqs)
+    sched.submit(reqs[0])
+    for _ in range(3):
+        sched.step_once()  # request 0 is mid-generation when the others arrive (prefill mixed with drafts)
+    for r in reqs[1:]:
+        sched.submit(r)
+    sched.run_until_idle()
+    assert [streamed[r.request_id] for r in reqs] == ar
+    assert [r.seq.output for r in reqs] == ar
+    assert all(finals[r.request_id] == 1 for r in reqs)
+    assert engine.cache.used_blocks == 0 and sched.metrics().running == 0
+
+
+def test_cancellation_frees_kv_at_the_next_step_and_others_continue(tiny):
+    engine_dir, prompts, ar = tiny
+    engine = load_engine(engine_dir)
+    sched = Scheduler(engine)
+    reqs = [Request(str(i), p, greedy(MAX_NEW)) for i, p in enumerate(prompts[:2])]
+    streamed, finals = _collect(sched, reqs)
+    for r in reqs:
+        sched.submit(r)
+    for _ in range(3):
+        sched.step_once()
+    held = engine.cache.used_blocks
+    assert sched.cancel("0")
+    sched.step_once()
+    assert reqs[0].seq.finish_reason == "cancelled" and reqs[0].done.is_set() and finals["0"] == 1
+    assert engine.cache.used_blocks < held and not engine.cache.has(reqs[0].seq.seq_id)
+    sched.run_until_idle()
+    assert streamed["1"] == ar[1] and engine.cache.used_blocks == 0
+    assert not sched.cancel("1")  # finished requests are no longer known
+
+
+def test_kv_preemption_recomputes_without_changing_outputs(tiny):
+    engine_dir, prompts, ar = tiny
+    # room for about two requests: the other four wait, and running ones get preempted as they grow
+    engine = load_engine(engine_dir, kv_cache_tokens=2 * (13 + MAX_NEW + 10) + 64)
+    sched = Scheduler(engine)
+    reqs = [sched.submit(Request(str(i), p, greedy(MAX_NEW))) for i, p in enumerate(prompts)]
+    streamed, _ = _collect(sched, reqs)
+    sched.run_until_idle()
+    assert sched.metrics().preemptions > 0
+    assert [streamed[r.request_id] for r in reqs] == ar
+    assert engine.cache.used_blocks == 0
+
+
+def test_fcfs_admission_is_bounded_by_batch_size_and_token_budget(tiny):
+    engine_dir, prompts, _ = tiny
+    engine = load_engine(engine_dir)
+    sched = Scheduler(engine, max_num_tokens=18)  # the 13-token prompt cannot join the 6-token one in a step
+    for i, p in enumerate(prompts):
+        sched.submit(Request(str(i), p, greedy(4)))
+    sched.step_once()
+    m = sched.metrics()
+    assert (m.running, m.waiting) == (1, 5)  # request 1 blocks the shorter ones behind it: no overtaking
+    sched.run_until_idle()
+    assert sched.metrics().finished == len(prompts)
+
+
+def test_a_request_that_can_never_fit_the_kv_cache_is_refused(tiny):
+    engine_dir, prompts, _ = tiny
+    engine = load_engine(engine_dir, kv_cache_tokens=48)
+    with pytest.raises(UserError, match="max-tokens-in-paged-kv-cache"):
+        Scheduler(engine).submit(Request("x", prompts[1], greedy(MAX_NEW)))
