@@ -71,6 +71,11 @@ class _Open:
     streaming: bool
     sent: list[int] = field(default_factory=list)
     generation_steps: int = 0
+    # Triton frees a response sender once its final response is sent, and `is_cancelled()` on it afterwards
+    # crashes tritonserver (SIGSEGV in TRITONBACKEND_ResponseFactoryIsCancelled, seen under load): the final
+    # send and the monitor's cancellation poll are serialized by this lock, and `closed` ends the polling.
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    closed: bool = False
 
 
 def _scalar(inputs: dict[str, np.ndarray], name: str, default=None):
@@ -227,7 +232,9 @@ class EngineModel:
         if state is None:
             return
         try:
-            self._respond(state, req, new, finished)
+            with state.lock:
+                state.closed = finished
+                self._respond(state, req, new, finished)
         except Exception:  # a vanished client must not stop the scheduler thread
             logger.exception("sending a response for request %r failed", state.triton_id)
 
@@ -253,10 +260,13 @@ class EngineModel:
             with self._lock:
                 open_items = list(self._open.items())
             for rid, state in open_items:
-                try:
-                    cancelled = state.sink.is_cancelled()
-                except Exception:  # the sender is gone with its client
-                    cancelled = True
+                with state.lock:
+                    if state.closed:
+                        continue
+                    try:
+                        cancelled = state.sink.is_cancelled()
+                    except Exception:  # the sender is gone with its client
+                        cancelled = True
                 if cancelled:
                     self.scheduler.cancel(rid)
             now = time.monotonic()
