@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install everything trt-redrafter needs on a fresh Debian/Ubuntu machine (CPU): Open MPI, the CPU PyTorch
-# wheel, and this package with its dev extras. Idempotent; safe to re-run.
+# wheel, and this package with its dev, serving and bench extras. Idempotent; safe to re-run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
@@ -11,4 +11,4 @@ fi
 PIP="python3 -m pip install -q --disable-pip-version-check"
 # torch first and pinned, so the dependency resolver does not pull a CUDA build
 python3 -c 'import torch' 2>/dev/null || $PIP "torch==2.13.0" || $PIP "torch>=2.4"
-$PIP -e ".[dev,serving]"
+$PIP -e ".[dev,serving,bench]"

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Perf smoke (CI, after the unit tests): the small trained pair (models/small) -> TP1 and TP2 torch engines ->
+# `trt-redrafter bench` (AR vs ReDrafter on the same engines, one QPS point, a handful of MT-Bench requests,
+# 3 repeats) -> `trt-redrafter gate` against the committed ci/baseline.json. About 2-3 minutes on 2 CPU cores.
+#
+#   ci/smoke.sh                     # gate; exit 1 on a regression, 2 on bad input
+#   ci/smoke.sh --update-baseline   # measure and write ci/baseline.json (commit it; see ci/README.md)
+#
+# Env: PERF_SMOKE_OUT (work dir, default out/perf-smoke), PERF_DATASET (MT-Bench question.jsonl).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${PERF_SMOKE_OUT:-out/perf-smoke}
+DATASET=${PERF_DATASET:-/work/shared/data/mt_bench_questions.jsonl}
+MODELS=models/small
+for d in "$MODELS/base" "$MODELS/drafter"; do
+    [ -f "$d/config.json" ] || { echo "perf smoke: $d is missing (scripts/train_small_pair.sh makes it)" >&2; exit 2; }
+done
+[ -f "$DATASET" ] || { echo "perf smoke: dataset $DATASET is missing; set PERF_DATASET to MT-Bench's question.jsonl" >&2; exit 2; }
+rm -rf "$OUT"
+mkdir -p "$OUT"
+t0=$(date +%s)
+# the drafter was distilled for 4 drafted tokens; max_seq_len = the base model's trained context (512)
+for tp in 1 2; do
+    trt-redrafter convert --base-model "$MODELS/base" --drafter "$MODELS/drafter" --output "$OUT/ckpt-tp$tp" \
+        --tp "$tp" --dtype float32 --num-beams 4 --draft-len-per-beam 4 >"$OUT/build.log" 2>&1
+    trt-redrafter build-engine --checkpoint "$OUT/ckpt-tp$tp" --output "$OUT/engine-tp$tp" --tp "$tp" --backend torch \
+        --max-batch-size 8 --max-input-len 448 --max-seq-len 512 --tokenizer "$MODELS/base" >>"$OUT/build.log" 2>&1
+done
+trt-redrafter bench --engines "tp1=$OUT/engine-tp1,tp2=$OUT/engine-tp2" --modes ar,redrafter --dataset "$DATASET" \
+    --qps 2 --num-requests 8 --warmup 1 --max-tokens 64 --seed 0 --repeats 3 --no-progress \
+    --output "$OUT/results" --server-logs "$OUT/logs" 2>"$OUT/bench.log" | tail -n 1
+echo "perf smoke: bench done in $(( $(date +%s) - t0 )) s; table: $OUT/results/results.md"
+trt-redrafter gate --baseline ci/baseline.json --results "$OUT/results/results.json" --config ci/perf_gate.yaml "$@"

@@ -1,0 +1,75 @@
+"""PNG plots of a results document (matplotlib, Agg: no display needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import UserError
+
+COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown")
+STYLE = {"ar": "--", "redrafter": "-"}
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise UserError("plots need matplotlib: pip install 'trt-redrafter[bench]' (or pass --no-plots).") from e
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _title(doc: dict, what: str) -> str:
+    m, c = doc.get("machine", {}), doc["config"]
+    where = ", ".join(m.get("gpus") or []) or f"CPU x{m.get('affinity') or m.get('cpu_count')}"
+    return f"{what}\n{where}; max_tokens {c.get('max_tokens')}, medians over {c.get('repeats')} repeat(s)"
+
+
+def plot_all(doc: dict, out_dir: Path) -> dict[str, Path]:
+    plt = _pyplot()
+    files = {}
+    tps = sorted({p["tp"] for p in doc["points"]})
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=90)
+    for i, tp in enumerate(tps):
+        for mode in ("ar", "redrafter"):
+            pts = sorted((p for p in doc["points"] if p["tp"] == tp and p["mode"] == mode), key=lambda p: p["qps"])
+            pts = [p for p in pts if p["metrics"]["tpot_ms"]["median"] is not None]
+            if pts:
+                ax.plot([p["qps"] for p in pts], [p["metrics"]["tpot_ms"]["median"] for p in pts], STYLE[mode],
+                        marker="o", color=COLORS[i % len(COLORS)], label=f"TP{tp} {'AR' if mode == 'ar' else 'ReDrafter'}")
+    ax.set_xlabel("offered load (QPS, Poisson)")
+    ax.set_ylabel("TPOT median (ms/token)")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(_title(doc, "ms/token vs QPS"), fontsize=9)
+    fig.tight_layout()
+    files["plot_ms_per_token"] = out_dir / "ms_per_token.png"
+    fig.savefig(files["plot_ms_per_token"])
+    plt.close(fig)
+
+    if doc["speedups"]:
+        fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=90)
+        for i, tp in enumerate(tps):
+            ss = sorted((s for s in doc["speedups"] if s["tp"] == tp and s["speedup"] is not None),
+                        key=lambda s: s["qps"])
+            if not ss:
+                continue
+            x = [s["qps"] for s in ss]
+            y = [s["speedup"] for s in ss]
+            err = [[s["speedup"] - s["min"] for s in ss], [s["max"] - s["speedup"] for s in ss]]
+            ax.errorbar(x, y, yerr=err, marker="o", capsize=3, color=COLORS[i % len(COLORS)], label=f"TP{tp}")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xlabel("offered load (QPS, Poisson)")
+        ax.set_ylabel("speedup = AR TPOT / ReDrafter TPOT")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        ax.set_title(_title(doc, "ReDrafter speedup vs QPS (bars: min-max over repeats)"), fontsize=9)
+        fig.tight_layout()
+        files["plot_speedup"] = out_dir / "speedup.png"
+        fig.savefig(files["plot_speedup"])
+        plt.close(fig)
+    return files

@@ -1,0 +1,46 @@
+"""`trt-redrafter gate`: check a bench results document against a baseline (logic: trt_redrafter/bench/gate.py).
+
+Exit status: 0 pass, 1 regression, 2 bad input (missing/malformed files, incomparable runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+EXIT_REGRESSION = 1
+
+
+def register(sub) -> None:
+    p = sub.add_parser("gate", help="fail on a perf regression against a baseline (ratios, tokens/step, errors)",
+                       description="Compare RESULTS (trt-redrafter bench's results.json) with BASELINE: per (TP, "
+                                   "QPS) point the AR/ReDrafter speedup, greedy tokens/step and errors. Prints one "
+                                   "line per rule per point; exits 1 on a regression, 2 on bad input.")
+    p.add_argument("--baseline", required=True, help="baseline results document (e.g. ci/baseline.json)")
+    p.add_argument("--results", required=True, help="results document to check")
+    p.add_argument("--config", help="gate thresholds (YAML with a `gate:` section, e.g. ci/perf_gate.yaml)")
+    p.add_argument("--update-baseline", action="store_true",
+                   help="after reporting, write RESULTS as the new BASELINE (atomically) and exit 0")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ..bench.gate import evaluate, load_gate_config
+    from ..bench.report import baseline_of, load_document, write_json_atomic
+    from ..errors import UserError
+
+    cfg = load_gate_config(args.config)
+    results = load_document(args.results, "--results")
+    if args.update_baseline:
+        if Path(args.baseline).exists():
+            try:
+                print(evaluate(load_document(args.baseline, "--baseline"), results, cfg).text())
+            except UserError as e:
+                print(f"note: the old baseline is not comparable ({e})")
+        write_json_atomic(args.baseline, baseline_of(results))
+        print(f"baseline {args.baseline} updated from {args.results}")
+        return 0
+    report = evaluate(load_document(args.baseline, "--baseline"), results, cfg)
+    print(report.text())
+    return 0 if report.passed else EXIT_REGRESSION
