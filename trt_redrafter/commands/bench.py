@@ -67,7 +67,9 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("give exactly one of --url, --engines, or --ar-engine/--redrafter-engine.")
     if args.url:
         host, port = parse_host_port(args.url, 8001)
-        targets = [Target(args.tp, m, f"{host}:{port}", m, None) for m in modes]
+        # redrafter is the engine's default: send decoding_mode only for AR, so a TensorRT-LLM ensemble (which
+        # has no such input) can still be measured with --modes redrafter
+        targets = [Target(args.tp, m, f"{host}:{port}", "ar" if m == "ar" else None, None) for m in modes]
         doc_sweep = run_sweep(targets, cfg, show_progress=not args.no_progress)
         engines = {}
     else:
