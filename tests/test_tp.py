@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -50,6 +51,20 @@ def test_tp_sampled_output_is_reproducible_across_tp(engines):
     prompts = random_prompts(512, [5, 7], seed=4)
     extra = ["--temperature", "0.8", "--top-k", "50", "--seed", "123"]
     assert run_json(engines[2], prompts, "redrafter", extra) == run_json(engines[1], prompts, "redrafter", extra)
+
+
+def test_an_idle_tp_server_keeps_its_ranks_past_the_collective_timeout(engines):
+    """The driver's heartbeats keep the follower's pending broadcast alive while no request arrives."""
+    from trt_redrafter.commands.run import mpirun_command
+
+    prompt = random_prompts(512, [5], seed=6)[0]
+    ids = ",".join(map(str, prompt))
+    cmd = mpirun_command(2, [])[:-2] + [str(Path(__file__).with_name("tp_idle_driver.py")), str(engines[2]), ids]
+    env = {**os.environ, "TRT_REDRAFTER_COLLECTIVE_TIMEOUT": "4"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    expected = run_json(engines[1], [prompt], "redrafter")[0][:12]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == expected
 
 
 def test_a_dead_rank_ends_the_job_within_seconds(engines):

@@ -17,6 +17,7 @@ other ranks. The scheduler knows nothing about text or Triton: token ids in, cal
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -24,11 +25,16 @@ from typing import Callable, Optional
 from ..config import SamplingConfig
 from ..errors import UserError
 from ..log import get_logger
+from .distributed import COLLECTIVE_TIMEOUT_S
 from .engine import Engine
 from .kv_cache import KVCacheFull
 from .sequence import Sequence
 
 logger = get_logger(__name__)
+
+# An idle driver pings its followers this often, well inside the collective timeout (distributed.py), so a TP > 1
+# server with no traffic keeps its ranks.
+HEARTBEAT_S = min(10.0, COLLECTIVE_TIMEOUT_S / 4)
 
 OnTokens = Callable[["Request", list[int], bool], None]  # (request, new tokens, finished)
 
@@ -136,13 +142,21 @@ class Scheduler:
             self._thread.join(timeout)
 
     def run_forever(self) -> None:
+        idle_since = time.monotonic()
         while True:
             with self._lock:
                 while not self._stop and not self._waiting and not self._running and not self._any_cancelled():
                     self._lock.wait(timeout=1.0)
+                    if time.monotonic() - idle_since > HEARTBEAT_S:
+                        break
                 if self._stop:
                     break
-            self.step_once()
+                idle = not self._waiting and not self._running and not self._any_cancelled()
+            if idle:  # keep follower ranks' pending collective from timing out on an idle server
+                self.engine.dist.broadcast_object(("ping", None))
+            else:
+                self.step_once()
+            idle_since = time.monotonic()
         self.engine.dist.broadcast_object(None)  # tell followers to exit
 
     def run_until_idle(self) -> None:
@@ -258,6 +272,8 @@ def follow(engine: Engine) -> None:
         if msg is None:
             return
         kind, body = msg
+        if kind == "ping":
+            continue
         if kind == "free":
             s = seqs.pop(body, None)
             if s is not None:
