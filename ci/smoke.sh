@@ -9,11 +9,8 @@
 # Env: PERF_SMOKE_OUT (work dir, default out/perf-smoke), PERF_DATASET (MT-Bench question.jsonl).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# A TP>1 server's follower ranks die after TRT_REDRAFTER_COLLECTIVE_TIMEOUT (60 s) without a request, and a sweep
-# leaves each server idle while the others are measured: allow an hour (inherited by tritonserver and mpirun).
-export TRT_REDRAFTER_COLLECTIVE_TIMEOUT=${TRT_REDRAFTER_COLLECTIVE_TIMEOUT:-3600}
 OUT=${PERF_SMOKE_OUT:-out/perf-smoke}
-DATASET=${PERF_DATASET:-/work/shared/data/mt_bench_questions.jsonl}
+DATASET=${PERF_DATASET:-../shared/data/mt_bench_questions.jsonl}
 MODELS=models/small
 for d in "$MODELS/base" "$MODELS/drafter"; do
     [ -f "$d/config.json" ] || { echo "perf smoke: $d is missing (scripts/train_small_pair.sh makes it)" >&2; exit 2; }

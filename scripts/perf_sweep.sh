@@ -8,11 +8,8 @@
 # Env: PERF_DATASET (MT-Bench question.jsonl), QPS, NUM_REQUESTS, REPEATS, MAX_TOKENS to change the sweep.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# A TP>1 server's follower ranks die after TRT_REDRAFTER_COLLECTIVE_TIMEOUT (60 s) without a request, and a sweep
-# leaves each server idle while the others are measured: allow an hour (inherited by tritonserver and mpirun).
-export TRT_REDRAFTER_COLLECTIVE_TIMEOUT=${TRT_REDRAFTER_COLLECTIVE_TIMEOUT:-3600}
 OUT=${1:-out/perf-sweep}
-DATASET=${PERF_DATASET:-/work/shared/data/mt_bench_questions.jsonl}
+DATASET=${PERF_DATASET:-../shared/data/mt_bench_questions.jsonl}
 MODELS=models/small
 mkdir -p "$OUT"
 for tp in 1 2; do

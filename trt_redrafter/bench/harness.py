@@ -31,7 +31,7 @@ from .schedule import CHAT_TEMPLATES, load_prompts, pick_prompts, poisson_offset
 logger = get_logger(__name__)
 
 MODES = ("ar", "redrafter")
-DEFAULT_DATASET = "/work/shared/data/mt_bench_questions.jsonl"
+DEFAULT_DATASET = "../shared/data/mt_bench_questions.jsonl"  # MT-Bench beside a checkout, as CI has it
 
 
 @dataclass

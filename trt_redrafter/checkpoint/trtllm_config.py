@@ -1,6 +1,6 @@
 """TensorRT-LLM checkpoint `config.json`: write it as TensorRT-LLM's converters do, and read it back.
 
-Two layouts (see /work/notes/trtllm-facts.md §1, §3 and reference/trtllm-redrafter.md §2.2):
+Two layouts (TensorRT-LLM's `PretrainedConfig.to_dict()` and `examples/redrafter/convert_checkpoint.py`):
 
 - "1.x" (TensorRT-LLM 1.0-1.2, two-step converter): the LLaMA `LLaMAConfig.to_dict()` of the base checkpoint, key
   order = `__dict__` insertion order (LLaMA fields first, then `PretrainedConfig` fields, then implicit kwargs), then
