@@ -97,8 +97,9 @@ def _corpus() -> list[str]:
     return [t for t in texts if t]
 
 
-def build_tokenizer(vocab_size: int):
-    """A byte-level BPE `PreTrainedTokenizerFast` of exactly `vocab_size` tokens, bos added like Llama's."""
+def build_tokenizer(vocab_size: int, texts: list[str] | None = None):
+    """A byte-level BPE `PreTrainedTokenizerFast` of exactly `vocab_size` tokens trained on `texts` (default: a few
+    KB of this interpreter's stdlib docstrings), bos added like Llama's."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -107,7 +108,7 @@ def build_tokenizer(vocab_size: int):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), min_frequency=2)
-    tok.train_from_iterator(_corpus(), trainer)
+    tok.train_from_iterator(_corpus() if texts is None else texts, trainer)
     short = vocab_size - tok.get_vocab_size()
     if short > 0:  # the corpus ran out of merges: fill with never-produced tokens so V is exact
         tok.add_tokens([f"<extra_{i}>" for i in range(short)])

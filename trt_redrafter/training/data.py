@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")  # ids 0..3, Llama's order for unk/bos/eos
+from ..checkpoint import tiny
+from ..checkpoint.tiny import SPECIAL_TOKENS  # noqa: F401  (ids 0..3; re-exported for scripts/train_base.py)
 HELD_OUT_MODULES = ("bisect", "colorsys", "fractions", "heapq", "queue", "sched", "shlex", "textwrap")
 SKIP_MODULES = ("this", "antigravity", "__phello__.foo")  # not source-like text
 
@@ -31,23 +32,7 @@ def read_texts(files: list[Path]) -> list[str]:
 
 def build_tokenizer(vocab_size: int, files: list[Path]):
     """A byte-level BPE `PreTrainedTokenizerFast` of exactly `vocab_size` tokens trained on `files`; adds bos."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), min_frequency=2)
-    tok.train_from_iterator(read_texts(files), trainer)
-    short = vocab_size - tok.get_vocab_size()
-    if short > 0:  # the corpus ran out of merges: pad with never-produced tokens so V is exact
-        tok.add_tokens([f"<extra_{i}>" for i in range(short)])
-    assert tok.get_vocab_size() == vocab_size, (tok.get_vocab_size(), vocab_size)
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
-                                                       special_tokens=[("<s>", 1)])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                                   pad_token="<pad>", clean_up_tokenization_spaces=False)
+    return tiny.build_tokenizer(vocab_size, read_texts(files))
 
 
 def token_stream(tokenizer, files: list[Path]) -> torch.Tensor:
