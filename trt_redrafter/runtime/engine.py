@@ -203,20 +203,26 @@ class Engine:
             idx = [i for i, s in enumerate(seqs) if s.draft is not None and s.sampling.resolved_acceptance == mode]
             if not idx:
                 continue
-            beams = torch.stack([seqs[i].draft.beams for i in idx])  # [g, nb, bl]
-            tl = torch.stack([per_seq[i][seqs[i].draft.unpacker.to(logits.device)] for i in idx])  # [g, nb, bl, V]
+            dev = logits.device
+            beams = torch.stack([seqs[i].draft.beams for i in idx]).to(dev)  # [g, nb, bl]
+
+            def unpack(rows: list[torch.Tensor]) -> torch.Tensor:
+                """Per-request packed-tree rows [P_i, V] -> beam layout [g, nb, bl, V]."""
+                return torch.stack([r[seqs[i].draft.unpacker.to(dev)] for r, i in zip(rows, idx)])
+
             if mode == "greedy":
-                acc = acceptance.accept_greedy(beams.to(tl.device), tl)
+                acc = acceptance.accept_greedy(beams, unpack([per_seq[i] for i in idx]))
             else:
-                g, nb, bl, V = tl.shape
-                params = [seqs[i].sampling for i in idx for _ in range(nb * bl)]
-                probs = self._process(params, tl.reshape(-1, V)).view(g, nb, bl, V)
+                # process each tree node once (beams sharing a prefix share its rows), then unpack
+                params = [seqs[i].sampling for i in idx for _ in range(counts[i])]
+                probs = self._process(params, torch.cat([per_seq[i] for i in idx]))  # [sum P_i, V]
+                probs = unpack(list(torch.split(probs, [counts[i] for i in idx])))  # [g, nb, bl, V]
                 gens = [seqs[i].generator for i in idx]
                 if mode == "exact":
-                    acc = acceptance.accept_exact(beams.to(tl.device), probs, gens)
+                    acc = acceptance.accept_exact(beams, probs, gens)
                 else:
-                    draft_logp = torch.stack([seqs[i].draft.log_probs for i in idx]).to(tl.device)
-                    acc = acceptance.accept_apple(beams.to(tl.device), probs.log(), draft_logp, gens)
+                    draft_logp = torch.stack([seqs[i].draft.log_probs for i in idx]).to(dev)
+                    acc = acceptance.accept_apple(beams, probs.log(), draft_logp, gens)
             out[idx, 0] = acc.beam_index.cpu()
             out[idx, 1] = acc.num_accepted.cpu()
             out[idx, 2] = acc.next_token.cpu()
