@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from trt_redrafter.bench import schedule
 from trt_redrafter.config import SamplingConfig
 from trt_redrafter.runtime.distributed import init_dist, shutdown_dist
 from trt_redrafter.runtime.engine import Engine
@@ -29,22 +30,15 @@ from trt_redrafter.runtime.generate import generate
 from trt_redrafter.runtime.scheduler import follow
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mt_bench_questions.jsonl"
-VICUNA_SYSTEM = ("A chat between a curious user and an artificial intelligence assistant. The assistant gives "
-                 "helpful, detailed, and polite answers to the user's questions.")
+BUILTIN_PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    def __init__(self):",
+                   "The quick brown fox"]
 
 
 def load_prompts(path: Path | None, n: int) -> list[str]:
+    """The first n prompts of an MT-Bench / {"prompt"} JSONL file (the harness's reader), else a few built-in ones."""
     if path is None or not path.is_file():
-        return ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    def __init__(self):",
-                "The quick brown fox"][:n]
-    out = []
-    for line in path.read_text().splitlines():
-        d = json.loads(line)
-        turn = d["turns"][0] if "turns" in d else d.get("prompt", "")
-        out.append(f"{VICUNA_SYSTEM} USER: {turn} ASSISTANT:" if "turns" in d else turn)
-        if len(out) == n:
-            break
-    return out
+        return BUILTIN_PROMPTS[:n]
+    return schedule.load_prompts(path)[:n]
 
 
 def main() -> int:
