@@ -27,6 +27,19 @@ def _title(doc: dict, what: str) -> str:
     return f"{what}\n{where}; max_tokens {c.get('max_tokens')}, medians over {c.get('repeats')} repeat(s)"
 
 
+def _finish(plt, fig, ax, ylabel: str, title: str, path: Path) -> Path:
+    """Axis labels, grid, legend and title shared by every plot; save it and free the figure."""
+    ax.set_xlabel("offered load (QPS, Poisson)")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 def plot_all(doc: dict, out_dir: Path) -> dict[str, Path]:
     plt = _pyplot()
     files = {}
@@ -40,16 +53,9 @@ def plot_all(doc: dict, out_dir: Path) -> dict[str, Path]:
             if pts:
                 ax.plot([p["qps"] for p in pts], [p["metrics"]["tpot_ms"]["median"] for p in pts], STYLE[mode],
                         marker="o", color=COLORS[i % len(COLORS)], label=f"TP{tp} {'AR' if mode == 'ar' else 'ReDrafter'}")
-    ax.set_xlabel("offered load (QPS, Poisson)")
-    ax.set_ylabel("TPOT median (ms/token)")
     ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    ax.set_title(_title(doc, "ms/token vs QPS"), fontsize=9)
-    fig.tight_layout()
-    files["plot_ms_per_token"] = out_dir / "ms_per_token.png"
-    fig.savefig(files["plot_ms_per_token"])
-    plt.close(fig)
+    files["plot_ms_per_token"] = _finish(plt, fig, ax, "TPOT median (ms/token)", _title(doc, "ms/token vs QPS"),
+                                         out_dir / "ms_per_token.png")
 
     if doc["speedups"]:
         fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=90)
@@ -63,13 +69,7 @@ def plot_all(doc: dict, out_dir: Path) -> dict[str, Path]:
             err = [[s["speedup"] - s["min"] for s in ss], [s["max"] - s["speedup"] for s in ss]]
             ax.errorbar(x, y, yerr=err, marker="o", capsize=3, color=COLORS[i % len(COLORS)], label=f"TP{tp}")
         ax.axhline(1.0, color="gray", lw=0.8)
-        ax.set_xlabel("offered load (QPS, Poisson)")
-        ax.set_ylabel("speedup = AR TPOT / ReDrafter TPOT")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        ax.set_title(_title(doc, "ReDrafter speedup vs QPS (bars: min-max over repeats)"), fontsize=9)
-        fig.tight_layout()
-        files["plot_speedup"] = out_dir / "speedup.png"
-        fig.savefig(files["plot_speedup"])
-        plt.close(fig)
+        files["plot_speedup"] = _finish(plt, fig, ax, "speedup = AR TPOT / ReDrafter TPOT",
+                                        _title(doc, "ReDrafter speedup vs QPS (bars: min-max over repeats)"),
+                                        out_dir / "speedup.png")
     return files
