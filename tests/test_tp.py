@@ -55,11 +55,12 @@ def test_tp_sampled_output_is_reproducible_across_tp(engines):
 
 def test_an_idle_tp_server_keeps_its_ranks_past_the_collective_timeout(engines):
     """The driver's heartbeats keep the follower's pending broadcast alive while no request arrives."""
-    from trt_redrafter.commands.run import mpirun_command
+    from trt_redrafter.runtime.distributed import mpirun_prefix
 
     prompt = random_prompts(512, [5], seed=6)[0]
     ids = ",".join(map(str, prompt))
-    cmd = mpirun_command(2, [])[:-2] + [str(Path(__file__).with_name("tp_idle_driver.py")), str(engines[2]), ids]
+    cmd = mpirun_prefix(2, "the test") + [sys.executable, str(Path(__file__).with_name("tp_idle_driver.py")),
+                                          str(engines[2]), ids]
     env = {**os.environ, "TRT_REDRAFTER_COLLECTIVE_TIMEOUT": "4"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

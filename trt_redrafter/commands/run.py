@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -49,15 +47,10 @@ def _parse_ids(texts: list[str]) -> list[list[int]]:
 
 
 def mpirun_command(n: int, argv: list[str]) -> list[str]:
-    """`mpirun -n N python -m trt_redrafter ...`, with what Open MPI needs on a single box run as root."""
-    mpirun = shutil.which("mpirun")
-    if mpirun is None:
-        raise UserError(f"this engine needs {n} ranks but mpirun is not installed; install Open MPI "
-                        f"(apt-get install openmpi-bin) and mpi4py (pip install 'trt-redrafter[mpi]').")
-    cmd = [mpirun, "-n", str(n), "--bind-to", "none", "--oversubscribe"]
-    if hasattr(os, "geteuid") and os.geteuid() == 0:
-        cmd.append("--allow-run-as-root")
-    return cmd + [sys.executable, "-m", "trt_redrafter", *argv]
+    """`mpirun -n N python -m trt_redrafter ...`: the command relaunched on every rank."""
+    from ..runtime.distributed import mpirun_prefix
+
+    return mpirun_prefix(n, "this engine") + [sys.executable, "-m", "trt_redrafter", *argv]
 
 
 def run(args: argparse.Namespace) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import shutil
 import socket
 from dataclasses import dataclass
 
@@ -35,6 +36,18 @@ def mpi_world() -> tuple[int, int]:
         if rank_var in os.environ and size_var in os.environ:
             return int(os.environ[rank_var]), int(os.environ[size_var])
     return 0, 1
+
+
+def mpirun_prefix(n: int, what: str) -> list[str]:
+    """`mpirun -n N` with what Open MPI needs for ranks on one box (and as root); `what` says who needs them."""
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        raise UserError(f"{what} needs {n} MPI rank(s) but mpirun is not installed; install Open MPI "
+                        f"(apt-get install openmpi-bin) and mpi4py (pip install 'trt-redrafter[mpi]').")
+    cmd = [mpirun, "-n", str(n), "--bind-to", "none", "--oversubscribe"]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        cmd.append("--allow-run-as-root")
+    return cmd
 
 
 def in_mpi_world() -> bool:

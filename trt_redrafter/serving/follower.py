@@ -24,13 +24,9 @@ WATCHDOG_PERIOD_S = 1.0
 
 def follower_command(engine_dir: str, tp: int, port: int, parent_pid: int) -> list[str]:
     """mpirun command that starts ranks 1..tp-1 (rank = OMPI_COMM_WORLD_RANK + 1)."""
-    mpirun = shutil.which("mpirun")
-    if mpirun is None:
-        raise RuntimeError(f"serving a tp={tp} engine needs Open MPI's mpirun on PATH (apt-get install openmpi-bin).")
-    cmd = [mpirun, "-n", str(tp - 1), "--bind-to", "none", "--oversubscribe"]
-    if os.geteuid() == 0:
-        cmd.append("--allow-run-as-root")
-    return cmd + [python_executable(), "-m", "trt_redrafter.serving.follower", "--engine", str(engine_dir),
+    from ..runtime.distributed import mpirun_prefix
+
+    return mpirun_prefix(tp - 1, f"serving a tp={tp} engine") + [python_executable(), "-m", "trt_redrafter.serving.follower", "--engine", str(engine_dir),
                   "--port", str(port), "--world-size", str(tp), "--parent-pid", str(parent_pid)]
 
 
