@@ -29,6 +29,14 @@ from .errors import UserError
 DTYPES = ("float16", "bfloat16", "float32")
 
 
+def torch_dtype(name: str):
+    """The torch dtype named by one of DTYPES (torch is imported only when needed)."""
+    import torch
+
+    assert name in DTYPES, (name, DTYPES)
+    return getattr(torch, name)
+
+
 def _f(default: Any = dataclasses.MISSING, help: str = "", choices: tuple | None = None, cli: bool = True, **kw):
     """A dataclass field carrying its CLI help text and choices."""
     md = {"help": help, "choices": choices, "cli": cli}

@@ -10,11 +10,10 @@ import os
 import shutil
 from pathlib import Path
 
-import torch
 from safetensors.torch import load_file, save_file
 
 from ..checkpoint.trtllm_config import parse_checkpoint_config
-from ..config import BuildConfig
+from ..config import BuildConfig, torch_dtype
 from ..errors import UserError
 from ..fsutil import atomic_output_dir, read_json, write_json
 from ..log import get_logger
@@ -22,7 +21,6 @@ from ..runtime.engine_config import engine_config_dict
 
 logger = get_logger(__name__)
 
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
 
@@ -59,7 +57,7 @@ def build_torch_engine(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     info = check_checkpoint(ckpt_dir, tp)
     if not build.dtype:
         build = build.replace(dtype=info.model.dtype)
-    dtype = TORCH_DTYPES[build.dtype]
+    dtype = torch_dtype(build.dtype)
     if build.max_seq_len > info.model.max_position_embeddings and not info.model.rotary_scaling:
         logger.warning("max_seq_len=%d exceeds the model's max_position_embeddings=%d without RoPE scaling",
                        build.max_seq_len, info.model.max_position_embeddings)

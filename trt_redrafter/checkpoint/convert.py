@@ -23,7 +23,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from ..config import DTYPES, ConfigBase, DrafterConfig, ModelConfig, ReDrafterConfig, _f
+from ..config import DTYPES, ConfigBase, DrafterConfig, ModelConfig, ReDrafterConfig, _f, torch_dtype
 from ..errors import UserError
 from ..fsutil import atomic_output_dir
 from ..log import get_logger
@@ -36,7 +36,6 @@ from .trtllm_config import (FORMATS, add_redrafter_keys, build_pretrained_config
 
 log = get_logger(__name__)
 
-TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 DEFAULT_DTYPE = "float16"  # TensorRT-LLM's converters default to fp16
 
 
@@ -105,7 +104,7 @@ def _refuse_existing(output: Path, force: bool) -> None:
 
 
 def _caster(dtype: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    td = TORCH_DTYPES[dtype]
+    td = torch_dtype(dtype)
     return lambda t: t.to(td).contiguous()
 
 

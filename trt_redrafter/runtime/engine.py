@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from ..config import BuildConfig, SamplingConfig
+from ..config import BuildConfig, SamplingConfig, torch_dtype
 from ..decoding import acceptance, beam_search, sampling
 from ..errors import UserError
 from ..log import get_logger
@@ -39,7 +39,6 @@ from .sequence import Sequence, attach_drafts
 
 logger = get_logger(__name__)
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 APPLE_WARP_TOP_K = 50  # Apple's drafter keeps its 50 most likely tokens before the beam search
 
 
@@ -64,7 +63,7 @@ class Engine:
         self.dist = dist
         self.redrafter = info.redrafter
         self.build: BuildConfig = self.cfg.build
-        self.dtype = DTYPES[dtype or self.build.dtype or info.model.dtype]
+        self.dtype = torch_dtype(dtype or self.build.dtype or info.model.dtype)
         path = self.engine_dir / f"rank{dist.rank}.safetensors"
         if not path.is_file():
             raise UserError(f"engine {self.engine_dir} has no {path.name}; rebuild it with build-engine.")
