@@ -9,7 +9,7 @@ import torch
 
 from trt_redrafter.decoding.acceptance import (Acceptance, accept_apple, accept_exact, accept_greedy,
                                                emitted_tokens)
-from trt_redrafter.decoding.sampling import process_logits
+from trt_redrafter.decoding.sampling import draw, process_logits
 from trt_redrafter.decoding.tree import pack_beams
 
 chisquare = pytest.importorskip("scipy.stats").chisquare
@@ -154,10 +154,14 @@ def chi_square_vs_ar(first3: torch.Tensor) -> float:
     return chisquare(observed.numpy(), (expected * len(first3)).numpy()).pvalue
 
 
+def seeds(n: int, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(seed [n], base_position [n]) for n independent requests."""
+    return torch.arange(offset, offset + n), torch.full((n,), 5)
+
+
 def run_exact(n: int) -> tuple[Acceptance, torch.Tensor]:
     beams = BEAMS.expand(n, 3, 3).contiguous()
-    gens = [torch.Generator().manual_seed(10_000 + s) for s in range(n)]
-    return accept_exact(beams, markov_target_probs(beams), gens), beams
+    return accept_exact(beams, markov_target_probs(beams), *seeds(n, 10_000)), beams
 
 
 def test_exact_matches_ar_distribution():
@@ -196,12 +200,16 @@ def test_biased_rule_fails_the_same_test():
     assert pvalue < 1e-6, f"the chi-square test failed to detect a biased rule: p={pvalue:.3g}"
 
 
-def test_exact_is_deterministic_per_generator():
-    beams = BEAMS.expand(4, 3, 3)
+def test_exact_is_deterministic_per_seed_and_emits_ar_draws():
+    beams = BEAMS.expand(64, 3, 3)
     probs = markov_target_probs(beams)
-    a = accept_exact(beams, probs, [torch.Generator().manual_seed(s) for s in range(4)])
-    b = accept_exact(beams, probs, [torch.Generator().manual_seed(s) for s in range(4)])
-    assert as_lists(a) == as_lists(b)
+    a = accept_exact(beams, probs, *seeds(64))
+    assert as_lists(a) == as_lists(accept_exact(beams, probs, *seeds(64)))
+    # the first emitted token is AR's draw at the same (seed, position): from P(. | root) with that noise
+    seed, base = seeds(64)
+    ar_first = draw(T[beams[:, 0, 0]], seed, base + 1)
+    tokens, _ = emitted_tokens(beams, a)
+    assert tokens[:, 0].tolist() == ar_first.tolist()
 
 
 def test_exact_with_one_hot_targets_equals_greedy():
@@ -217,7 +225,7 @@ def test_exact_with_one_hot_targets_equals_greedy():
     logits[:, :, 0, 1] = 10.0  # the root argmax is the shared draft 1
     probs = process_logits(logits.reshape(-1, V), torch.zeros(bs * nb * bl), torch.zeros(bs * nb * bl, dtype=torch.long),
                            torch.ones(bs * nb * bl)).reshape(bs, nb, bl, V)
-    exact = accept_exact(beams, probs, [torch.Generator().manual_seed(s) for s in range(bs)])
+    exact = accept_exact(beams, probs, *seeds(bs))
     greedy = accept_greedy(beams, logits)
     assert exact.num_accepted.tolist() == greedy.num_accepted.tolist()
     assert exact.next_token.tolist() == greedy.next_token.tolist()
@@ -238,7 +246,7 @@ def test_apple_with_one_hot_targets_equals_greedy():
     one_hot = process_logits(logits.reshape(-1, V), torch.zeros(bs * nb * bl), torch.zeros(bs * nb * bl, dtype=torch.long),
                              torch.ones(bs * nb * bl)).reshape(bs, nb, bl, V)
     draft_logp = torch.log_softmax(torch.randn(bs, nb, bl - 1, V, generator=g), -1)
-    apple = accept_apple(beams, one_hot.log(), draft_logp, [torch.Generator().manual_seed(s) for s in range(bs)])
+    apple = accept_apple(beams, one_hot.log(), draft_logp, *seeds(bs))
     greedy = accept_greedy(beams, logits)
     assert as_lists(apple) == as_lists(greedy)
     assert len(set(greedy.num_accepted.tolist())) > 1
@@ -250,9 +258,8 @@ def test_apple_runs_on_soft_targets():
     beams = torch.randint(0, V, (bs, nb, bl), generator=g)
     target_logp = torch.log_softmax(torch.randn(bs, nb, bl, V, generator=g), -1)
     draft_logp = torch.log_softmax(torch.randn(bs, nb, bl - 1, V, generator=g), -1)
-    gens = lambda: [torch.Generator().manual_seed(s) for s in range(bs)]  # noqa: E731
-    a = accept_apple(beams, target_logp, draft_logp, gens())
-    assert as_lists(a) == as_lists(accept_apple(beams, target_logp, draft_logp, gens()))
+    a = accept_apple(beams, target_logp, draft_logp, *seeds(bs))
+    assert as_lists(a) == as_lists(accept_apple(beams, target_logp, draft_logp, *seeds(bs)))
     assert ((a.num_accepted >= 0) & (a.num_accepted <= bl - 1)).all()
     assert ((a.next_token >= 0) & (a.next_token < V)).all()
 
@@ -264,11 +271,10 @@ def test_apple_is_not_distribution_exact_but_exact_is():
     Q = torch.tensor([0.5, 0.3, 0.2])
     beams = torch.tensor([[[2, 0]]]).expand(n, 1, 2)
     target = P.expand(n, 1, 2, 3)
-    apple = accept_apple(beams, target.log(), Q.log().expand(n, 1, 1, 3),
-                         [torch.Generator().manual_seed(s) for s in range(n)])
+    apple = accept_apple(beams, target.log(), Q.log().expand(n, 1, 1, 3), *seeds(n))
     first = torch.where(apple.num_accepted > 0, 0, apple.next_token)
     expected = (P.double() * n).numpy()
     assert chisquare(torch.bincount(first, minlength=3).double().numpy(), expected).pvalue < 1e-6
-    exact = accept_exact(beams, target, [torch.Generator().manual_seed(s) for s in range(n)])
+    exact = accept_exact(beams, target, *seeds(n))
     first = torch.where(exact.num_accepted > 0, 0, exact.next_token)
     assert chisquare(torch.bincount(first, minlength=3).double().numpy(), expected).pvalue > 1e-3

@@ -10,15 +10,15 @@ re-exports their types and functions except `beam_search`, whose name is the sub
 """
 
 from . import acceptance, beam_search, sampling, tree
-from .acceptance import Acceptance, accept_apple, accept_exact, accept_greedy, emitted_tokens
+from .acceptance import Acceptance, accept_apple, accept_exact, accept_greedy, accept_tokens, emitted_tokens
 from .beam_search import BeamSearchResult, DrafterProtocol
-from .sampling import process_logits, sample
+from .sampling import draw, process_logits
 from .tree import PackedTree, dedup_prefix, pack_beams, path_packed_indices
 
 __all__ = [
     "acceptance", "beam_search", "sampling", "tree",
-    "Acceptance", "accept_apple", "accept_exact", "accept_greedy", "emitted_tokens",
+    "Acceptance", "accept_apple", "accept_exact", "accept_greedy", "accept_tokens", "emitted_tokens",
     "BeamSearchResult", "DrafterProtocol",
-    "process_logits", "sample",
+    "process_logits", "draw",
     "PackedTree", "dedup_prefix", "pack_beams", "path_packed_indices",
 ]

@@ -48,7 +48,7 @@ class DrafterProtocol(Protocol):
 @dataclass
 class BeamSearchResult:
     beams: torch.Tensor  # [bs, nb, bl] long; beams[:, :, 0] = true token
-    log_probs: torch.Tensor  # [bs, nb, dl, V] float32; drafter log-distribution at each drafted position
+    log_probs: Optional[torch.Tensor]  # [bs, nb, dl, V] float32; drafter log-distribution at each drafted position
 
 
 def warp_logits(logits: torch.Tensor, k: Optional[int]) -> torch.Tensor:
@@ -67,13 +67,74 @@ def drafter_log_probs(drafter: DrafterProtocol, h: torch.Tensor, state: torch.Te
     return torch.log_softmax(warp_logits(logits, warp_k), dim=-1)
 
 
+def select_beams(step_logits: torch.Tensor, score: torch.Tensor, num_beams: int, warp_top_k: Optional[int],
+                 need_log_probs: bool = True
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """One beam-search selection, the literal way (the oracle): drafter logits [bs, nin, V] of the nin live beams
+    and their scores [bs, nin] -> (scores [bs, nb], parent beam [bs, nb], token [bs, nb], step log-probs
+    [bs, nin, V]).
+
+    Max-subtract, optional top-k warp, log_softmax, add the parent's score, top nb over the nin*V candidates.
+    """
+    bs, nin, V = step_logits.shape
+    logits = step_logits.float()
+    logits = logits - logits.max(dim=-1, keepdim=True).values  # Apple's `maintain_logits`
+    step_logp = torch.log_softmax(warp_logits(logits, warp_top_k), dim=-1)  # [bs, nin, V]
+    candidates = (score[:, :, None] + step_logp).view(bs, nin * V)  # [bs, nin*V]
+    new_score, flat = torch.topk(candidates, num_beams, dim=-1)  # [bs, nb]
+    return new_score, flat // V, flat % V, step_logp
+
+
+def select_beams_topk(step_logits: torch.Tensor, score: torch.Tensor, num_beams: int, warp_top_k: Optional[int],
+                      need_log_probs: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """`select_beams` without touching nin*V candidates: the nb best of all beams' candidates are among each beam's
+    own nb best (a beam's score is the same for all its tokens), and with the warp the top-k values also give the
+    normalizer. So: one top-K per beam (K = max(nb, warp)), the log-normalizer from those K values (warp) or from
+    a logsumexp over V (no warp), then top nb of the nin*nb survivors. Same selection as the oracle up to
+    rounding (the normalizer is summed in another order) and exact ties; the kernel `plugins.beam_step` computes
+    this too. The full log-probs are computed only when asked (`apple` acceptance).
+    """
+    bs, nin, V = step_logits.shape
+    nb = num_beams
+    if warp_top_k is not None and warp_top_k < nb:  # warped-out ties would be chosen: keep the literal algorithm
+        return select_beams(step_logits, score, nb, warp_top_k, need_log_probs)
+    logits = step_logits.float()
+    K = min(max(nb, warp_top_k or 0), V)
+    kk = min(nb, K)  # candidates kept per beam
+    top, idx = logits.topk(K, dim=-1)  # [bs, nin, K] descending
+    x = top - top[..., :1]  # max-subtracted, as the oracle
+    if warp_top_k is not None and warp_top_k < V:
+        lse = torch.logsumexp(x, dim=-1, keepdim=True)  # warped-out tokens sit at LOG_ZERO: exp() is 0
+    else:
+        lse = torch.logsumexp(logits - top[..., :1], dim=-1, keepdim=True)
+    candidates = (score[:, :, None] + (x[..., :kk] - lse)).reshape(bs, nin * kk)  # [bs, nin*kk]
+    new_score, flat = torch.topk(candidates, nb, dim=-1)  # [bs, nb]
+    token = idx[..., :kk].reshape(bs, nin * kk).gather(1, flat)
+    step_logp = None
+    if need_log_probs:
+        step_logp = torch.log_softmax(warp_logits(logits - top[..., :1], warp_top_k), dim=-1)
+    return new_score, flat // kk, token, step_logp
+
+
+SelectFn = Callable[[torch.Tensor, torch.Tensor, int, Optional[int], bool],
+                    tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]
+
+
 def beam_search(drafter: DrafterProtocol, embed: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor,
                 true_token: torch.Tensor, num_beams: int, draft_len: int,
-                warp_top_k: Optional[int] = DEFAULT_WARP_TOP_K) -> BeamSearchResult:
+                warp_top_k: Optional[int] = DEFAULT_WARP_TOP_K, keep_log_probs: bool = True,
+                select: SelectFn = select_beams) -> BeamSearchResult:
     """Draft `num_beams` beams of `draft_len` tokens for each row of h [bs, H] and true_token [bs].
 
     `embed` maps token ids [n] to embeddings [n, H] (the base model's input embedding, shared with the drafter).
     `warp_top_k` = 50 is Apple's drafter (what it was trained with); None is TensorRT-LLM's engine (no warp).
+    `keep_log_probs` (only `apple` acceptance reads them) gathers the chosen beams' per-step distributions;
+    without it `log_probs` is None. `select` is `select_beams`, `select_beams_topk` or a kernel with their
+    contract. No host sync: the loop runs inside a compiled step.
+
+    Step 0 runs the drafter on one row per request: every beam is still [true token] with the same state, so
+    the nb rows of the literal algorithm are copies of one (only beam 0 is live: the others start at LOG_ZERO).
     """
     assert h.dim() == 2 and true_token.shape == (h.shape[0],), \
         f"h must be [bs, H] and true_token [bs], got {tuple(h.shape)} and {tuple(true_token.shape)}"
@@ -85,29 +146,25 @@ def beam_search(drafter: DrafterProtocol, embed: Callable[[torch.Tensor], torch.
     rows = torch.arange(bs, device=device)[:, None]  # [bs, 1] for gathering parents
 
     context = h[:, None, :].expand(bs, nb, H).reshape(bs * nb, H)  # [bs*nb, H], constant
-    state = drafter.init_state(bs * nb)  # [bs*nb, H]
-    beams = torch.empty(bs, nb, dl + 1, dtype=torch.long, device=device)  # [bs, nb, bl]
-    beams[:, :, 0] = true_token[:, None]
+    state = drafter.init_state(bs)  # [bs, H]: step 0 has one distinct row per request
+    beams = true_token[:, None, None].expand(bs, nb, 1)  # [bs, nb, t+1], grown one column per step
     score = torch.full((bs, nb), LOG_ZERO, dtype=torch.float32, device=device)  # [bs, nb] log P(beam)
     score[:, 0] = 0.0
-    log_probs: Optional[torch.Tensor] = None  # [bs, nb, dl, V], allocated once V is known
+    log_probs: Optional[torch.Tensor] = None  # [bs, nb, t, V]
 
     for t in range(dl):
-        state = drafter.update_state(embed(beams[:, :, t].reshape(-1)), state, t)  # [bs*nb, H]
-        step_logp = drafter_log_probs(drafter, context, state, warp_top_k)  # [bs*nb, V]
-        V = step_logp.shape[-1]
-        step_logp = step_logp.view(bs, nb, V)
-        if log_probs is None:
-            log_probs = torch.empty(bs, nb, dl, V, dtype=torch.float32, device=device)
-        candidates = (score[:, :, None] + step_logp).view(bs, nb * V)  # [bs, nb*V]
-        score, flat = torch.topk(candidates, nb, dim=-1)  # [bs, nb]
-        parent, token = flat // V, flat % V  # [bs, nb]
-
-        beams[:, :, :t + 1] = beams[rows, parent, :t + 1]
-        beams[:, :, t + 1] = token
-        state = state.reshape(bs, nb, -1)[rows, parent].reshape(bs * nb, -1)
-        log_probs[:, :, :t] = log_probs[rows, parent, :t]
-        log_probs[:, :, t] = step_logp[rows, parent]
-
-    assert log_probs is not None
+        if t == 0:  # all beams are [true token] with the same state: run the drafter once and share the row
+            state = drafter.update_state(embed(true_token), state, 0)  # [bs, H]
+            step_logits = drafter.logits(h, state)[:, None].expand(bs, nb, -1)  # [bs, nb, V]
+            state = state[:, None].expand(bs, nb, H).reshape(bs * nb, H)
+        else:
+            state = drafter.update_state(embed(beams[:, :, t].reshape(-1)), state, t)  # [bs*nb, H]
+            step_logits = drafter.logits(context, state).reshape(bs, nb, -1)  # [bs, nb, V] float32
+        score, parent, token, step_logp = select(step_logits, score, nb, warp_top_k, keep_log_probs)
+        beams = torch.cat([beams[rows, parent], token[:, :, None]], dim=2)  # [bs, nb, t+2]
+        state = state.view(bs, nb, -1)[rows, parent].view(bs * nb, -1)
+        if keep_log_probs:
+            assert step_logp is not None, "this selector does not return log-probs"
+            chosen = step_logp[rows, parent][:, :, None]  # [bs, nb, 1, V]
+            log_probs = chosen if log_probs is None else torch.cat([log_probs[rows, parent], chosen], dim=2)
     return BeamSearchResult(beams=beams, log_probs=log_probs)

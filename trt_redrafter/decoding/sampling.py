@@ -1,13 +1,20 @@
-"""Target-model sampling: logits -> processed probabilities -> one token per request.
+"""Target-model sampling: logits -> processed probabilities -> one token per row, with no host sync.
 
 `process_logits` applies, in Hugging Face `generate`'s order and with its definitions, temperature
 (`TemperatureLogitsWarper`), top-k (`TopKLogitsWarper`: drop tokens scoring below the k-th best, ties at the k-th
-kept) and top-p (`TopPLogitsWarper`: drop the low tail whose cumulative mass is <= 1 - p, always keeping the most
-likely token), then renormalizes. So AR sampling here draws from the same distribution as HF's, and the `exact`
-acceptance rule, which samples from these probabilities at every tree node, does too.
+kept) and top-p (`TopPLogitsWarper`: sort ascending, drop the low tail whose cumulative mass is <= 1 - p, always
+keeping the most likely token), then renormalizes. It is one sort per row and no data-dependent branch, so it runs
+inside a compiled step or a CUDA graph.
 
-Every request owns one `torch.Generator` (seeded from its `seed`), so its tokens do not depend on which other
-requests share its batch.
+Randomness is counter-based: the noise for a draw is a hash of (request seed, sequence position of the token being
+drawn, vocabulary index), not the state of a generator. Consequences:
+  * a request's tokens do not depend on which requests share its batch, on TP size, or on the step layout;
+  * `draw` is the exponential race (Gumbel-max): token = argmax_v p_v / E_v with E_v ~ Exp(1), which is a draw from
+    p; the same noise at the same position gives the same token, so ReDrafter with `exact` acceptance emits, for a
+    given seed, the very tokens AR sampling emits (it draws every tree node at the node's own position);
+  * it is cheap to generate for [rows, V] inside one fused kernel.
+The hash is `lowbias32` (Chris Wellons' hash-prospector), computed in int64 with every product kept below 2**63
+so the same bits come out of eager PyTorch, inductor's C++/Triton code and the Triton kernels in `plugins/`.
 """
 
 from __future__ import annotations
@@ -15,65 +22,83 @@ from __future__ import annotations
 import torch
 
 GREEDY_TEMPERATURE = 0.0  # a row with this temperature gets a one-hot argmax distribution
+_M32 = 0xFFFFFFFF
+_GOLDEN = 0x9E3779B9  # Weyl increment between vocabulary indices
+# Stream ids keep the noise of different uses independent.
+STREAM_TOKEN = 0x1B873593  # the draw of an emitted token
+STREAM_APPLE_U = 0x5BD1E995  # `apple` acceptance's uniform per (beam, depth)
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for x in [0, 2**32) without overflowing int64."""
+    lo = x * (c & 0xFFFF)  # < 2**48
+    hi = ((x * (c >> 16)) & 0xFFFF) << 16  # only the low 16 bits of the high product survive mod 2**32
+    return (lo + hi) & _M32
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 on int64 tensors holding values in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def row_keys(seed: torch.Tensor, position: torch.Tensor, stream: int) -> torch.Tensor:
+    """Per-row 32-bit keys [N] from seeds [N] and positions [N] (int64)."""
+    k = mix32((seed & _M32) ^ stream)
+    k = mix32((k + ((seed >> 32) & _M32)) & _M32)
+    return mix32(k ^ (position & _M32))
+
+
+def uniform(keys: torch.Tensor, width: int) -> torch.Tensor:
+    """keys [N] -> uniforms [N, width] float32 in [2**-24, 1 - 2**-24], one per (row, column).
+
+    23 random bits: (k + 0.5) / 2**23 is exact in float32, so u never rounds to 1 (where -log u would be 0).
+    """
+    col = torch.arange(width, device=keys.device, dtype=torch.int64) * _GOLDEN  # [width]
+    h = mix32((keys[:, None] + col[None, :]) & _M32)  # [N, width]
+    return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
+
+
+def draw(probs: torch.Tensor, seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """One token per row of probs [N, V] (rows need not be normalized), drawn with the noise of (seed, position).
+
+    seed, position: [N] int64; `position` is the sequence position of the token being drawn.
+    """
+    assert probs.dim() == 2 and seed.shape == position.shape == probs.shape[:1], \
+        f"probs must be [N, V] with seed/position [N], got {tuple(probs.shape)}, {tuple(seed.shape)}, {tuple(position.shape)}"
+    u = uniform(row_keys(seed, position, STREAM_TOKEN), probs.shape[1])  # [N, V]
+    race = probs.float() / -torch.log(u)  # p / Exp(1)
+    return race.argmax(dim=-1)
 
 
 def process_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                    top_p: torch.Tensor) -> torch.Tensor:
     """logits [N, V] -> probabilities [N, V] float32, per row: temperature, then top-k (0: off), then top-p (1: off).
 
-    Rows with temperature 0 get the one-hot distribution of their (first) argmax.
+    Rows with temperature 0 get the one-hot distribution of their (first) argmax. No host sync.
     """
     assert logits.dim() == 2, f"logits must be [N, V], got shape {tuple(logits.shape)}"
     N, V = logits.shape
     for name, t in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p)):
         assert t.shape == (N,), f"{name} must be [N]=[{N}], got shape {tuple(t.shape)}"
+    dev = logits.device
     scores = logits.float()  # [N, V]
-    greedy = temperature <= GREEDY_TEMPERATURE  # [N]
-    temp = torch.where(greedy, 1.0, temperature.float()).to(scores.device)  # [N]
-    scores = scores / temp[:, None]
+    greedy = (temperature <= GREEDY_TEMPERATURE).to(dev)  # [N]
+    scores = scores / torch.where(greedy, 1.0, temperature.float().to(dev))[:, None]
 
-    k_on = (top_k > 0).to(scores.device)  # [N]
-    k_max = min(int(top_k.max()), V) if bool(k_on.any()) else V
-    if bool(k_on.any()):
-        # One topk of the largest k instead of a full sort of V.
-        k = top_k.to(device=scores.device, dtype=torch.long).clamp(1, k_max)  # [N]
-        kth = scores.topk(k_max, dim=-1).values.gather(1, (k - 1)[:, None])  # [N, 1]
-        kth = torch.where(k_on[:, None], kth, float("-inf"))
-        scores = scores.masked_fill(scores < kth, float("-inf"))
+    asc, order = scores.sort(dim=-1)  # [N, V] ascending, as HF's top-p sorts
+    k = top_k.to(device=dev, dtype=torch.long)
+    kth = asc.gather(1, (V - k.clamp(1, V))[:, None])  # [N, 1] the k-th largest
+    keep_k = (k <= 0)[:, None] | (asc >= kth)  # ties with the k-th are kept
+    asc = asc.masked_fill(~keep_k, float("-inf"))
+    cum = asc.softmax(dim=-1).cumsum(dim=-1)  # [N, V]
+    drop = (cum <= (1.0 - top_p.float().to(dev))[:, None]) & (top_p < 1.0).to(dev)[:, None]
+    drop[:, -1] = False  # the most likely token always stays
+    asc = asc.masked_fill(drop, float("-inf"))
+    probs = torch.empty_like(asc).scatter_(1, order, asc.softmax(dim=-1))  # back to vocabulary order
 
-    nucleus = (top_p < 1.0).to(scores.device)  # [N]
-    if bool(nucleus.any()):
-        # Rows already cut to at most k_max tokens only need their top k_max sorted (ties at the k-th logit can
-        # keep more than k, hence the count check).
-        short = k_max < V and bool(((scores > float("-inf")).sum(dim=-1) <= k_max).all())
-        if short:
-            top_vals, top_idx = scores.topk(k_max, dim=-1)  # [N, k_max] descending
-            sorted_asc, order = top_vals.flip(-1), top_idx.flip(-1)
-        else:
-            sorted_asc, order = scores.sort(dim=-1)  # [N, V]
-        cum = sorted_asc.softmax(dim=-1).cumsum(dim=-1)  # [N, k_max or V]
-        drop_sorted = cum <= (1.0 - top_p.float().to(scores.device))[:, None]
-        drop_sorted[:, -1] = False  # the most likely token always stays
-        drop_sorted &= nucleus[:, None]
-        drop = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter(1, order, drop_sorted)
-        scores = scores.masked_fill(drop, float("-inf"))
-
-    probs = scores.softmax(dim=-1)  # [N, V]
-    if bool(greedy.any()):
-        one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
-        probs = torch.where(greedy.to(probs.device)[:, None], one_hot, probs)
-    return probs
-
-
-def sample(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
-    """One token per row of probs [N, V] (rows need not be normalized), row n drawn with generators[n] -> [N].
-
-    Uses `torch.multinomial`, the call HF `generate` samples with, so a request seeded like HF's global generator
-    draws the same token from the same probabilities. Each generator must live on probs' device.
-    """
-    assert probs.dim() == 2 and len(generators) == probs.shape[0], \
-        f"probs must be [N, V] with N={len(generators)} generators, got shape {tuple(probs.shape)}"
-    out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
-    for n, g in enumerate(generators):
-        out[n] = torch.multinomial(probs[n], 1, generator=g)[0]
-    return out
+    one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    return torch.where(greedy[:, None], one_hot, probs)

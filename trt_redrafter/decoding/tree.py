@@ -70,23 +70,31 @@ class PackedTree:
         return packed.gather(1, index).reshape(bs, nb, bl, *tail)
 
 
-def pack_beams(beams: torch.Tensor) -> PackedTree:
-    """Deduplicate shared prefixes of `beams` [bs, nb, bl] into a PackedTree (no loops over tokens)."""
+def pack_beams(beams: torch.Tensor, pad_to: int | None = None) -> PackedTree:
+    """Deduplicate shared prefixes of `beams` [bs, nb, bl] into a PackedTree (no loops over tokens).
+
+    P is the longest row's packed length, or `pad_to` (>= 1 + nb*(bl-1), the most any row can have) for a static
+    shape: then nothing here reads a value back to the host, so the packer runs inside a compiled step.
+    """
     bs, nb, bl = beams.shape
     device = beams.device
     prefix_tree = dedup_prefix(beams)  # [bs, nb, bl]
     beam_ids = torch.arange(nb, device=device).view(1, nb, 1)
     keep = (prefix_tree == beam_ids).reshape(bs, nb * bl)  # [bs, nb*bl] first occurrences
-    assert bool(keep[:, 0].all()), "position (0, 0) must always be a first occurrence"
 
     lengths = keep.sum(dim=1)  # [bs]
-    P = int(lengths.max())
+    if pad_to is None:
+        assert bool(keep[:, 0].all()), "position (0, 0) must always be a first occurrence"
+        P = int(lengths.max())
+    else:
+        assert pad_to >= 1 + nb * (bl - 1), f"pad_to={pad_to} < the largest possible tree 1 + nb*dl = {1 + nb * (bl - 1)}"
+        P = pad_to
     # Packed index of every kept beam position: its rank among kept positions in row-major order.
     rank = torch.cumsum(keep, dim=1) - 1  # [bs, nb*bl]
     flat = torch.arange(nb * bl, device=device).expand(bs, nb * bl)
     # Scatter kept positions to their rank; dropped ones go to a discard column past the end.
     slot = torch.where(keep, rank, nb * bl)
-    beam_positions = torch.zeros(bs, nb * bl + 1, dtype=torch.long, device=device)
+    beam_positions = torch.zeros(bs, max(nb * bl, P) + 1, dtype=torch.long, device=device)
     beam_positions.scatter_(1, slot, flat)
     beam_positions = beam_positions[:, :P]  # [bs, P]
     valid = torch.arange(P, device=device)[None, :] < lengths[:, None]  # [bs, P]
@@ -123,8 +131,9 @@ def path_packed_indices(tree: PackedTree, beam_index: torch.Tensor,
     bs, nb, bl = tree.unpacker.shape
     assert beam_index.shape == (bs,) and num_tokens.shape == (bs,), \
         f"beam_index {tuple(beam_index.shape)} and num_tokens {tuple(num_tokens.shape)} must be [bs]=[{bs}]"
-    assert bool(((num_tokens >= 1) & (num_tokens <= bl)).all()), \
-        f"num_tokens must lie in [1, bl={bl}], got {num_tokens.tolist()}"
+    if num_tokens.device.type == "cpu" and not torch.compiler.is_compiling():  # a check that costs no device sync
+        assert bool(((num_tokens >= 1) & (num_tokens <= bl)).all()), \
+            f"num_tokens must lie in [1, bl={bl}], got {num_tokens.tolist()}"
     rows = torch.arange(bs, device=beam_index.device)
     path = tree.unpacker[rows, beam_index]  # [bs, bl]
     valid = torch.arange(bl, device=path.device)[None, :] < num_tokens[:, None]
