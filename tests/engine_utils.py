@@ -8,10 +8,9 @@ from pathlib import Path
 import torch
 
 from trt_redrafter.cli import main as cli
-from trt_redrafter.config import SamplingConfig
+from trt_redrafter.config import RuntimeConfig, SamplingConfig
 from trt_redrafter.runtime.distributed import Dist
 from trt_redrafter.runtime.engine import Engine
-from trt_redrafter.runtime.sequence import attach_drafts
 
 
 def run_cli(*args) -> None:
@@ -43,8 +42,10 @@ def build_tiny_engines(root: Path, *, seed: int, num_beams: int, draft_len: int,
     return tiny / "base", engines
 
 
-def load_engine(engine_dir: Path, **kw) -> Engine:
-    return Engine(engine_dir, Dist(0, 1, torch.device("cpu")), **kw)
+def load_engine(engine_dir: Path, proposer=None, device: str = "cpu", compile: str = "off", **runtime) -> Engine:
+    """An engine on one rank; eager by default (the compiled step has its own parity tests)."""
+    cfg = RuntimeConfig(device=device, compile=compile, **runtime)
+    return Engine(engine_dir, Dist(0, 1, torch.device(device)), cfg, proposer=proposer)
 
 
 @functools.lru_cache(maxsize=None)
@@ -73,36 +74,41 @@ def greedy(max_tokens: int) -> SamplingConfig:
     return SamplingConfig(max_tokens=max_tokens)
 
 
-def install_oracle_drafter(engine: Engine, continuations: dict[int, list[int]], corrupt_every: int = 0,
-                           seed: int = 0) -> None:
-    """Replace the drafter with an oracle that drafts the known AR continuation as one of its beams.
+class OracleProposer:
+    """A host proposer that drafts the known AR continuation as one of its beams (tests only).
 
     The other beams branch off the oracle beam at random depths with random tokens, so the verify step sees a
     real tree. `continuations[seq_id]` is the request's full AR output. With `corrupt_every=k`, every k-th
     draft has its oracle beam corrupted at a random depth, exercising partial acceptance.
     """
-    g = torch.Generator().manual_seed(seed)
-    rd, V = engine.redrafter, engine.cfg.checkpoint.model.vocab_size
-    calls = [0]
 
-    def draft(seqs, h):
+    def __init__(self, engine_dir: Path, continuations: dict[int, list[int]], corrupt_every: int = 0, seed: int = 0):
+        from trt_redrafter.runtime.engine_config import load_engine_config
+
+        info = load_engine_config(engine_dir).checkpoint
+        self.num_beams, self.draft_len = info.redrafter.num_beams, info.redrafter.draft_len_per_beam
+        self.vocab = info.model.vocab_size
+        self.continuations, self.corrupt_every = continuations, corrupt_every
+        self.g = torch.Generator().manual_seed(seed)
+        self.calls = 0
+
+    def propose(self, seqs) -> torch.Tensor:
+        nb, dl, g = self.num_beams, self.draft_len, self.g
         rows = []
         for s in seqs:
-            known = continuations[s.seq_id]
-            cont = known[len(s.output):len(s.output) + rd.draft_len_per_beam]
-            cont = cont + [1] * (rd.draft_len_per_beam - len(cont))
-            beams = torch.randint(3, V, (rd.num_beams, rd.beam_length), generator=g)
-            beams[:, 0] = s.pending
-            oracle = int(torch.randint(0, rd.num_beams, (1,), generator=g))
+            known = self.continuations[s.seq_id]
+            cont = known[len(s.output):len(s.output) + dl]
+            cont = cont + [1] * (dl - len(cont))
+            beams = torch.randint(3, self.vocab, (nb, dl + 1), generator=g)
+            beams[:, 0] = s.true_token
+            oracle = int(torch.randint(0, nb, (1,), generator=g))
             beams[oracle, 1:] = torch.tensor(cont)
-            for b in range(rd.num_beams):  # share a random prefix with the oracle beam
-                depth = int(torch.randint(0, rd.beam_length, (1,), generator=g))
+            for b in range(nb):  # share a random prefix with the oracle beam
+                depth = int(torch.randint(0, dl + 1, (1,), generator=g))
                 beams[b, :depth + 1] = beams[oracle, :depth + 1]
-            calls[0] += 1
-            if corrupt_every and calls[0] % corrupt_every == 0:
-                d = int(torch.randint(1, rd.beam_length, (1,), generator=g))
-                beams[oracle, d] = (beams[oracle, d] + 1) % V
+            self.calls += 1
+            if self.corrupt_every and self.calls % self.corrupt_every == 0:
+                d = int(torch.randint(1, dl + 1, (1,), generator=g))
+                beams[oracle, d] = (beams[oracle, d] + 1) % self.vocab
             rows.append(beams)
-        attach_drafts(seqs, torch.stack(rows))
-
-    engine._draft = draft
+        return torch.stack(rows)

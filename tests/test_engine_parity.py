@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_utils import (build_tiny_engines, greedy, hf_greedy, install_oracle_drafter, load_engine,
-                          random_prompts)
+from engine_utils import OracleProposer, build_tiny_engines, greedy, hf_greedy, load_engine, random_prompts
 from trt_redrafter.runtime.generate import generate
 
 MAX_NEW = 24
@@ -49,8 +48,8 @@ def test_greedy_redrafter_equals_ar_with_its_own_drafter(tiny):
 @pytest.mark.parametrize("corrupt_every", [0, 2])
 def test_greedy_redrafter_equals_ar_when_drafts_are_accepted(tiny, corrupt_every):
     """An oracle drafter forces long acceptances (and, corrupted, partial ones) through verify/accept/rewind."""
-    engine = load_engine(tiny["engine_dir"])
-    install_oracle_drafter(engine, dict(enumerate(tiny["ar"])), corrupt_every=corrupt_every)
+    engine = load_engine(tiny["engine_dir"],
+                         OracleProposer(tiny["engine_dir"], dict(enumerate(tiny["ar"])), corrupt_every=corrupt_every))
     res = generate(engine, tiny["prompts"], greedy(MAX_NEW), mode="redrafter")
     assert [r.output_ids for r in res] == tiny["ar"]
     accepted = sum(r.accepted_draft_tokens for r in res)
@@ -61,13 +60,12 @@ def test_greedy_redrafter_equals_ar_when_drafts_are_accepted(tiny, corrupt_every
 
 def test_kv_rewind_matches_recomputation(tiny):
     """After accepted steps, the next AR logits equal those of a fresh prompt pass over prompt + output."""
-    engine = load_engine(tiny["engine_dir"])
-    install_oracle_drafter(engine, {0: tiny["ar"][0]}, corrupt_every=2)
+    engine = load_engine(tiny["engine_dir"], OracleProposer(tiny["engine_dir"], {0: tiny["ar"][0]}, corrupt_every=2))
     s = engine.new_sequence(tiny["prompts"][0], greedy(MAX_NEW))
     while len(s.output) < 10:
         engine.step([s])
     assert s.stats.accepted_draft_tokens > 0
-    s.mode, s.draft = "ar", None
+    s.mode = "ar"
     history = tiny["prompts"][0] + s.output  # the continued step feeds output[-1] at position len(history) - 1
     _, logits_cont = _last_logits(engine, s)
 
@@ -84,7 +82,7 @@ def _last_logits(engine, seq):
 
     def spy(hidden):
         out = orig(hidden)
-        captured["logits"] = out[-1].clone()
+        captured["logits"] = out.reshape(-1, out.shape[-1])[-1].float().clone()
         return out
 
     engine.model.logits = spy

@@ -18,7 +18,6 @@ from engine_utils import _hf_model, build_tiny_engines, load_engine
 from trt_redrafter.config import SamplingConfig
 from trt_redrafter.decoding import acceptance, sampling
 from trt_redrafter.runtime.generate import generate
-from trt_redrafter.runtime.sequence import attach_drafts
 
 TOP_K, TEMPERATURE, N = 3, 1.0, 2400
 PROMPT = [17, 42, 99, 7]
@@ -49,27 +48,34 @@ def setup(tmp_path_factory):
     return engines[1], probs, joint
 
 
-def _install_top2_drafter(engine, probs):
-    g = torch.Generator().manual_seed(0)
-    rd, V = engine.redrafter, engine.cfg.checkpoint.model.vocab_size
+class Top2Proposer:
+    """Host proposer (test only): the target's two most likely next tokens as the tree's first level, random
+    deeper tokens, so verification both hits and misses."""
 
-    def draft(seqs, h):
+    def __init__(self, engine_dir, probs):
+        from trt_redrafter.runtime.engine_config import load_engine_config
+
+        info = load_engine_config(engine_dir).checkpoint
+        self.num_beams, self.draft_len = info.redrafter.num_beams, info.redrafter.draft_len_per_beam
+        self.vocab, self.probs = info.model.vocab_size, probs
+        self.g = torch.Generator().manual_seed(0)
+
+    def propose(self, seqs):
         rows = []
         for s in seqs:
-            top2 = probs(s.prompt + s.output).topk(2).indices.tolist()
-            beams = torch.randint(3, V, (rd.num_beams, rd.beam_length), generator=g)
-            beams[:, 0] = s.pending
-            for b in range(rd.num_beams):
+            top2 = self.probs(s.prompt + s.output).topk(2).indices.tolist()
+            beams = torch.randint(3, self.vocab, (self.num_beams, self.draft_len + 1), generator=self.g)
+            beams[:, 0] = s.true_token
+            for b in range(self.num_beams):
                 beams[b, 1] = top2[b % 2]
             rows.append(beams)
-        attach_drafts(seqs, torch.stack(rows))
-
-    engine._draft = draft
+        return torch.stack(rows)
 
 
-def _pvalue(engine_dir, probs, joint):
-    engine = load_engine(engine_dir)
-    _install_top2_drafter(engine, probs)
+def _pvalue(engine_dir, probs, joint, accept_tokens=None):
+    engine = load_engine(engine_dir, Top2Proposer(engine_dir, probs))
+    if accept_tokens is not None:  # the step's accept rule is swappable (StepKernels; the kernels use it)
+        engine.steps.kernels.accept_tokens = accept_tokens
     params = [SamplingConfig(max_tokens=2, temperature=TEMPERATURE, top_k=TOP_K, seed=s, acceptance="exact")
               for s in range(N)]
     res = generate(engine, [PROMPT] * N, params, mode="redrafter")
@@ -92,20 +98,17 @@ def test_exact_acceptance_follows_the_ar_distribution(setup):
     assert p > 1e-3, p
 
 
-def test_a_biased_acceptance_rule_fails_the_same_test(setup, monkeypatch):
+def test_a_biased_acceptance_rule_fails_the_same_test(setup):
     engine_dir, probs, joint = setup
-    exact = acceptance.accept_exact
 
-    def biased(beams, target_probs, generators):
-        """Always take beam 0's first draft when it is among the target's two most likely tokens."""
-        acc = exact(beams, target_probs, generators)
-        top2 = target_probs[:, 0, 0].topk(2).indices  # [bs, 2] distribution at the root
-        favoured = (top2 == beams[:, 0, 1:2]).any(-1)
-        acc.beam_index[favoured] = 0
-        acc.num_accepted[favoured] = 1
-        acc.next_token[favoured] = target_probs[favoured, 0, 1].argmax(-1)
+    def biased(beams, node_tokens):
+        """Lossy: when the root's draw matches no draft, take beam 0's first draft anyway."""
+        acc = acceptance.accept_tokens(beams, node_tokens)
+        miss = acc.num_accepted == 0
+        acc.beam_index[miss] = 0
+        acc.num_accepted[miss] = 1
+        acc.next_token[miss] = node_tokens[miss, 0, 1]
         return acc
 
-    monkeypatch.setattr(acceptance, "accept_exact", biased)
-    p, _ = _pvalue(engine_dir, probs, joint)
+    p, _ = _pvalue(engine_dir, probs, joint, accept_tokens=biased)
     assert p < 1e-6, p

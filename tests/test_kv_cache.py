@@ -1,15 +1,20 @@
-"""Paged KV cache accounting, addressing and the rewind (`compact`) it does after acceptance."""
+"""Paged KV cache accounting, addressing, the device block table, the rewind after acceptance, and the attention
+mask built from the block table and the tree."""
 
 import pytest
 import torch
 
-from trt_redrafter.model.attention import AttentionBatch, SpanSpec, causal_mask
+from trt_redrafter.decoding.acceptance import Acceptance
+from trt_redrafter.model.attention import AttentionMeta, causal_mask
+from trt_redrafter.model.tp import Dist
 from trt_redrafter.runtime.kv_cache import KVCacheFull, PagedKVCache
+from trt_redrafter.runtime.state import SlotState
+from trt_redrafter.runtime.step import DecodeStep
 
 
-def make_cache(num_blocks=4, block_size=4, layers=2):
+def make_cache(num_blocks=4, block_size=4, layers=2, max_slots=1, max_blocks_per_seq=4):
     return PagedKVCache(layers, num_blocks, block_size, kv_heads=1, head_size=2, dtype=torch.float32,
-                        device=torch.device("cpu"))
+                        device=torch.device("cpu"), max_slots=max_slots, max_blocks_per_seq=max_blocks_per_seq)
 
 
 def test_reserve_grows_by_blocks_and_free_returns_them():
@@ -41,34 +46,53 @@ def test_slots_follow_the_block_table():
     assert c.slots(2, 1, 3).tolist() == [5, 6]
 
 
-def test_compact_moves_accepted_path_entries_down_in_every_layer():
-    c = make_cache(num_blocks=4, block_size=4)
+def test_block_table_mirrors_bound_sequences_and_points_past_them_at_scratch():
+    c = make_cache(num_blocks=4, block_size=4, max_slots=3, max_blocks_per_seq=3)
+    c.reserve(1, 4)
+    c.bind(1, slot=2)
+    c.reserve(1, 6)  # a second block, mirrored into row 2
+    c.sync()
+    assert c.block_table[2].tolist() == c.blocks(1) + [c.scratch_block]
+    assert c.block_table[0].tolist() == [c.scratch_block] * 3  # unused rows address the scratch block only
+    c.free(1)
+    c.sync()
+    assert c.block_table[2].tolist() == [c.scratch_block] * 3
+
+
+def test_rewind_moves_the_accepted_path_down_in_every_layer():
+    """DecodeStep.rewind: committed context 3, tree written at 3..10, accepted path packed [0, 2, 5, 7]."""
+    c = make_cache(num_blocks=4, block_size=4, max_slots=2, max_blocks_per_seq=4)
     c.reserve(1, 12)
+    c.bind(1, slot=0)
+    c.sync()
     slots = c.slots(1, 0, 12)
     for li in range(2):
-        c.k[li, slots] = torch.arange(12, dtype=torch.float32)[:, None, None].expand(12, 1, 2) + 100 * li
-        c.v[li, slots] = -c.k[li, slots]
-    # committed context = 3 entries; tree written at 3..10; accepted path = packed [0, 2, 5, 7]
-    c.compact(1, 3, torch.tensor([0, 2, 5, 7]))
+        c.k[li][slots] = torch.arange(12, dtype=torch.float32)[:, None, None].expand(12, 1, 2) + 100 * li
+        c.v[li][slots] = -c.k[li][slots]
+    state = SlotState.allocate(2, num_beams=2, draft_len=3, device=torch.device("cpu"))
+    state.ctx_len[0] = 3
+    state.unpacker[0] = torch.tensor([[0, 1, 3, 4], [0, 2, 5, 7]])  # beam 1's packed path
+    step = DecodeStep(model=None, proposer=None, cache=c, state=state, dist=Dist(0, 1, torch.device("cpu")),
+                      vocab_size=10)
+    decision = Acceptance(torch.tensor([1]), torch.tensor([3]), torch.tensor([9])).pack()
+    last = step.rewind(torch.tensor([0]), decision)
+    assert last.tolist() == [7] and state.ctx_len[0] == 3 + 4 and state.true_tok[0] == 9
     for li in range(2):
-        got = c.k[li, slots][:, 0, 0].tolist()
+        got = c.k[li][slots][:, 0, 0].tolist()
         assert got[:7] == [100 * li + x for x in [0, 1, 2, 3, 5, 8, 10]]
-        assert torch.equal(c.v[li, slots[:7]], -c.k[li, slots[:7]])
+        assert torch.equal(c.v[li][slots[:7]], -c.k[li][slots[:7]])
 
 
-def test_attention_batch_masks_context_tree_and_padding():
-    c = make_cache(num_blocks=8, block_size=4)
-    c.reserve(0, 3)
-    c.reserve(1, 2 + 3)
+def test_attention_meta_masks_context_tree_and_padding():
+    bs, T, block = 2, 3, 4
     tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # root with two children
-    spans = [SpanSpec(0, 0, torch.arange(3), causal_mask(3)),
-             SpanSpec(1, 2, torch.tensor([2, 3, 3]), tree)]
-    b = AttentionBatch.build(spans, c)
-    assert b.q_lens == [3, 3] and b.q_starts == [0, 3]
-    assert b.positions.tolist() == [0, 1, 2, 2, 3, 3]
-    m = b.mask[:, 0]
+    meta = AttentionMeta(positions=torch.tensor([[0, 1, 2], [2, 3, 3]]), write_slots=torch.zeros(bs, T, dtype=torch.long),
+                         block_table=torch.tensor([[0, 1], [2, 3]]), ctx_len=torch.tensor([0, 2]),
+                         tree_mask=torch.stack([causal_mask(3), tree]), block_size=block).for_torch()
+    assert meta.kv_slots.tolist() == [list(range(0, 8)), list(range(8, 16))]
+    m = meta.visible[:, 0]  # [bs, T, S]
     assert m[0, :, :3].tolist() == causal_mask(3).tolist()
     assert not m[0, :, 3:].any()
     assert m[1, :, :2].all()  # committed context visible to every tree token
     assert m[1, :, 2:5].tolist() == tree.tolist()
-    assert b.write_slots.tolist() == c.slots(0, 0, 3).tolist() + c.slots(1, 2, 5).tolist()
+    assert not m[1, :, 5:].any()  # nothing past the tree

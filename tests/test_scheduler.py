@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine_utils import build_tiny_engines, greedy, install_oracle_drafter, load_engine, random_prompts
+from engine_utils import OracleProposer, build_tiny_engines, greedy, load_engine, random_prompts
 from trt_redrafter.errors import UserError
 from trt_redrafter.runtime.generate import generate
 from trt_redrafter.runtime.scheduler import Request, Scheduler
@@ -39,8 +39,7 @@ def _collect(sched, reqs):
 
 def test_requests_joining_mid_run_keep_their_greedy_output(tiny):
     engine_dir, prompts, ar = tiny
-    engine = load_engine(engine_dir)
-    install_oracle_drafter(engine, dict(enumerate(ar)), corrupt_every=3)
+    engine = load_engine(engine_dir, OracleProposer(engine_dir, dict(enumerate(ar)), corrupt_every=3))
     sched = Scheduler(engine)
     reqs = [Request(str(i), p, greedy(MAX_NEW)) for i, p in enumerate(prompts)]
     streamed, finals = _collect(sched, reqs)

@@ -83,6 +83,7 @@ def test_committed_small_pair_accepts_drafts_and_matches_ar(tmp_path):
 
     from trt_redrafter.config import SamplingConfig
     from trt_redrafter.runtime.distributed import Dist
+    from trt_redrafter.config import RuntimeConfig
     from trt_redrafter.runtime.engine import Engine
     from trt_redrafter.runtime.generate import generate
 
@@ -93,7 +94,7 @@ def test_committed_small_pair_accepts_drafts_and_matches_ar(tmp_path):
     assert cli(["build-engine", "--checkpoint", str(ck), "--output", str(en), "--tokenizer", str(SMALL / "base"),
                 "--max-batch-size", "2", "--max-input-len", "128", "--max-seq-len", "256"]) == 0
     prompt = AutoTokenizer.from_pretrained(str(SMALL / "base"))(HELD_OUT_PROMPT)["input_ids"]
-    engine = Engine(en, Dist(0, 1, torch.device("cpu")))
+    engine = Engine(en, Dist(0, 1, torch.device("cpu")), RuntimeConfig(device="cpu", compile="off"))
     params = SamplingConfig(max_tokens=64)
     (rd,) = generate(engine, [prompt], params, mode="redrafter")
     (ar,) = generate(engine, [prompt], params, mode="ar")

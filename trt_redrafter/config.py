@@ -20,13 +20,25 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar, Literal, Optional, get_args
 
 import yaml
 
 from .errors import UserError
 
 DTYPES = ("float16", "bfloat16", "float32")
+
+# The vocabularies of mode strings, named once.
+DecodingMode = Literal["redrafter", "ar"]  # how a request is decoded: speculatively, or one token per step
+AcceptanceRule = Literal["greedy", "exact", "apple"]  # see decoding/acceptance.py
+DrafterSemantics = Literal["apple", "trtllm"]  # see model/drafter.py
+CompileMode = Literal["auto", "off", "inductor", "cudagraphs", "inductor+cudagraphs"]
+KernelChoice = Literal["auto", "triton", "torch"]
+DECODING_MODES: tuple[str, ...] = get_args(DecodingMode)
+ACCEPTANCE_RULES: tuple[str, ...] = get_args(AcceptanceRule)
+DRAFTER_SEMANTICS: tuple[str, ...] = get_args(DrafterSemantics)
+COMPILE_MODES: tuple[str, ...] = get_args(CompileMode)
+KERNEL_CHOICES: tuple[str, ...] = get_args(KernelChoice)
 
 
 def torch_dtype(name: str):
@@ -298,7 +310,7 @@ class SamplingConfig(ConfigBase):
     top_p: float = _f(1.0, help="nucleus mass to keep (1.0: all)")
     seed: int = _f(0, help="random seed of this request's sampler")
     acceptance: str = _f("", help="greedy | exact | apple; empty picks greedy at temperature 0, else exact",
-                         choices=("", "greedy", "exact", "apple"))
+                         choices=("",) + ACCEPTANCE_RULES)
 
     def validate(self) -> None:
         s = self.SECTION
@@ -309,7 +321,7 @@ class SamplingConfig(ConfigBase):
             raise _bad(s, "top_k", "an integer >= 0", self.top_k)
         if not 0.0 < self.top_p <= 1.0:
             raise _bad(s, "top_p", "a number in (0, 1]", self.top_p)
-        if self.acceptance not in ("", "greedy", "exact", "apple"):
+        if self.acceptance not in ("",) + ACCEPTANCE_RULES:
             raise _bad(s, "acceptance", "one of greedy, exact, apple", self.acceptance)
         if self.acceptance == "greedy" and self.temperature > 0:
             raise _bad(s, "acceptance", "exact or apple when temperature > 0", self.acceptance)
@@ -321,6 +333,41 @@ class SamplingConfig(ConfigBase):
     @property
     def resolved_acceptance(self) -> str:
         return self.acceptance or ("greedy" if self.greedy else "exact")
+
+
+@dataclass
+class RuntimeConfig(ConfigBase):
+    """How this process runs an engine (torch backend); `run`, `serve` (engine-model parameters) and `bench` take
+    the same fields. Nothing here changes the tokens an engine produces."""
+
+    SECTION: ClassVar[str] = "runtime"
+
+    device: str = _f("auto", help="auto (CUDA when visible), cpu or cuda", choices=("auto", "cpu", "cuda"))
+    dtype: str = _f("", help="compute dtype; empty means the engine's", choices=DTYPES + ("",))
+    drafter_semantics: str = _f("apple", help="drafter state update: Apple's trained math or TensorRT-LLM's engine "
+                                              "math (model/drafter.py)", choices=DRAFTER_SEMANTICS)
+    kv_cache_tokens: int = _f(0, help="KV-cache capacity in tokens; 0 means the engine's")
+    compile: str = _f("auto", help="decode-step compilation: off (eager), inductor (torch.compile), cudagraphs "
+                                   "(captured per batch bucket), inductor+cudagraphs; auto: cudagraphs on CUDA, "
+                                   "inductor on a one-rank CPU engine, off for TP > 1 on the CPU (and for a "
+                                   "one-shot `run` on the CPU)", choices=COMPILE_MODES)
+    kernels: str = _f("auto", help="custom Triton kernels (trt_redrafter.plugins) on CUDA: auto uses them when "
+                                   "triton imports; torch keeps the PyTorch path", choices=KERNEL_CHOICES)
+    threads: int = _f(0, help="torch CPU threads in this process (0: torch's default)")
+    profile_phases: bool = _f(False, help="time each phase of every step (verify/accept/rewind/draft/pack); the "
+                                          "phases then run as separate graphs, so steps are a little slower")
+
+    def validate(self) -> None:
+        s = self.SECTION
+        for name, allowed in (("device", ("auto", "cpu", "cuda")), ("dtype", DTYPES + ("",)),
+                              ("drafter_semantics", DRAFTER_SEMANTICS), ("compile", COMPILE_MODES),
+                              ("kernels", KERNEL_CHOICES)):
+            if getattr(self, name) not in allowed:
+                raise _bad(s, name, f"one of {', '.join(a for a in allowed if a)}", getattr(self, name))
+        if self.kv_cache_tokens < 0:
+            raise _bad(s, "kv_cache_tokens", "0 (the engine's) or a positive integer", self.kv_cache_tokens)
+        if self.threads < 0:
+            raise _bad(s, "threads", "0 (torch's default) or a positive integer", self.threads)
 
 
 def load_recipe(path: str | Path) -> dict:
@@ -335,7 +382,7 @@ def load_recipe(path: str | Path) -> dict:
         raise UserError(f"recipe {path} is not valid YAML: {e}.") from e
     if not isinstance(data, dict):
         raise UserError(f"recipe {path} must be a mapping of sections, got {type(data).__name__}.")
-    known = {"name", "description", "model", "drafter", "redrafter", "build", "convert", "make_tiny"}
+    known = {"name", "description", "model", "drafter", "redrafter", "build", "convert", "make_tiny", "runtime"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise UserError(f"recipe {path}: unknown section(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}.")

@@ -56,7 +56,7 @@ def inv_freq(head_size: int, base: float, scaling: dict | None, max_position_emb
 
 
 class RotaryEmbedding:
-    """Precomputed cos/sin tables; `apply` rotates q/k given absolute positions."""
+    """Precomputed cos/sin tables [positions, D] (`model.llama.apply_rope` rotates with them)."""
 
     def __init__(self, head_size: int, base: float, scaling: dict | None, max_position_embeddings: int,
                  max_seq_len: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
@@ -67,11 +67,3 @@ class RotaryEmbedding:
         # HF computes cos/sin in float32 then casts; we do the same so low-precision runs match it
         self.cos = emb.float().cos().to(device=device, dtype=dtype)
         self.sin = emb.float().sin().to(device=device, dtype=dtype)
-
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [N, heads, D]; positions: [N] -> rotated x."""
-        cos = self.cos[positions].unsqueeze(1)  # [N, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin

@@ -1,85 +1,77 @@
-"""Per-step attention metadata: which query attends to which key, for a ragged batch of requests.
+"""Tree attention over a paged KV cache, for a batch of requests with the same number of new tokens each.
 
-The model runs on a flat, unpadded token layout (`remove_input_padding`, as TensorRT-LLM requires for
-ReDrafter): N tokens from bs requests, request-major. Attention is computed per request on a padded view
-`[bs, T, ...]` (T = longest query span) against that request's keys `[bs, S, ...]` gathered from the paged cache.
+One step feeds T new tokens per request (bs requests, static shapes): a packed draft tree padded to
+`max_tree_tokens`, one auto-regressive token (T = 1), or a prompt padded to the longest one. Request b has
+ctx_len[b] committed KV entries; its new tokens go to KV positions ctx_len[b] .. ctx_len[b] + T - 1 (position
+ctx_len + p for packed token p), and new token p sees
+    * every committed position < ctx_len[b], and
+    * new token q where tree_mask[b, p, q] (its ancestors and itself in a draft tree; causal for a prompt).
+Padding tokens see only themselves and their K/V go to a scratch slot, so they never touch a request's cache.
 
-Each request contributes a query span of q_len tokens placed after its ctx_len committed KV entries, with a
-`[q_len, q_len]` boolean mask among the new tokens: causal for prompt processing, the tree mask for a packed
-draft tree, `[[True]]` for one auto-regressive token.
+KV storage is one slot array per layer, [num_slots, kv_heads, D]; position t of a request lives in slot
+block_table[b, t // block_size] * block_size + t % block_size (vLLM / TensorRT-LLM paged layout). Entries of a
+block table past a request's blocks point at the scratch block, so every address is valid.
+
+Two implementations compute the same thing: `torch_tree_attention` (gather the keys, dense mask, SDPA; the CPU
+path and the oracle) and the Triton kernel `plugins.tree_attention` (CUDA; reads only the keys a request has).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
-
-from ..runtime.kv_cache import PagedKVCache
-
-
-@dataclass
-class SpanSpec:
-    """One request's part of a step."""
-
-    seq_id: int
-    ctx_len: int  # committed KV entries before this step
-    positions: torch.Tensor  # [q_len] RoPE positions of the new tokens
-    local_mask: torch.Tensor  # [q_len, q_len] bool: new token p may see new token q
+import torch.nn.functional as F
 
 
 @dataclass
-class AttentionBatch:
-    """Everything the attention layers need for one step, built once and shared by all layers."""
+class AttentionMeta:
+    """Everything the attention layers need for one step; built once, shared by all layers."""
 
-    positions: torch.Tensor  # [N] RoPE positions
-    write_slots: torch.Tensor  # [N] cache slots the new K/V go to
-    kv_slots: torch.Tensor  # [bs, S] cache slots of every key a request sees (padded with slot 0)
-    q_index: torch.Tensor  # [bs, T] flat index of each padded query (padded with 0)
-    unpad_index: torch.Tensor  # [N] position of each flat token in the padded [bs * T] view
-    mask: torch.Tensor  # [bs, 1, T, S] bool
-    q_starts: list[int]  # flat offset of each request's span
-    q_lens: list[int]
+    positions: torch.Tensor  # [bs, T] long: RoPE position of each new token
+    write_slots: torch.Tensor  # [bs, T] long: cache slot of each new token's K/V (padding: the scratch slot)
+    block_table: torch.Tensor  # [bs, nblk] long: each request's KV blocks (past its own: the scratch block)
+    ctx_len: torch.Tensor  # [bs] long: committed KV entries before this step
+    tree_mask: torch.Tensor  # [bs, T, T] bool: new token p may see new token q
+    block_size: int
+    # torch path only: the keys each request may read, [bs, S] with S = nblk * block_size, and who sees what
+    kv_slots: Optional[torch.Tensor] = None  # [bs, S] long
+    visible: Optional[torch.Tensor] = None  # [bs, 1, T, S] bool
 
     @property
-    def num_tokens(self) -> int:
-        return int(self.positions.numel())
+    def batch_size(self) -> int:
+        return self.positions.shape[0]
 
-    @classmethod
-    def build(cls, spans: list[SpanSpec], cache: PagedKVCache) -> "AttentionBatch":
-        device = cache.device
-        bs = len(spans)
-        q_lens = [int(s.positions.numel()) for s in spans]
-        T = max(q_lens)
-        S = max(s.ctx_len + q for s, q in zip(spans, q_lens))
-        q_starts, off = [], 0
-        for q in q_lens:
-            q_starts.append(off)
-            off += q
-        kv_slots = torch.zeros(bs, S, dtype=torch.long, device=device)
-        q_index = torch.zeros(bs, T, dtype=torch.long, device=device)
-        mask = torch.zeros(bs, 1, T, S, dtype=torch.bool, device=device)
-        write, unpad = [], []
-        for b, (span, q, start) in enumerate(zip(spans, q_lens, q_starts)):
-            total = span.ctx_len + q
-            slots = cache.slots(span.seq_id, 0, total)  # [ctx + q]
-            kv_slots[b, :total] = slots
-            write.append(slots[span.ctx_len:])
-            q_index[b, :q] = torch.arange(start, start + q, device=device)
-            unpad.append(torch.arange(b * T, b * T + q, device=device))
-            mask[b, 0, :q, :span.ctx_len] = True
-            mask[b, 0, :q, span.ctx_len:total] = span.local_mask.to(device)
-            mask[b, 0, q:, 0] = True  # padded query rows see one key so softmax stays finite; their output is dropped
-        return cls(
-            positions=torch.cat([s.positions for s in spans]).to(device),
-            write_slots=torch.cat(write),
-            kv_slots=kv_slots,
-            q_index=q_index,
-            unpad_index=torch.cat(unpad),
-            mask=mask,
-            q_starts=q_starts,
-            q_lens=q_lens,
-        )
+    @property
+    def num_new(self) -> int:
+        return self.positions.shape[1]
+
+    def for_torch(self) -> "AttentionMeta":
+        """Fill `kv_slots` and `visible` for `torch_tree_attention` (tensor ops only, no host sync)."""
+        bs, T = self.positions.shape
+        S = self.block_table.shape[1] * self.block_size
+        dev = self.block_table.device
+        kpos = torch.arange(S, device=dev)  # [S]
+        kv_slots = self.block_table[:, kpos // self.block_size] * self.block_size + kpos % self.block_size  # [bs, S]
+        rel = kpos[None, :] - self.ctx_len[:, None]  # [bs, S] index among the new tokens
+        in_tree = (rel >= 0) & (rel < T)  # [bs, S]
+        tree_vis = self.tree_mask.gather(2, rel.clamp(0, T - 1)[:, None, :].expand(bs, T, S))  # [bs, T, S]
+        visible = (rel < 0)[:, None, :] | (tree_vis & in_tree[:, None, :])  # [bs, T, S]
+        self.kv_slots, self.visible = kv_slots, visible[:, None]
+        return self
+
+
+def torch_tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMeta,
+                         scale: float) -> torch.Tensor:
+    """q [bs, T, nh, D]; caches [num_slots, kvh, D] (this step's K/V already written) -> out [bs, T, nh, D]."""
+    assert meta.kv_slots is not None and meta.visible is not None, "call meta.for_torch() first"
+    nh, nkv = q.shape[2], k_cache.shape[1]
+    keys = k_cache[meta.kv_slots].transpose(1, 2)  # [bs, nkv, S, D]
+    vals = v_cache[meta.kv_slots].transpose(1, 2)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, vals, attn_mask=meta.visible, scale=scale,
+                                         enable_gqa=nh != nkv)  # [bs, nh, T, D]
+    return out.transpose(1, 2)
 
 
 def causal_mask(n: int) -> torch.Tensor:

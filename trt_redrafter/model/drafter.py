@@ -15,29 +15,35 @@ Apple also warps drafter logits to the top 50 before the beam search; that lives
 from __future__ import annotations
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config import DrafterConfig
-from ..runtime.distributed import Dist
+from .tp import Dist
 
 SEMANTICS = ("apple", "trtllm")
 
 
-class DrafterRank:
+class DrafterRank(nn.Module):
     def __init__(self, cfg: DrafterConfig, tensors: dict[str, torch.Tensor], dist: Dist, dtype: torch.dtype,
                  semantics: str = "apple"):
+        super().__init__()
         assert semantics in SEMANTICS, semantics
         self.cfg, self.dist, self.dtype, self.semantics = cfg, dist, dtype, semantics
         dev = dist.device
 
-        def take(name: str) -> torch.Tensor:
-            return tensors[f"drafter.{name}"].to(device=dev, dtype=dtype).contiguous()
+        def take(name: str) -> nn.Parameter:
+            return nn.Parameter(tensors[f"drafter.{name}"].to(device=dev, dtype=dtype).contiguous(),
+                                requires_grad=False)
 
-        self.input_proj = (take("input_proj.weight"), take("input_proj.bias")) if cfg.has_input_proj else None
-        self.layers = [(take(f"layers.{j}.linear.weight"), take(f"layers.{j}.linear.bias"))
-                       for j in range(cfg.num_draft_layers)]
+        self.input_proj = nn.ParameterList([take("input_proj.weight"), take("input_proj.bias")]) \
+            if cfg.has_input_proj else None
+        self.layers = nn.ModuleList(nn.ParameterList([take(f"layers.{j}.linear.weight"),
+                                                      take(f"layers.{j}.linear.bias")])
+                                    for j in range(cfg.num_draft_layers))
         self.lm_head = take("lm_head.weight")  # [V/tp, exit_dim]
-        self.rnn = (take("rnn_w.weight"), take("rnn_u.weight"), take("rnn_u.bias")) if cfg.rnn else None
+        self.rnn = nn.ParameterList([take("rnn_w.weight"), take("rnn_u.weight"), take("rnn_u.bias")]) \
+            if cfg.rnn else None
         self.vocab_size = cfg.vocab_size
 
     def _col(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -62,7 +68,7 @@ class DrafterRank:
         """h, state: [n, H] -> float32 logits [n, V]."""
         x = torch.cat([h.to(self.dtype), state], dim=-1)  # [n, 2H]
         if self.input_proj is not None:
-            x = self._col(x, *self.input_proj)  # [n, exit_dim]
+            x = self._col(x, self.input_proj[0], self.input_proj[1])  # [n, exit_dim]
         for w, b in self.layers:
             x = x + F.silu(self._col(x, w, b))
         return self._col(x, self.lm_head).float()[:, :self.vocab_size]

@@ -7,18 +7,26 @@ TP layout (TensorRT-LLM's, so rank files load without re-sharding):
     mlp.proj        row-parallel + all-reduce                                         [H, I/tp]
     lm_head         vocab-parallel + all-gather, padding rows dropped                 [Vp/tp, H]
 nkv_r = nkv/tp k/v heads per rank, or 1 (duplicated) when nkv < tp.
+
+A step feeds [bs, T] tokens (static shapes; see `attention.AttentionMeta`); the model computes on the flat
+[bs*T, H] rows and knows nothing about requests, trees or sampling.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config import ModelConfig
 from ..rope import RotaryEmbedding
-from ..runtime.distributed import Dist
-from ..runtime.kv_cache import PagedKVCache
-from .attention import AttentionBatch
+from .attention import AttentionMeta, torch_tree_attention
+from .tp import Dist
+
+# (q [bs, T, nh, D], k_cache, v_cache [slots, kvh, D], meta, scale) -> [bs, T, nh, D]
+AttentionImpl = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMeta, float], torch.Tensor]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -29,11 +37,97 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(dtype)
 
 
-class LlamaRank:
-    """Inference-only Llama shard. `forward` maps flat tokens to final-norm hidden states."""
+def _frozen(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
+
+
+class TorchLayerOps:
+    """The decoder layer's elementwise pieces in PyTorch (CPU, and the oracles of `plugins.fused`)."""
+
+    @staticmethod
+    def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (residual + delta, rms_norm(residual + delta) * weight); [N, H] each."""
+        if delta is not None:
+            residual = residual + delta
+        return residual, rms_norm(residual, weight, eps)
+
+    @staticmethod
+    def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nh: int,
+                      nkv: int, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """qkv [N, (nh + 2 nkv) D] -> rotated q [N, nh, D]; rotated k and v stored at cache rows `slots` [N]."""
+        N = qkv.shape[0]
+        D = k_cache.shape[-1]
+        q, k, v = qkv.split([nh * D, nkv * D, nkv * D], dim=-1)
+        q = apply_rope(q.view(N, nh, D), positions, cos, sin)
+        k = apply_rope(k.view(N, nkv, D), positions, cos, sin)
+        k_cache.index_put_((slots,), k)  # in place on the cache tensor itself (see runtime/kv_cache.py)
+        v_cache.index_put_((slots,), v.reshape(N, nkv, D))
+        return q
+
+    @staticmethod
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)  # [N, I/tp] each
+        return F.silu(gate) * up
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, heads, D], positions [N] -> rotated x (GPT-NeoX layout, Hugging Face's rounding order)."""
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [N, 1, D]
+    half = x.shape[-1] // 2
+    return x * c + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * s
+
+
+class Attention(nn.Module):
+    def __init__(self, qkv: torch.Tensor, dense: torch.Tensor, nh: int, nkv: int, head_size: int, dist: Dist):
+        super().__init__()
+        self.qkv = _frozen(qkv)  # [(nh + 2 nkv) D, H]
+        self.dense = _frozen(dense)  # [H, nh D]
+        self.nh, self.nkv, self.D, self.dist = nh, nkv, head_size, dist
+        self.scale = head_size ** -0.5
+
+    def forward(self, x: torch.Tensor, layer: int, meta: AttentionMeta, kv: tuple[list[torch.Tensor], list[torch.Tensor]],
+                rope: RotaryEmbedding, impl: AttentionImpl, ops) -> torch.Tensor:
+        bs, T = meta.positions.shape
+        N = bs * T
+        k_cache, v_cache = kv[0][layer], kv[1][layer]  # [slots, nkv, D]
+        q = ops.rope_write_kv(F.linear(x, self.qkv), meta.positions.reshape(N), rope.cos, rope.sin, self.nh,
+                              self.nkv, k_cache, v_cache, meta.write_slots.reshape(N))  # [N, nh, D]
+        out = impl(q.view(bs, T, self.nh, self.D), k_cache, v_cache, meta, self.scale)  # [bs, T, nh, D]
+        return self.dist.all_reduce(F.linear(out.reshape(N, self.nh * self.D), self.dense))
+
+
+class MLP(nn.Module):
+    def __init__(self, fc_gate: torch.Tensor, proj: torch.Tensor, dist: Dist):
+        super().__init__()
+        self.fc_gate = _frozen(fc_gate)  # [2 I/tp, H]: gate_proj rows, then up_proj rows (one matmul)
+        self.proj = _frozen(proj)  # [H, I/tp]
+        self.dist = dist
+
+    def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
+        return self.dist.all_reduce(F.linear(ops.silu_mul(F.linear(x, self.fc_gate)), self.proj))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, ln1: torch.Tensor, attn: Attention, ln2: torch.Tensor, mlp: MLP, eps: float):
+        super().__init__()
+        self.ln1, self.ln2 = _frozen(ln1), _frozen(ln2)
+        self.attn, self.mlp, self.eps = attn, mlp, eps
+
+    def forward(self, residual: torch.Tensor, h: torch.Tensor, layer: int, meta: AttentionMeta, kv, rope, impl,
+                ops, next_norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """h = ln1(residual) on entry -> (residual after attention and MLP, next_norm(residual)): each residual add
+        is fused with the norm that follows it (same roundings as add-then-norm)."""
+        residual, h = ops.add_rms_norm(residual, self.attn(h, layer, meta, kv, rope, impl, ops), self.ln2, self.eps)
+        return ops.add_rms_norm(residual, self.mlp(h, ops), next_norm, self.eps)
+
+
+class LlamaRank(nn.Module):
+    """Inference-only Llama shard. `forward` maps [bs, T] tokens to final-norm hidden states [bs, T, H]."""
 
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], dist: Dist, dtype: torch.dtype,
                  max_seq_len: int):
+        super().__init__()
         tp = dist.world_size
         self.cfg, self.dist, self.dtype = cfg, dist, dtype
         self.D = cfg.head_size
@@ -45,67 +139,53 @@ class LlamaRank:
         def take(name: str) -> torch.Tensor:
             return tensors[name].to(device=dev, dtype=dtype).contiguous()
 
-        self.embedding = take("transformer.vocab_embedding.weight")  # [V, H] (replicated)
-        self.layers = []
+        self.embedding = _frozen(take("transformer.vocab_embedding.weight"))  # [V, H] (replicated)
+        layers = []
         for i in range(cfg.num_hidden_layers):
             p = f"transformer.layers.{i}."
-            layer = {
-                "ln1": take(p + "input_layernorm.weight"),
-                "qkv": take(p + "attention.qkv.weight"),
-                "dense": take(p + "attention.dense.weight"),
-                "ln2": take(p + "post_layernorm.weight"),
-                # fc = gate_proj (activated), gate = up_proj; fused into one column-parallel matmul
-                "fc_gate": torch.cat([take(p + "mlp.fc.weight"), take(p + "mlp.gate.weight")], dim=0),
-                "proj": take(p + "mlp.proj.weight"),
-            }
+            qkv = take(p + "attention.qkv.weight")
             exp_qkv = (self.nh + 2 * self.nkv) * self.D
-            assert layer["qkv"].shape[0] == exp_qkv, (i, tuple(layer["qkv"].shape), exp_qkv)
-            self.layers.append(layer)
-        self.ln_f = take("transformer.ln_f.weight")
+            assert qkv.shape[0] == exp_qkv, (i, tuple(qkv.shape), exp_qkv)
+            # fc = gate_proj (activated), gate = up_proj; fused into one column-parallel matmul
+            fc_gate = torch.cat([take(p + "mlp.fc.weight"), take(p + "mlp.gate.weight")], dim=0)
+            layers.append(DecoderLayer(
+                take(p + "input_layernorm.weight"),
+                Attention(qkv, take(p + "attention.dense.weight"), self.nh, self.nkv, self.D, dist),
+                take(p + "post_layernorm.weight"),
+                MLP(fc_gate, take(p + "mlp.proj.weight"), dist),
+                cfg.norm_epsilon))
+        self.layers = nn.ModuleList(layers)
+        self.ln_f = _frozen(take("transformer.ln_f.weight"))
         lm = tensors.get("lm_head.weight")
-        self.lm_head = take("lm_head.weight") if lm is not None else self.embedding  # [Vp/tp, H]
+        self.lm_head = _frozen(take("lm_head.weight")) if lm is not None else self.embedding  # [Vp/tp, H]
         self.rope = RotaryEmbedding(self.D, cfg.rotary_base, cfg.rotary_scaling, cfg.max_position_embeddings,
                                     max(max_seq_len, cfg.max_position_embeddings) + 1, device=dev, dtype=dtype)
-        self.scale = self.D ** -0.5
+        self.attention_impl: AttentionImpl = torch_tree_attention
+        self.ops = TorchLayerOps  # or plugins.fused (CUDA): same contracts
 
     # ---- pieces -----------------------------------------------------------------------------------------
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.embedding)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [M, H] (final-norm) -> float32 logits [M, V] over the whole vocabulary."""
-        local = F.linear(hidden, self.lm_head).float()  # [M, Vp/tp]
-        return self.dist.all_gather(local, dim=-1)[:, :self.vocab_size]
+        """hidden [..., H] (final-norm) -> logits [..., V] over the whole vocabulary, in the model dtype.
 
-    def _attention(self, x: torch.Tensor, layer: dict, li: int, batch: AttentionBatch,
-                   cache: PagedKVCache) -> torch.Tensor:
-        N = x.shape[0]
-        qkv = F.linear(x, layer["qkv"])  # [N, (nh + 2 nkv) D]
-        q, k, v = qkv.split([self.nh * self.D, self.nkv * self.D, self.nkv * self.D], dim=-1)
-        q = self.rope.apply(q.view(N, self.nh, self.D), batch.positions)  # [N, nh, D]
-        k = self.rope.apply(k.view(N, self.nkv, self.D), batch.positions)  # [N, nkv, D]
-        cache.k[li, batch.write_slots] = k
-        cache.v[li, batch.write_slots] = v.view(N, self.nkv, self.D)
-        keys = cache.k[li][batch.kv_slots].transpose(1, 2)  # [bs, nkv, S, D]
-        vals = cache.v[li][batch.kv_slots].transpose(1, 2)
-        qp = q[batch.q_index].transpose(1, 2)  # [bs, nh, T, D]
-        out = F.scaled_dot_product_attention(qp, keys, vals, attn_mask=batch.mask, scale=self.scale,
-                                             enable_gqa=self.nh != self.nkv)  # [bs, nh, T, D]
-        bs, _, T, _ = out.shape
-        out = out.transpose(1, 2).reshape(bs * T, self.nh * self.D)[batch.unpad_index]  # [N, nh*D]
-        return self.dist.all_reduce(F.linear(out, layer["dense"]))
-
-    def _mlp(self, x: torch.Tensor, layer: dict) -> torch.Tensor:
-        gate, up = F.linear(x, layer["fc_gate"]).chunk(2, dim=-1)  # [N, I/tp] each
-        return self.dist.all_reduce(F.linear(F.silu(gate) * up, layer["proj"]))
+        Hugging Face computes logits in the model dtype too (then upcasts), so argmax here is argmax there.
+        """
+        local = F.linear(hidden, self.lm_head)  # [..., Vp/tp]
+        return self.dist.all_gather(local, dim=-1)[..., :self.vocab_size]
 
     # ---- forward ----------------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, batch: AttentionBatch, cache: PagedKVCache) -> torch.Tensor:
-        """ids [N] flat tokens of the step -> final-norm hidden states [N, H]."""
+    def forward(self, ids: torch.Tensor, meta: AttentionMeta, kv: tuple[list[torch.Tensor], list[torch.Tensor]]
+                ) -> torch.Tensor:
+        """ids [bs, T] -> final-norm hidden states [bs, T, H]; writes the new tokens' K/V into `kv` (per-layer
+        [num_slots, kvh, D] tensors)."""
+        bs, T = ids.shape
+        if self.attention_impl is torch_tree_attention:
+            meta = meta.for_torch()
         eps = self.cfg.norm_epsilon
-        x = self.embed(ids)  # [N, H]
+        residual, h = self.ops.add_rms_norm(self.embed(ids.reshape(bs * T)), None, self.layers[0].ln1, eps)  # [N, H]
         for li, layer in enumerate(self.layers):
-            x = x + self._attention(rms_norm(x, layer["ln1"], eps), layer, li, batch, cache)
-            x = x + self._mlp(rms_norm(x, layer["ln2"], eps), layer)
-        return rms_norm(x, self.ln_f, eps)
+            nxt = self.layers[li + 1].ln1 if li + 1 < len(self.layers) else self.ln_f
+            residual, h = layer(residual, h, li, meta, kv, self.rope, self.attention_impl, self.ops, nxt)
+        return h.view(bs, T, -1)

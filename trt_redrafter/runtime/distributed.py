@@ -15,15 +15,18 @@ import datetime
 import os
 import shutil
 import socket
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as tdist
 
 from ..errors import UserError
 from ..log import get_logger
+from ..model.tp import Dist
 
 logger = get_logger(__name__)
+
+__all__ = ["Dist", "COLLECTIVE_TIMEOUT_S", "init_dist", "init_dist_tcp", "mpi_world", "mpirun_prefix", "in_mpi_world",
+           "free_port", "shutdown_dist"]
 
 # A collective that has not completed in this long means a peer is gone (normal steps take milliseconds).
 COLLECTIVE_TIMEOUT_S = float(os.environ.get("TRT_REDRAFTER_COLLECTIVE_TIMEOUT", "60"))
@@ -58,50 +61,6 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@dataclass
-class Dist:
-    """This process's place in the TP group and the collectives the model needs."""
-
-    rank: int
-    world_size: int
-    device: torch.device
-
-    @property
-    def is_driver(self) -> bool:
-        return self.rank == 0
-
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum over ranks, in place (row-parallel linears)."""
-        if self.world_size > 1:
-            tdist.all_reduce(x)
-        return x
-
-    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-        """Concatenate every rank's `x` along `dim` (column-parallel outputs, vocab-parallel logits)."""
-        if self.world_size == 1:
-            return x
-        parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        tdist.all_gather(parts, x.contiguous())
-        return torch.cat(parts, dim=dim)
-
-    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
-        """Rank `src`'s value everywhere; decisions (accepted tokens, drafts) use this so ranks never drift."""
-        if self.world_size > 1:
-            tdist.broadcast(x, src)
-        return x
-
-    def broadcast_object(self, obj=None, src: int = 0):
-        if self.world_size == 1:
-            return obj
-        box = [obj]
-        tdist.broadcast_object_list(box, src)
-        return box[0]
-
-    def barrier(self) -> None:
-        if self.world_size > 1:
-            tdist.barrier()
 
 
 def init_dist(tp_size: int, device: str = "auto") -> Dist:

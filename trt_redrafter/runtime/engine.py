@@ -1,45 +1,49 @@
-"""The torch engine: one ReDrafter (or auto-regressive) step over a batch of requests.
+"""The torch engine: load an engine directory, admit requests into batch slots, run batched steps.
 
-A step, per generating request, mirrors what TensorRT-LLM puts in one engine call:
-    1. verify   run the base model over the request's packed draft tree (tree attention)
-    2. accept   choose the beam and how many of its drafted tokens survive, plus the next true token
-    3. rewind   keep only the accepted path's KV entries
-    4. draft    drafter beam search from the hidden state at the last accepted position and the true token
-    5. pack     dedup the beams' shared prefixes into the next packed tree
-Requests still in their prompt phase are processed in the same step (mixed batch): their prompt is the span,
-their last logits give the first true token, and they draft right away. AR requests feed one token per step.
+`Engine.step(seqs)` runs one step for every given request, grouped by what they need:
+    prompt phase   `DecodeStep.prefill` (eager; a request's prompt runs once), then the first draft
+    ReDrafter      `DecodeStep.redrafter_step`: verify -> accept -> rewind -> draft -> pack (step.py)
+    AR             `DecodeStep.ar_step`
+The decode steps run through `graphs.Unit`s (eager, inductor, CUDA graphs per batch bucket) and read their state
+from the device (`SlotState`, the paged KV cache's block table); the host reads back one small tensor per group,
+the emitted tokens, and does the bookkeeping (stop conditions, statistics, streaming events). With a host
+proposer the next trees are drafted after that read-back.
 
-Every rank runs the same step on its shard; rank 0's decisions (accepted tokens, drafts) are broadcast so TP
-ranks can never drift apart, whatever the floating-point reduction order.
-
+Every rank runs the same steps on its shard; rank 0's decisions are broadcast inside the step (step.py).
 The engine knows nothing about text: token ids in, token ids out.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import time
-from dataclasses import dataclass
+from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional, Union
 
 import torch
 from safetensors.torch import load_file
 
-from ..config import BuildConfig, SamplingConfig, torch_dtype
-from ..decoding import acceptance, beam_search, sampling
+from ..config import DECODING_MODES, BuildConfig, RuntimeConfig, SamplingConfig, torch_dtype
 from ..errors import UserError
 from ..log import get_logger
-from ..model.attention import AttentionBatch, SpanSpec, causal_mask
 from ..model.drafter import DrafterRank
 from ..model.llama import LlamaRank
 from .distributed import Dist
 from .engine_config import EngineConfig, load_engine_config
+from .graphs import Compiler, batch_buckets, bucket_for
 from .kv_cache import PagedKVCache
-from .sequence import Sequence, attach_drafts
+from .proposer import DeviceProposer, HostProposer, ReDrafterProposer
+from .sequence import Sequence
+from .state import SlotState
+from .step import DecodeStep, StepKernels
+from .timing import PhaseTimer
 
 logger = get_logger(__name__)
 
-APPLE_WARP_TOP_K = 50  # Apple's drafter keeps its 50 most likely tokens before the beam search
+PHASES = ("verify", "accept", "rewind", "draft", "pack")
 
 
 @dataclass
@@ -51,195 +55,359 @@ class StepEvent:
     finished: bool
 
 
+@dataclass
+class StepTimes:
+    """Wall time of decode steps by kind (launch to read-back, host bookkeeping excluded), for cost ratios."""
+
+    seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    steps: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    requests: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    def add(self, kind: str, seconds: float, batch: int) -> None:
+        self.seconds[kind] += seconds
+        self.steps[kind] += 1
+        self.requests[kind] += batch
+
+    def mean_ms(self, kind: str) -> float:
+        return 1e3 * self.seconds[kind] / self.steps[kind] if self.steps[kind] else 0.0
+
+    def mean_batch(self, kind: str) -> float:
+        return self.requests[kind] / self.steps[kind] if self.steps[kind] else 0.0
+
+    def reset(self) -> None:
+        self.seconds.clear(), self.steps.clear(), self.requests.clear()
+
+
 class Engine:
-    def __init__(self, engine_dir: str | Path, dist: Dist, drafter_semantics: str = "apple",
-                 kv_cache_tokens: int | None = None, dtype: str | None = None):
+    def __init__(self, engine_dir: str | Path, dist: Dist, runtime: RuntimeConfig | None = None,
+                 proposer: Optional[HostProposer] = None, warmup: bool = True):
         self.engine_dir = Path(engine_dir)
-        self.cfg: EngineConfig = load_engine_config(self.engine_dir)
-        info = self.cfg.checkpoint
-        if info.tp_size != dist.world_size:
-            raise UserError(f"engine {self.engine_dir} was built for tp={info.tp_size} but {dist.world_size} "
-                            f"rank(s) are running; launch with mpirun -n {info.tp_size}.")
-        self.dist = dist
-        self.redrafter = info.redrafter
-        self.build: BuildConfig = self.cfg.build
-        self.dtype = torch_dtype(dtype or self.build.dtype or info.model.dtype)
+        cfg = load_engine_config(self.engine_dir)
+        if cfg.tp_size != dist.world_size:
+            raise UserError(f"engine {self.engine_dir} was built for tp={cfg.tp_size} but {dist.world_size} "
+                            f"rank(s) are running; launch with mpirun -n {cfg.tp_size}.")
         path = self.engine_dir / f"rank{dist.rank}.safetensors"
         if not path.is_file():
             raise UserError(f"engine {self.engine_dir} has no {path.name}; rebuild it with build-engine.")
-        tensors = load_file(str(path))
-        max_pos = self.build.max_seq_len + self.redrafter.max_tree_tokens
-        self.model = LlamaRank(info.model, tensors, dist, self.dtype, max_pos)
-        self.drafter = DrafterRank(info.drafter, tensors, dist, self.dtype, drafter_semantics)
-        self.drafter_semantics = drafter_semantics
+        self._setup(cfg, load_file(str(path)), dist, runtime or RuntimeConfig(), proposer, warmup)
+
+    @classmethod
+    def from_tensors(cls, cfg: EngineConfig, tensors: dict[str, torch.Tensor], dist: Dist,
+                     runtime: RuntimeConfig | None = None, proposer: Optional[HostProposer] = None,
+                     warmup: bool = True) -> "Engine":
+        """An engine over this rank's checkpoint tensors already in memory (benchmarks build random models in
+        place); tensors already on the device in the compute dtype are used without a copy."""
+        engine = cls.__new__(cls)
+        engine.engine_dir = None
+        engine._setup(cfg, tensors, dist, runtime or RuntimeConfig(), proposer, warmup)
+        return engine
+
+    def _setup(self, cfg: EngineConfig, tensors: dict[str, torch.Tensor], dist: Dist, runtime: RuntimeConfig,
+               proposer: Optional[HostProposer], warmup: bool) -> None:
+        self.cfg, self.runtime, self.dist = cfg, runtime, dist
+        info = cfg.checkpoint
+        if runtime.threads:
+            torch.set_num_threads(runtime.threads)
+        self.redrafter = rd = info.redrafter
+        self.build: BuildConfig = cfg.build
+        self.dtype = torch_dtype(runtime.dtype or self.build.dtype or info.model.dtype)
+        per_seq = self.build.max_seq_len + rd.max_tree_tokens  # a full request plus one draft tree
+        self.model = LlamaRank(info.model, tensors, dist, self.dtype, per_seq)
+        self.drafter = DrafterRank(info.drafter, tensors, dist, self.dtype, runtime.drafter_semantics)
         del tensors
+        self.vocab_size = info.model.vocab_size
+
         m = info.model
         kv_heads = max(m.num_key_value_heads // dist.world_size, 1)
-        bs = self.build.kv_block_size
-        per_seq = self.build.max_seq_len + self.redrafter.max_tree_tokens  # a full request plus one draft tree
-        tokens = kv_cache_tokens or self.build.max_tokens_in_paged_kv_cache or per_seq * self.build.max_batch_size
-        num_blocks = -(-tokens // bs)
-        self.cache = PagedKVCache(m.num_hidden_layers, num_blocks, bs, kv_heads, m.head_size, self.dtype, dist.device)
+        bsz = self.build.kv_block_size
+        # by default: max_batch_size requests of max_seq_len tokens plus a tree, each rounded up to whole blocks
+        tokens = runtime.kv_cache_tokens or self.build.max_tokens_in_paged_kv_cache or \
+            -(-per_seq // bsz) * bsz * self.build.max_batch_size
+        num_slots = self.build.max_batch_size + 1  # + the padding slot
+        self.cache = PagedKVCache(m.num_hidden_layers, -(-tokens // bsz), bsz, kv_heads, m.head_size, self.dtype,
+                                  dist.device, max_slots=num_slots, max_blocks_per_seq=-(-per_seq // bsz))
+        self.state = SlotState.allocate(num_slots, rd.num_beams, rd.draft_len_per_beam, dist.device)
+        self._free_slots = list(range(num_slots - 2, -1, -1))  # pop() hands out slot 0 first
+
+        self.kernels = self._resolve_kernels()
+        select, kernels = None, StepKernels()
+        if self.kernels == "triton":
+            from .. import plugins
+
+            self.model.attention_impl = plugins.tree_attention
+            self.model.ops = plugins.fused
+            select = plugins.beam_step
+            kernels = StepKernels.triton([*self.cache.k, *self.cache.v], with_mover="inductor" not in runtime.compile)
+        self.host_proposer = proposer
+        self.proposer: Union[DeviceProposer, HostProposer] = proposer or ReDrafterProposer(
+            self.drafter, self.model.embed, rd.num_beams, rd.draft_len_per_beam, select=select)
+        assert (self.proposer.num_beams, self.proposer.draft_len) == (rd.num_beams, rd.draft_len_per_beam), \
+            f"proposer drafts {self.proposer.num_beams}x{self.proposer.draft_len}, engine trees are " \
+            f"{rd.num_beams}x{rd.draft_len_per_beam}"
+        self.steps = DecodeStep(self.model, None if proposer else self.proposer, self.cache, self.state, dist,
+                                self.vocab_size, kernels)
+        self.compiler = Compiler(runtime.compile, dist.device, dist.world_size)
+        self.buckets = batch_buckets(self.build.max_batch_size)
+        self._units: dict[tuple, object] = {}
+        self.timer = PhaseTimer(dist.device, enabled=runtime.profile_phases)
+        self.step_times = StepTimes()
         self._ids = itertools.count()
+        if warmup and self.compiler.mode != "off":
+            self.warmup()
+
+    def _resolve_kernels(self) -> str:
+        want = self.runtime.kernels
+        if self.dist.device.type != "cuda":
+            if want == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+                raise UserError("--kernels triton needs a CUDA device (on the CPU the kernels run only under "
+                                "TRITON_INTERPRET=1, in tests); use --kernels auto or torch.")
+            if want != "triton":
+                return "torch"
+        if want == "torch":
+            return "torch"
+        try:
+            from .. import plugins  # noqa: F401
+        except ImportError as e:
+            if want == "triton":
+                raise UserError(f"--kernels triton but the Triton kernels cannot load ({e}); pip install triton.") from e
+            logger.warning("Triton kernels unavailable (%s); using the PyTorch path", e)
+            return "torch"
+        return "triton"
 
     # ---- requests --------------------------------------------------------------------------------------------
     def new_sequence(self, prompt: list[int], params: SamplingConfig, mode: str = "redrafter",
                      stop_ids: tuple[int, ...] = (), seq_id: int | None = None,
                      stop_sequences: tuple[tuple[int, ...], ...] = ()) -> Sequence:
         """Validate a request against the engine's limits and make its state."""
-        if mode not in ("redrafter", "ar"):
-            raise UserError(f"mode must be 'redrafter' or 'ar', got {mode!r}.")
+        if mode not in DECODING_MODES:
+            raise UserError(f"mode must be one of {', '.join(DECODING_MODES)}, got {mode!r}.")
         if not prompt:
             raise UserError("the prompt is empty; give at least one token.")
         if len(prompt) > self.build.max_input_len:
             raise UserError(f"the prompt has {len(prompt)} tokens but the engine's max_input_len is "
                             f"{self.build.max_input_len}; shorten it or rebuild with a larger --max-input-len.")
-        vocab = self.cfg.checkpoint.model.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
         if bad:
-            raise UserError(f"prompt token id(s) {bad[:5]} are outside the vocabulary [0, {vocab}).")
+            raise UserError(f"prompt token id(s) {bad[:5]} are outside the vocabulary [0, {self.vocab_size}).")
         if params.max_tokens > self.build.max_seq_len - len(prompt):
             raise UserError(f"max_tokens={params.max_tokens} with a {len(prompt)}-token prompt exceeds the engine's "
                             f"max_seq_len={self.build.max_seq_len}; ask for at most "
                             f"{self.build.max_seq_len - len(prompt)} tokens.")
-        gen = torch.Generator(device=self.dist.device)  # sampling draws on the device the probabilities live on
-        gen.manual_seed(params.seed)
         sid = next(self._ids) if seq_id is None else seq_id
-        return Sequence(sid, list(prompt), params, mode, frozenset(stop_ids), self.build.max_seq_len, gen,
+        return Sequence(sid, list(prompt), params, mode, frozenset(stop_ids), self.build.max_seq_len,
                         stop_sequences=tuple(tuple(q) for q in stop_sequences if q))
 
     def release(self, seq: Sequence) -> None:
+        """Give back `seq`'s KV blocks and batch slot."""
         self.cache.free(seq.seq_id)
+        if seq.slot >= 0:
+            self._free_slots.append(seq.slot)
+            seq.slot = -1
 
     def restart(self, seq: Sequence) -> None:
         """Forget `seq`'s KV state (after preemption); its next step recomputes prompt + output so far."""
-        self.cache.free(seq.seq_id)
-        seq.ctx_len, seq.pending, seq.draft = 0, None, None
+        self.release(seq)
+        seq.ctx_len, seq.prefilled = 0, False
 
     def tokens_needed(self, seq: Sequence) -> int:
         """KV positions `seq` needs for its next step."""
         if seq.in_prompt_phase:
             return len(seq.prompt) + len(seq.output)
-        if seq.draft is not None:
-            return seq.ctx_len + int(seq.draft.tokens.numel())
+        if seq.mode == "redrafter":
+            return seq.ctx_len + self.redrafter.max_tree_tokens  # the padded tree is written whole
         return seq.ctx_len + 1
 
     # ---- the step --------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self, seqs: list[Sequence]) -> list[StepEvent]:
         assert seqs and all(not s.finished for s in seqs), [s.seq_id for s in seqs]
-        dev = self.dist.device
-        spans, ids = [], []
         for s in seqs:
             self.cache.reserve(s.seq_id, self.tokens_needed(s))
-            if s.in_prompt_phase:  # prompt (+ output, when resuming after preemption)
-                toks = torch.tensor(s.prompt + s.output)
-                spans.append(SpanSpec(s.seq_id, 0, torch.arange(len(toks)), causal_mask(len(toks))))
-            elif s.draft is not None:
-                toks = s.draft.tokens
-                spans.append(SpanSpec(s.seq_id, s.ctx_len, s.ctx_len + s.draft.offsets, s.draft.mask))
+            if s.slot < 0:
+                assert self._free_slots, "more admitted requests than batch slots"
+                s.slot = self._free_slots.pop()
+                self.cache.bind(s.seq_id, s.slot)
+                self.state.set_params([s.slot], [s.sampling])
+        self.cache.sync()
+        prompt = [s for s in seqs if s.in_prompt_phase]
+        groups = [(kind, [s for s in seqs if not s.in_prompt_phase and s.mode == kind]) for kind in DECODING_MODES]
+        launched = [(kind, g, self._launch(kind, g)) for kind, g in groups if g]  # all groups, then read back
+        emitted: dict[int, list[int]] = {}
+        for kind, group, (out, t0) in launched:
+            rows = out.cpu().tolist()  # the step's one host sync
+            self.step_times.add(kind, time.perf_counter() - t0, len(group))
+            for s, row in zip(group, rows):  # [tokens (bl) | count | next tree length]
+                emitted[s.seq_id] = row[:row[-2]]
+                s.tree_len = row[-1]
+        if prompt:
+            for s, (tok, tree_len) in zip(prompt, self._prefill(prompt)):
+                emitted[s.seq_id] = [tok]
+                s.tree_len = tree_len
+
+        events, host_draft = [], []
+        dl = self.redrafter.draft_len_per_beam
+        for s in seqs:
+            toks = emitted[s.seq_id]
+            was_prompt = s.in_prompt_phase
+            if was_prompt:
+                s.prefilled, s.ctx_len = True, len(s.prompt) + len(s.output)
             else:
-                toks = torch.tensor([s.pending])
-                spans.append(SpanSpec(s.seq_id, s.ctx_len, torch.tensor([s.ctx_len]), causal_mask(1)))
-            ids.append(toks)
-        batch = AttentionBatch.build(spans, self.cache)
-        hidden = self.model.forward(torch.cat(ids).to(dev), batch, self.cache)  # [N, H]  -- 1. verify
-
-        # rows whose logits are needed: the whole tree for drafts, the last token otherwise
-        rows = []
-        for s, start, q in zip(seqs, batch.q_starts, batch.q_lens):
-            rows.append(torch.arange(start, start + q) if s.draft is not None else torch.tensor([start + q - 1]))
-        logits = self.model.logits(hidden[torch.cat(rows).to(dev)])  # [M, V] float32
-
-        decision = self._accept(seqs, logits, [len(r) for r in rows])  # [bs, 3] beam, n_accepted, next -- 2.
-        decision = self.dist.broadcast(decision.to(dev)).cpu()
-
-        events, to_draft, h_rows = [], [], []
-        for s, (beam, n, nxt), start in zip(seqs, decision.tolist(), batch.q_starts):
-            if s.draft is not None:  # 3. rewind: keep the root and the n accepted tokens of the chosen beam
-                path = s.draft.unpacker[beam, :n + 1]  # [n + 1] packed indices
-                self.cache.compact(s.seq_id, s.ctx_len, path)
-                emitted = s.draft.beams[beam, 1:n + 1].tolist() + [nxt]
-                s.ctx_len += n + 1
-                h_row = start + int(path[-1])
-                s.stats.accepted_draft_tokens += n
-                s.stats.draft_tokens += self.redrafter.draft_len_per_beam
-            elif s.in_prompt_phase:
-                n_ctx = len(s.prompt) + len(s.output)
-                emitted, h_row = [nxt], start + n_ctx - 1
-                s.ctx_len = n_ctx
-            else:
-                emitted, h_row = [nxt], start
-                s.ctx_len += 1
-            was_prompt = s.stats.first_token_time is None
-            appended = s.append(emitted)
+                s.ctx_len += len(toks)
+                if s.mode == "redrafter":
+                    s.stats.accepted_draft_tokens += len(toks) - 1
+                    s.stats.draft_tokens += dl
+            appended = s.append(toks)
             now = time.perf_counter()
             if was_prompt:
                 s.stats.first_token_time = now
             else:
                 s.stats.steps += 1
                 s.stats.generated_in_steps += len(appended)
-            s.pending, s.draft = nxt, None
             events.append(StepEvent(s.seq_id, appended, s.finished))
-            if not s.finished and s.mode == "redrafter":
-                to_draft.append(s)
-                h_rows.append(h_row)
-        if to_draft:
-            self._draft(to_draft, hidden[torch.tensor(h_rows, device=dev)])  # 4. draft + 5. pack
+            if self.host_proposer is not None and not s.finished and s.mode == "redrafter":
+                host_draft.append(s)
+        if host_draft:
+            self._draft_on_host(host_draft)
         return events
 
-    # ---- accept -------------------------------------------------------------------------------------------
-    def _accept(self, seqs: list[Sequence], logits: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """-> LongTensor[bs, 3]: (beam index, drafted tokens accepted, next true token) per request."""
-        out = torch.zeros(len(seqs), 3, dtype=torch.long)
-        per_seq = list(torch.split(logits, counts))
-        single = [i for i, s in enumerate(seqs) if s.draft is None]
-        if single:  # prompt step or AR step: sample the next token from the last position
-            last = torch.cat([per_seq[i] for i in single])  # [k, V]
-            probs = self._process([seqs[i].sampling for i in single], last)
-            out[single, 2] = sampling.sample(probs, [seqs[i].generator for i in single]).cpu()
-        for mode in ("greedy", "exact", "apple"):
-            idx = [i for i, s in enumerate(seqs) if s.draft is not None and s.sampling.resolved_acceptance == mode]
-            if not idx:
-                continue
-            dev = logits.device
-            beams = torch.stack([seqs[i].draft.beams for i in idx]).to(dev)  # [g, nb, bl]
+    def _rule(self, group: list[Sequence]) -> str:
+        rules = {s.sampling.resolved_acceptance for s in group}
+        if "apple" in rules and group[0].mode == "redrafter":
+            return "apple"
+        return "greedy" if rules == {"greedy"} else "sample"
 
-            def unpack(rows: list[torch.Tensor]) -> torch.Tensor:
-                """Per-request packed-tree rows [P_i, V] -> beam layout [g, nb, bl, V]."""
-                return torch.stack([r[seqs[i].draft.unpacker.to(dev)] for r, i in zip(rows, idx)])
+    def _slots(self, group: list[Sequence], padded: bool) -> torch.Tensor:
+        slots = [s.slot for s in group]
+        if padded:
+            slots += [self.state.padding_slot] * (bucket_for(len(slots), self.buckets) - len(slots))
+        return torch.tensor(slots, dtype=torch.long, device=self.dist.device)
 
-            if mode == "greedy":
-                acc = acceptance.accept_greedy(beams, unpack([per_seq[i] for i in idx]))
-            else:
-                # process each tree node once (beams sharing a prefix share its rows), then unpack
-                params = [seqs[i].sampling for i in idx for _ in range(counts[i])]
-                probs = self._process(params, torch.cat([per_seq[i] for i in idx]))  # [sum P_i, V]
-                probs = unpack(list(torch.split(probs, [counts[i] for i in idx])))  # [g, nb, bl, V]
-                gens = [seqs[i].generator for i in idx]
-                if mode == "exact":
-                    acc = acceptance.accept_exact(beams, probs, gens)
-                else:
-                    draft_logp = torch.stack([seqs[i].draft.log_probs for i in idx]).to(dev)
-                    acc = acceptance.accept_apple(beams, probs.log(), draft_logp, gens)
-            out[idx, 0] = acc.beam_index.cpu()
-            out[idx, 1] = acc.num_accepted.cpu()
-            out[idx, 2] = acc.next_token.cpu()
-        return out
+    @property
+    def _graphs(self) -> bool:
+        return "cudagraphs" in self.compiler.mode
 
-    def _process(self, params: list[SamplingConfig], logits: torch.Tensor) -> torch.Tensor:
-        dev = logits.device
-        temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
-        top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=dev)
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
-        return sampling.process_logits(logits, temp, top_k, top_p)
+    def _key_blocks(self, longest: int) -> torch.Tensor:
+        """[nblk]: how many KV blocks per request the torch attention reads. All of them under CUDA graphs (static
+        shapes) or with the Triton kernel (it stops at each request's length); else enough for `longest`
+        positions, at least 2 so that inductor's one dynamic graph covers every length (size 1 would specialize)."""
+        n = self.cache.max_blocks_per_seq
+        if not (self._graphs or self.kernels == "triton"):
+            n = min(max(2, -(-longest // self.cache.block_size)), n)
+        return torch.arange(n, device=self.dist.device)
 
-    # ---- draft + pack ------------------------------------------------------------------------------------------
-    def _draft(self, seqs: list[Sequence], h: torch.Tensor) -> None:
+    def _launch(self, kind: str, group: list[Sequence]) -> tuple[torch.Tensor, float]:
+        """Start one decode step for `group` -> (emitted [bs, bl+1] on the device, maybe still running; start time)."""
+        t0 = time.perf_counter()
+        rule = self._rule(group)
+        if rule == "apple":
+            self.state.ensure_draft_logp(self.vocab_size)
+        draft = self.host_proposer is None
+        slots = self._slots(group, padded=self._graphs)
+        T = self._tree_width(group) if kind == "redrafter" else 1
+        key_blocks = self._key_blocks(max(s.ctx_len for s in group) + T)
+        tree_width = torch.arange(T, device=self.dist.device)
+        for t in (slots, key_blocks, tree_width):
+            self.compiler.mark_dynamic(t, 0)
+        if self.timer.enabled and kind == "redrafter":
+            out = self._profiled_redrafter_step(slots, key_blocks, tree_width, rule, draft)
+        else:
+            out = self._unit(kind)(slots, key_blocks, tree_width, rule, draft)
+        return out[:len(group)], t0
+
+    def _tree_width(self, group: list[Sequence]) -> int:
+        """Packed tokens a ReDrafter step verifies per request: the longest tree of the batch (the host knows the
+        lengths: each step returns them), or max_tree_tokens under CUDA graphs (static shapes)."""
+        P = self.redrafter.max_tree_tokens
+        return P if self._graphs else min(P, max(2, max(s.tree_len for s in group)))
+
+    def _unit(self, kind: str):
+        unit = self._units.get(kind)
+        if unit is None:
+            fn = self.steps.redrafter_step if kind == "redrafter" else self.steps.ar_step
+            unit = self._units[kind] = self.compiler.unit(fn, f"{kind}-step", self._on_padding)
+        return unit
+
+    def _phase_units(self) -> dict:
+        units = self._units.get("phases")
+        if units is None:
+            st, c = self.steps, self.compiler
+            units = self._units["phases"] = {name: c.unit(fn, name, None if name == "draft" else self._on_padding)
+                                             for name, fn in (("verify", st.verify_tree), ("accept", st.accept),
+                                                              ("rewind", st.rewind), ("draft", st.draft),
+                                                              ("pack", st.pack))}
+        return units
+
+    def _on_padding(self, slots: torch.Tensor, *rest):
+        """The same call on padding slots only (what a CUDA-graph capture may run for real)."""
+        return (torch.full_like(slots, self.state.padding_slot), *rest)
+
+    def _profiled_redrafter_step(self, slots: torch.Tensor, key_blocks: torch.Tensor, tree_width: torch.Tensor,
+                                 rule: str, draft: bool) -> torch.Tensor:
+        """The ReDrafter step phase by phase, each its own graph, timed (runtime.profile_phases)."""
+        u, t = self._phase_units(), self.timer
+        with t.phase("verify"):
+            v = u["verify"](slots, key_blocks, tree_width)
+        with t.phase("accept"):
+            a = u["accept"](slots, v.logits, rule)
+        with t.phase("rewind"):
+            last = u["rewind"](slots, a.decision)
+        tree_len = torch.zeros_like(last)
+        if draft:
+            with t.phase("draft"):
+                beams, logp = u["draft"](v.hidden, last, a.decision, rule == "apple")
+            with t.phase("pack"):
+                tree_len = u["pack"](slots, beams, logp)
+        t.end_step()
+        return torch.cat([a.emitted, tree_len[:, None]], dim=1)
+
+    def _prefill(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
+        """Prompt step (eager) for newly admitted (or preempted) requests -> (first true token, tree length)."""
+        dev = self.dist.device
+        texts = [s.prompt + s.output for s in seqs]
+        lengths = torch.tensor([len(t) for t in texts], dtype=torch.long)
+        ids = torch.zeros(len(texts), int(lengths.max()), dtype=torch.long)
+        for i, t in enumerate(texts):
+            ids[i, :len(t)] = torch.tensor(t)
+        slots = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=dev)
+        rule = self._rule(seqs)
+        h = self.steps.prefill(slots, ids.to(dev), lengths.to(dev), rule)
+        rd = [i for i, s in enumerate(seqs) if s.mode == "redrafter"]
+        tree_len = [0] * len(seqs)
+        if rd and self.host_proposer is None:
+            if rule == "apple":
+                self.state.ensure_draft_logp(self.vocab_size)
+            idx = torch.tensor(rd, device=dev)
+            for i, n in zip(rd, self.steps.draft_from_prompt(slots[idx], h[idx], rule == "apple").tolist()):
+                tree_len[i] = n
+        return list(zip(self.state.true_tok[slots].tolist(), tree_len))
+
+    def _draft_on_host(self, seqs: list[Sequence]) -> None:
+        """Ask the host proposer for the next trees of `seqs` and pack them on the device."""
+        beams = self.host_proposer.propose(seqs)
         rd = self.redrafter
-        true_tok = torch.tensor([s.pending for s in seqs], device=h.device)
-        warp = APPLE_WARP_TOP_K if self.drafter_semantics == "apple" else None
-        res = beam_search.beam_search(self.drafter, self.model.embed, h, true_tok, rd.num_beams,
-                                      rd.draft_len_per_beam, warp_top_k=warp)
-        beams = self.dist.broadcast(res.beams.contiguous()).cpu()  # [g, nb, bl]
-        attach_drafts(seqs, beams, res.log_probs)
+        assert beams.shape == (len(seqs), rd.num_beams, rd.beam_length), \
+            f"host proposer returned {tuple(beams.shape)}, expected {(len(seqs), rd.num_beams, rd.beam_length)}"
+        dev = self.dist.device
+        slots = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=dev)
+        for s, n in zip(seqs, self.steps.pack(slots, self.dist.broadcast(beams.to(dev)), None).tolist()):
+            s.tree_len = n
+
+    # ---- warm-up ------------------------------------------------------------------------------------------
+    def warmup(self) -> None:
+        """Compile / capture the greedy decode steps before the first request (padding-slot batches only)."""
+        t0 = time.perf_counter()
+        pad = self.state.padding_slot
+        sizes = self.buckets if self._graphs else sorted({1, min(2, self.build.max_batch_size)})
+        draft = self.host_proposer is None
+        with torch.inference_mode():
+            for kind in DECODING_MODES:
+                T = self.redrafter.max_tree_tokens if kind == "redrafter" else 1
+                for bs in sorted(sizes, reverse=True):  # largest first: later captures reuse its pool memory
+                    slots = torch.full((bs,), pad, dtype=torch.long, device=self.dist.device)
+                    key_blocks = self._key_blocks(T)
+                    tree_width = torch.arange(T, device=self.dist.device)
+                    for t in (slots, key_blocks, tree_width):
+                        self.compiler.mark_dynamic(t, 0)
+                    self._unit(kind)(slots, key_blocks, tree_width, "greedy", draft).cpu()
+        self.state.ctx_len[pad] = 0
+        logger.info("engine warm-up (%s, buckets %s) took %.1fs", self.compiler.mode, sizes, time.perf_counter() - t0)

@@ -40,6 +40,30 @@ OnTokens = Callable[["Request", list[int], bool], None]  # (request, new tokens,
 
 
 @dataclass
+class PlannedRequest:
+    """One request of a step plan: what a follower rank needs to make (or find) the same Sequence."""
+
+    seq_id: int
+    prompt: list[int]
+    output: list[int]  # tokens emitted so far (a request re-admitted after preemption resumes from them)
+    params: SamplingConfig
+    mode: str
+    stop_ids: tuple[int, ...]
+    stop_sequences: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def of(cls, s: Sequence) -> "PlannedRequest":
+        return cls(s.seq_id, s.prompt, s.output, s.sampling, s.mode, tuple(s.stop_ids), s.stop_sequences)
+
+
+@dataclass
+class StepPlan:
+    """What rank 0 broadcasts before each step: the requests of the step, in batch order."""
+
+    requests: list[PlannedRequest]
+
+
+@dataclass
 class Request:
     request_id: str
     prompt: list[int]
@@ -176,8 +200,7 @@ class Scheduler:
             assert not self._waiting, "a waiting request cannot be admitted into an empty batch"
             return
         seqs = self._reserve(batch)
-        plan = [(s.seq_id, s.prompt, s.output, s.sampling, s.mode, tuple(s.stop_ids), s.stop_sequences) for s in seqs]
-        self.engine.dist.broadcast_object(("step", plan))
+        self.engine.dist.broadcast_object(("step", StepPlan([PlannedRequest.of(s) for s in seqs])))
         events = self.engine.step(seqs)
         self._steps += 1
         for req, ev in zip([self._req_of(s) for s in seqs], events):
@@ -280,13 +303,13 @@ def follow(engine: Engine) -> None:
                 engine.release(s)
             continue
         batch = []
-        for seq_id, prompt, output, params, mode, stop_ids, stop_sequences in body:
-            s = seqs.get(seq_id)
+        for r in body.requests:
+            s = seqs.get(r.seq_id)
             if s is None:  # newly admitted, or re-admitted after preemption (then it resumes from its output)
-                s = engine.new_sequence(prompt, params, mode, stop_ids, seq_id=seq_id, stop_sequences=stop_sequences)
-                s.output = list(output)
-                seqs[seq_id] = s
-            engine.cache.reserve(seq_id, engine.tokens_needed(s))
+                s = engine.new_sequence(r.prompt, r.params, r.mode, r.stop_ids, seq_id=r.seq_id,
+                                        stop_sequences=r.stop_sequences)
+                s.output = list(r.output)
+                seqs[r.seq_id] = s
             batch.append(s)
         for ev in engine.step(batch):
             if ev.finished:

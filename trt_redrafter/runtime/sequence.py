@@ -1,4 +1,9 @@
-"""Per-request decoding state and statistics, passed in and out of `Engine.step`."""
+"""Per-request host state and statistics, passed in and out of `Engine.step`.
+
+What a step computes with (KV length, the next draft tree, sampling parameters) lives on the device in
+`state.SlotState`, in the row of the request's batch slot; this is the host's side: the tokens emitted so far, stop
+conditions, and a mirror of the committed KV length that the KV allocator and the scheduler read.
+"""
 
 from __future__ import annotations
 
@@ -6,22 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-import torch
-
-from ..config import SamplingConfig
-from ..decoding import tree
-
-
-@dataclass
-class Draft:
-    """The packed draft tree a request verifies in its next step (one row of `decoding.tree.PackedTree`)."""
-
-    beams: torch.Tensor  # [nb, bl] token 0 = the true token
-    tokens: torch.Tensor  # [P] packed tree tokens
-    mask: torch.Tensor  # [P, P] bool tree mask
-    offsets: torch.Tensor  # [P] depth of each packed token
-    unpacker: torch.Tensor  # [nb, bl] packed index of every beam position
-    log_probs: Optional[torch.Tensor] = None  # [nb, dl, V] drafter log-probs (kept for `apple` acceptance only)
+from ..config import DecodingMode, SamplingConfig
 
 
 @dataclass
@@ -48,22 +38,27 @@ class Sequence:
     seq_id: int
     prompt: list[int]
     sampling: SamplingConfig
-    mode: str  # "redrafter" | "ar"
+    mode: DecodingMode
     stop_ids: frozenset[int]
     max_len: int  # prompt + output limit (engine max_seq_len)
-    generator: torch.Generator
     stop_sequences: tuple[tuple[int, ...], ...] = ()  # multi-token stop words (TensorRT-LLM `stop_words`)
     output: list[int] = field(default_factory=list)
-    ctx_len: int = 0  # committed KV entries
-    pending: Optional[int] = None  # the true token: emitted, not yet in the KV cache (root of the next tree)
-    draft: Optional[Draft] = None
+    ctx_len: int = 0  # committed KV entries (mirror of the device's SlotState.ctx_len)
+    slot: int = -1  # batch slot while admitted (-1: none)
+    prefilled: bool = False  # its prompt has been processed (it has a true token and, for ReDrafter, a tree)
+    tree_len: int = 0  # packed length of its next draft tree (ReDrafter)
     finished: bool = False
     finish_reason: Optional[str] = None  # "stop" | "length" | "cancelled"
     stats: SeqStats = field(default_factory=SeqStats)
 
     @property
     def in_prompt_phase(self) -> bool:
-        return self.ctx_len == 0 and self.pending is None
+        return not self.prefilled
+
+    @property
+    def true_token(self) -> int:
+        """The last emitted token: the root of the next step's tree (not yet in the KV cache)."""
+        return self.output[-1]
 
     def append(self, tokens: list[int]) -> list[int]:
         """Append emitted tokens, applying stop tokens and max_tokens; returns what was actually appended."""
@@ -83,18 +78,3 @@ class Sequence:
     def finish(self, reason: str) -> None:
         self.finished, self.finish_reason = True, reason
         self.stats.finish_time = time.perf_counter()
-        self.draft = None
-
-
-def attach_drafts(seqs: list[Sequence], beams: torch.Tensor, log_probs: torch.Tensor | None = None) -> None:
-    """Pack beams [g, nb, bl] (row i belongs to seqs[i]) and give each sequence its draft tree for the next step.
-
-    `log_probs` [g, nb, dl, V] is kept only for requests that use `apple` acceptance (the only rule that needs Q).
-    """
-    packed = tree.pack_beams(beams)
-    for i, s in enumerate(seqs):
-        n = int(packed.lengths[i])
-        keep = log_probs is not None and s.sampling.resolved_acceptance == "apple"
-        s.draft = Draft(beams=beams[i], tokens=packed.tokens[i, :n], mask=packed.mask[i, :n, :n],
-                        offsets=packed.position_offsets[i, :n], unpacker=packed.unpacker[i],
-                        log_probs=log_probs[i] if keep else None)

@@ -1,0 +1,261 @@
+"""The decode step over a whole batch, as the paper lists it: verify -> accept -> rewind -> draft -> pack.
+
+Every phase is a function of device tensors with static shapes ([bs] slots from a batch bucket, trees padded to
+P = max_tree_tokens), no Python loop over requests or tree levels and no host sync, so one `graphs.Unit` can compile
+or capture the whole step (`redrafter_step`, `ar_step`) or, for a phase profile, each phase on its own. State
+between steps is `SlotState` (rows gathered and scattered by slot) and the paged KV cache.
+
+    verify  the base model over each request's packed tree (tree attention over the paged cache) -> hidden, logits
+    accept  the target's token after every tree node (argmax; or one counter-based draw per node for sampling),
+            then the longest drafted prefix that matches it (`accept_tokens`; `accept_apple` for that rule)
+    rewind  move the accepted path's K/V entries to the next committed positions; advance ctx_len, true token
+    draft   the proposer's beams from the hidden state at the last accepted position and the next token
+    pack    dedup the beams into the next packed tree (`pack_beams`, padded to P) and store it in the slot rows
+An AR step is the same with a one-token tree and no draft/pack. The prompt step (`prefill`) is eager: its
+length varies per request, and it runs once per request.
+
+With TP > 1, rank 0's acceptance and beams are broadcast (they are equal anyway: every rank sees the same
+all-gathered logits), so ranks can never drift apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from ..decoding import acceptance, sampling, tree
+from ..decoding.acceptance import Acceptance
+from ..model.attention import AttentionMeta
+from ..model.llama import LlamaRank
+from ..model.tp import Dist
+from .kv_cache import PagedKVCache
+from .proposer import DeviceProposer
+from .state import SlotState, put_rows
+
+RULES = ("greedy", "sample", "apple")  # batch-level acceptance variants; see `DecodeStep.accept`
+
+
+@dataclass
+class Verified:
+    hidden: torch.Tensor  # [bs, P, H] final-norm hidden states of the tree tokens
+    logits: torch.Tensor  # [bs, P, V] model dtype
+
+
+@dataclass
+class Accepted:
+    decision: torch.Tensor  # [3, bs] long: Acceptance.pack()
+    emitted: torch.Tensor  # [bs, bl + 1] long: emitted tokens (bl columns) and their count (last column)
+
+
+# What a decode step returns to the host, one row per request: [emitted tokens (bl columns) | their count |
+# the length of the request's next packed tree (0 when a host proposer drafts it)].
+
+
+for _cls in (Verified, Accepted):
+    torch.utils._pytree.register_dataclass(_cls)
+
+
+def move_kv(caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
+    """KV rewind in every layer cache: cache[dst] = cache[src] (src, dst [bs, bl] slots), every source read before
+    any destination is written (the oracle of `plugins.KVMover`)."""
+    src, dst = src.reshape(-1), dst.reshape(-1)
+    for layer_cache in caches:
+        layer_cache.index_put_((dst,), layer_cache[src])
+
+
+@dataclass
+class StepKernels:
+    """The step's swappable pieces: the PyTorch oracles by default, `plugins` kernels on CUDA (same contracts)."""
+
+    accept_tokens: Callable = acceptance.accept_tokens
+    pack_beams: Callable = tree.pack_beams
+    draw: Callable = sampling.draw
+    move_kv: Callable = move_kv  # (caches, src [bs, bl], dst [bs, bl])
+
+    @classmethod
+    def triton(cls, caches: list[torch.Tensor], with_mover: bool = True) -> "StepKernels":
+        """The plugins' kernels. `with_mover=False` keeps the PyTorch rewind: under inductor it fuses anyway, and
+        the mover writes caches through offsets from the first one, which inductor's mutation analysis cannot see."""
+        from .. import plugins
+
+        kernels = cls(accept_tokens=plugins.accept_tokens, pack_beams=plugins.pack_beams, draw=plugins.draw)
+        if with_mover:
+            mover = plugins.KVMover(caches)
+            kernels.move_kv = lambda _caches, src, dst: mover(src, dst)
+        return kernels
+
+
+class DecodeStep:
+    """The batched step of one engine; holds references to its model, proposer, KV cache and slot state."""
+
+    def __init__(self, model: LlamaRank, proposer: Optional[DeviceProposer], cache: PagedKVCache,
+                 state: SlotState, dist: Dist, vocab_size: int, kernels: Optional[StepKernels] = None):
+        self.model, self.proposer, self.cache, self.state, self.dist = model, proposer, cache, state, dist
+        self.vocab_size = vocab_size
+        self.kernels = kernels or StepKernels()
+
+    # ---- phases ----------------------------------------------------------------------------------------
+    def verify(self, slots: torch.Tensor, key_blocks: torch.Tensor, tokens: torch.Tensor, offsets: torch.Tensor,
+               mask: torch.Tensor, with_logits: bool = True) -> Verified:
+        """Base model over [bs, T] new tokens at positions ctx_len + offsets (tree attention).
+
+        key_blocks [nblk]: its length is how many KV blocks per request the torch attention reads (a multiple of
+        the block size covering every request's ctx_len + T); the Triton kernel reads exactly what it needs.
+        """
+        st = self.state
+        ctx = st.ctx_len[slots]  # [bs]
+        T = tokens.shape[1]
+        write_pos = ctx[:, None] + torch.arange(T, device=ctx.device)  # [bs, T] packed token p at ctx + p
+        table = self.cache.block_table[slots][:, :key_blocks.shape[0]]  # [bs, nblk]
+        full = self.cache.block_table[slots]  # write addresses may lie past the keys read (torch path)
+        bsz = self.cache.block_size
+        write_slots = full.gather(1, write_pos // bsz) * bsz + write_pos % bsz  # [bs, T]
+        meta = AttentionMeta(positions=ctx[:, None] + offsets, write_slots=write_slots, block_table=table,
+                             ctx_len=ctx, tree_mask=mask, block_size=bsz)
+        hidden = self.model(tokens, meta, (self.cache.k, self.cache.v))  # [bs, T, H]
+        return Verified(hidden=hidden, logits=self.model.logits(hidden) if with_logits else hidden[..., :0])
+
+    def verify_tree(self, slots: torch.Tensor, key_blocks: torch.Tensor, tree_width: torch.Tensor) -> Verified:
+        """verify over the slots' stored draft trees, cut to the first P = len(tree_width) packed tokens (the
+        longest tree of the batch, or max_tree_tokens under CUDA graphs: padding positions are harmless)."""
+        st, w = self.state, tree_width  # index_select by arange(P), not [:, :P]: a strided slice would make
+        # torch.compile specialize P while checking contiguity
+        return self.verify(slots, key_blocks, st.tree_tokens[slots].index_select(1, w),
+                           st.tree_offsets[slots].index_select(1, w),
+                           st.tree_mask[slots].index_select(1, w).index_select(2, w))
+
+    def targets(self, slots: torch.Tensor, logits: torch.Tensor, offsets: torch.Tensor, rule: str
+                ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The target's token after each of the [bs, T] nodes -> (tokens [bs, T], probs [bs, T, V] or None).
+
+        greedy: argmax. sample/apple: process the logits with each request's parameters and draw with the noise
+        of the drawn token's position, ctx_len + depth + 1 (greedy rows get their argmax through a one-hot).
+        """
+        if rule == "greedy":
+            return logits.argmax(dim=-1), None
+        st = self.state
+        bs, T, V = logits.shape
+        rep = lambda x: x[slots][:, None].expand(bs, T).reshape(bs * T)  # noqa: E731  per-request -> per-node
+        probs = sampling.process_logits(logits.reshape(bs * T, V), rep(st.temperature), rep(st.top_k), rep(st.top_p))
+        position = (st.ctx_len[slots][:, None] + offsets + 1).reshape(bs * T)
+        tokens = self.kernels.draw(probs, rep(st.seed), position).view(bs, T)
+        return tokens, probs.view(bs, T, V)
+
+    def accept(self, slots: torch.Tensor, logits: torch.Tensor, rule: str) -> Accepted:
+        """Choose beam, accepted count and next token for every request; pack the emitted tokens."""
+        st = self.state
+        bs, P = logits.shape[:2]
+        beams, unpacker = st.beams[slots], st.unpacker[slots]  # [bs, nb, bl]
+        offsets = st.tree_offsets[slots].index_select(1, torch.arange(P, device=slots.device))
+        node_tok, probs = self.targets(slots, logits, offsets, rule)  # [bs, P]
+        nb, bl = beams.shape[1:]
+        acc = self.kernels.accept_tokens(beams, node_tok.gather(1, unpacker.reshape(bs, nb * bl)).view(bs, nb, bl))
+        if rule == "apple":
+            V = probs.shape[-1]
+            index = unpacker.reshape(bs, nb * bl, 1).expand(bs, nb * bl, V)
+            target_logp = probs.gather(1, index).view(bs, nb, bl, V).log()
+            apple = acceptance.accept_apple(beams, target_logp, st.draft_logp[slots], st.seed[slots], st.ctx_len[slots])
+            use = st.apple[slots]
+            acc = Acceptance(*(torch.where(use, a, e) for a, e in zip(apple.pack(), acc.pack())))
+        acc = Acceptance.unpack(self.dist.broadcast(acc.pack()))
+        tokens, lengths = acceptance.emitted_tokens(beams, acc)  # [bs, bl], [bs]
+        return Accepted(decision=acc.pack(), emitted=torch.cat([tokens, lengths[:, None]], dim=1))
+
+    def rewind(self, slots: torch.Tensor, decision: torch.Tensor) -> torch.Tensor:
+        """Keep the accepted path's K/V (move path entries to ctx+1..ctx+n), advance ctx_len and the true token.
+
+        -> path_last [bs]: packed index of the last accepted token (whose hidden state the drafter reads).
+        """
+        st, cache = self.state, self.cache
+        acc = Acceptance.unpack(decision)
+        bs = slots.shape[0]
+        rows = torch.arange(bs, device=slots.device)
+        unpacker = st.unpacker[slots]  # [bs, nb, bl]
+        nb, bl = unpacker.shape[1:]
+        path = unpacker[rows, acc.beam_index]  # [bs, bl] packed indices along the chosen beam (increasing)
+        m = torch.arange(bl, device=slots.device)[None, :]
+        keep = m <= acc.num_accepted[:, None]  # [bs, bl] root + accepted tokens
+        ctx = st.ctx_len[slots]
+        src_pos = ctx[:, None] + torch.where(keep, path, m)  # positions past the path move onto themselves
+        dst_pos = ctx[:, None] + m
+        table, bsz = cache.block_table[slots], cache.block_size
+        src = table.gather(1, src_pos // bsz) * bsz + src_pos % bsz  # [bs, bl]
+        dst = table.gather(1, dst_pos // bsz) * bsz + dst_pos % bsz
+        self.kernels.move_kv([*cache.k, *cache.v], src, dst)
+        st.advance(slots, ctx + acc.num_accepted + 1, acc.next_token)
+        return path[rows, acc.num_accepted]
+
+    def draft(self, hidden: torch.Tensor, path_last: torch.Tensor, decision: torch.Tensor, keep_log_probs: bool
+              ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The proposer's beams [bs, nb, bl] (and drafter log-probs for `apple`) for each request's next tree."""
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+        res = self.proposer.draft(hidden[rows, path_last], Acceptance.unpack(decision).next_token, keep_log_probs)
+        return self.dist.broadcast(res.beams.contiguous()), res.log_probs
+
+    def pack(self, slots: torch.Tensor, beams: torch.Tensor, log_probs: Optional[torch.Tensor]) -> torch.Tensor:
+        """Dedup the beams into the next packed tree, padded to P, and store it in the slot rows -> lengths [bs]."""
+        packed = self.kernels.pack_beams(beams, pad_to=self.state.max_tree_tokens)
+        self.state.store_tree(slots, beams, packed, log_probs)
+        return packed.lengths
+
+    # ---- whole steps -----------------------------------------------------------------------------------
+    def redrafter_step(self, slots: torch.Tensor, key_blocks: torch.Tensor, tree_width: torch.Tensor, rule: str,
+                       draft: bool) -> torch.Tensor:
+        """One ReDrafter step for [bs] slots -> [bs, bl + 2] (emitted tokens, their count, next tree length).
+
+        `draft=False` stops after rewind: a host proposer fills the next tree (`Engine._draft_on_host`).
+        """
+        v = self.verify_tree(slots, key_blocks, tree_width)
+        a = self.accept(slots, v.logits, rule)
+        path_last = self.rewind(slots, a.decision)
+        tree_len = torch.zeros_like(slots)
+        if draft:
+            beams, log_probs = self.draft(v.hidden, path_last, a.decision, rule == "apple")
+            tree_len = self.pack(slots, beams, log_probs)
+        return torch.cat([a.emitted, tree_len[:, None]], dim=1)
+
+    def ar_step(self, slots: torch.Tensor, key_blocks: torch.Tensor, tree_width: torch.Tensor, rule: str,
+                draft: bool = False) -> torch.Tensor:
+        """One auto-regressive step for [bs] slots -> [bs, 3] (the next token, 1, 1); the same call signature as
+        `redrafter_step` (tree_width and draft are unused)."""
+        st = self.state
+        bs = slots.shape[0]
+        tok = st.true_tok[slots][:, None]  # [bs, 1]
+        zeros = torch.zeros_like(tok)
+        mask = torch.ones(bs, 1, 1, dtype=torch.bool, device=tok.device)
+        v = self.verify(slots, key_blocks, tok, zeros, mask)
+        nxt, _ = self.targets(slots, v.logits, zeros, "sample" if rule != "greedy" else rule)  # [bs, 1]
+        nxt = self.dist.broadcast(nxt.contiguous())
+        st.advance(slots, st.ctx_len[slots] + 1, nxt[:, 0])
+        return torch.cat([nxt, torch.ones_like(nxt), torch.ones_like(nxt)], dim=1)
+
+    def prefill(self, slots: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor, rule: str) -> torch.Tensor:
+        """Prompt step for [bs] new requests: ids [bs, T] right-padded, lengths [bs] -> hidden of the last prompt
+        token [bs, H]; sets ctx_len and the first true token (drawn at position `lengths`)."""
+        st = self.state
+        bs, T = ids.shape
+        dev = ids.device
+        put_rows(st.ctx_len, slots, torch.zeros_like(slots))
+        ar = torch.arange(T, device=dev)
+        valid = ar[None, :] < lengths[:, None]  # [bs, T]
+        causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
+        mask = (causal[None] & valid[:, None, :] & valid[:, :, None]) | torch.eye(T, dtype=torch.bool, device=dev)
+        nblk = -(-T // self.cache.block_size)
+        key_blocks = torch.arange(nblk, device=dev)
+        v = self.verify(slots, key_blocks, ids, ar[None, :].expand(bs, T), mask, with_logits=False)
+        rows = torch.arange(bs, device=dev)
+        last = lengths - 1
+        h = v.hidden[rows, last]  # [bs, H]
+        # the draw at the last prompt position: same noise as an AR step there (position = lengths)
+        offsets = last[:, None]  # ctx_len is 0, so position = offset + 1 = lengths
+        nxt, _ = self.targets(slots, self.model.logits(h)[:, None], offsets, "sample" if rule != "greedy" else rule)
+        nxt = self.dist.broadcast(nxt[:, 0].contiguous())
+        st.advance(slots, lengths, nxt)
+        return h
+
+    def draft_from_prompt(self, slots: torch.Tensor, h: torch.Tensor, keep_log_probs: bool) -> torch.Tensor:
+        """Draft + pack the first tree of newly prefilled requests (their true token is in the slot state)."""
+        res = self.proposer.draft(h, self.state.true_tok[slots], keep_log_probs)
+        return self.pack(slots, self.dist.broadcast(res.beams.contiguous()), res.log_probs)

@@ -1,0 +1,44 @@
+"""Per-phase step timing (the way Apple's reference times generate_candidates / verify_candidates /
+accept_candidate_tokens): wall time around each phase, with the device synchronized at both ends so a phase is
+charged for its own kernels only. Enabled by `RuntimeConfig.profile_phases`; then each phase runs as its own
+compiled unit or CUDA graph (engine.py), so the breakdown describes the same kernels a fused step runs, plus one
+launch and one sync per phase.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import defaultdict
+
+import torch
+
+
+class PhaseTimer:
+    def __init__(self, device: torch.device, enabled: bool = False):
+        self.device, self.enabled = device, enabled
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.steps = 0
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        self._sync()
+        t0 = time.perf_counter()
+        yield
+        self._sync()
+        self.seconds[name] += time.perf_counter() - t0
+
+    def end_step(self) -> None:
+        self.steps += 1
+
+    def mean_ms(self) -> dict[str, float]:
+        """Phase -> mean milliseconds per step."""
+        return {k: 1e3 * v / self.steps for k, v in self.seconds.items()} if self.steps else {}
+
+    def reset(self) -> None:
+        self.seconds.clear()
+        self.steps = 0
