@@ -13,6 +13,7 @@ import pytest
 from engine_utils import build_tiny_engines
 from trt_redrafter.cli import main as cli
 from trt_redrafter.errors import UserError
+from trt_redrafter.config import RuntimeConfig
 from trt_redrafter.serving.repo import TEMPLATES, make_repo
 
 MODELS = ("ensemble", "preprocessing", "postprocessing", "tensorrt_llm")
@@ -38,7 +39,7 @@ def trtllm_engine(engine, tmp_path_factory) -> Path:
 
 
 def params(pbtxt: str) -> dict[str, str]:
-    return dict(re.findall(r'key:\s*"([^"]+)"\s*value:\s*\{\s*string_value:\s*"([^"]*)"', pbtxt))
+    return dict(re.findall(r'key:\s*"([^"]+)"\s*value:\s*\{\s*string_value:\s*"((?:[^"\\]|\\.)*)"', pbtxt))
 
 
 def io_names(pbtxt: str, section: str) -> set[str]:
@@ -56,7 +57,10 @@ def test_torch_variant_is_filled_from_the_engine_config(engine, tmp_path):
         assert (repo / m / "1").is_dir(), m
     eng = (repo / "tensorrt_llm" / "config.pbtxt").read_text()
     assert 'backend: "python"' in eng and "decoupled: true" in eng
-    assert params(eng) == {"engine_dir": str(engine.absolute()), "tp_size": "2"}
+    got = params(eng)
+    runtime = json.loads(got.pop("runtime_config").replace('\\"', '"'))  # a pbtxt string holding JSON
+    assert got == {"engine_dir": str(engine.absolute()), "tp_size": "2"}
+    assert RuntimeConfig.from_dict(runtime) == RuntimeConfig()
     assert (repo / "tensorrt_llm" / "1" / "model.py").read_text() == \
         (TEMPLATES / "tensorrt_llm" / "1" / "model.py").read_text()
     for m in ("preprocessing", "postprocessing"):
@@ -114,7 +118,9 @@ def test_backend_mismatch_and_missing_tokenizer_are_refused(engine, tmp_path):
 
 def test_cli_writes_and_refuses_to_overwrite(engine, tmp_path, capsys):
     out = tmp_path / "repo"
-    assert cli(["make-repo", "--engine", str(engine), "--output", str(out)]) == 0
+    assert cli(["make-repo", "--engine", str(engine), "--output", str(out), "--compile", "off", "--threads", "1"]) == 0
+    runtime = params((out / "tensorrt_llm" / "config.pbtxt").read_text())["runtime_config"]
+    assert RuntimeConfig.from_dict(json.loads(runtime.replace('\\"', '"'))) == RuntimeConfig(compile="off", threads=1)
     assert cli(["make-repo", "--engine", str(engine), "--output", str(out)]) == 2
     assert "already exists" in capsys.readouterr().err
     assert cli(["make-repo", "--engine", str(engine), "--output", str(out), "--force"]) == 0

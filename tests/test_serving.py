@@ -22,6 +22,7 @@ from trt_redrafter.runtime.generate import generate
 from trt_redrafter.serving import ENGINE_MODEL
 from trt_redrafter.serving.engine_model import parse_inputs
 from trt_redrafter.serving.metrics import scrape, sum_metric
+from trt_redrafter.config import RuntimeConfig
 from trt_redrafter.serving.repo import make_repo
 from trt_redrafter.serving.text import REPLACEMENT, TextCodec
 
@@ -80,7 +81,9 @@ def engines(tmp_path_factory):
     repos = {}
     for tp, engine_dir in engines.items():
         repos[tp] = root / f"repo-tp{tp}"
-        make_repo(engine_dir, repos[tp])
+        # eager: these tests check the protocol, and compiling costs ~a minute per server start on 2 cores (the
+        # CI perf smoke serves compiled engines)
+        make_repo(engine_dir, repos[tp], runtime=RuntimeConfig(compile="off"))
     return engines, repos
 
 

@@ -144,7 +144,7 @@ def run_point(target: Target, prompts: list[str], offsets: list[float], cfg: Ben
 # ---- servers ---------------------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def serve_engines(ar_engines: dict[int, str], rd_engines: dict[int, str], modes: list[str],
-                  log_dir: Optional[Path] = None) -> Iterator[list[Target]]:
+                  log_dir: Optional[Path] = None, runtime=None) -> Iterator[list[Target]]:
     """Start one tritonserver per distinct engine dir (make-repo into a temp dir) and yield the targets.
 
     `ar_engines` / `rd_engines` map TP size -> engine dir. A torch engine serves both modes through
@@ -172,7 +172,7 @@ def serve_engines(ar_engines: dict[int, str], rd_engines: dict[int, str], modes:
             ecfg = load_engine_config(d)
             backends[d] = ecfg.backend
             repo = Path(tmp) / f"repo{len(servers)}"
-            make_repo(d, repo)
+            make_repo(d, repo, runtime=runtime)
             log = (log_dir / f"tritonserver-{len(servers)}.log") if log_dir else None
             logger.info("starting tritonserver for %s (tp=%d)", d, ecfg.tp_size)
             servers[d] = stack.enter_context(TritonServer(repo, grpc_port=free_port(), http_port=free_port(),

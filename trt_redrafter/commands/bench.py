@@ -29,6 +29,9 @@ def register(sub) -> None:
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
     p.add_argument("--server-logs", help="keep the started servers' logs in this directory")
     BenchConfig.add_cli_args(p)
+    from ..config import RuntimeConfig
+
+    RuntimeConfig.add_cli_args(p.add_argument_group("runtime of the torch engines this command serves"))
     p.set_defaults(func=run)
 
 
@@ -81,12 +84,17 @@ def run(args: argparse.Namespace) -> int:
         logs = Path(args.server_logs) if args.server_logs else None
         if logs:
             logs.mkdir(parents=True, exist_ok=True)
-        with serve_engines(ar, rd, modes, log_dir=logs) as targets:
+        from ..config import RuntimeConfig
+
+        runtime = RuntimeConfig.from_sources(None, args)
+        with serve_engines(ar, rd, modes, log_dir=logs, runtime=runtime) as targets:
             doc_sweep = run_sweep(targets, cfg, show_progress=not args.no_progress)
             engines = engines_info(targets)
     import dataclasses
 
     doc = make_document(dataclasses.asdict(cfg), doc_sweep, engines, command=["trt-redrafter", *args.argv])
+    if not args.url:
+        doc["runtime"] = runtime.to_dict()
     files = write_outputs(doc, args.output, plots=not args.no_plots)
     print(files["markdown"].read_text())
     errors = sum(p["metrics"]["errors"] for p in doc["points"])

@@ -16,13 +16,19 @@ def register(sub) -> None:
                    help="engine model: torch (Python backend) or TensorRT-LLM's tensorrtllm backend "
                         "(default: the engine's backend)")
     p.add_argument("--force", action="store_true", help="replace an existing --output")
+    from ..config import RuntimeConfig
+
+    RuntimeConfig.add_cli_args(p.add_argument_group("runtime of the torch engine model (written into its "
+                                                    "config.pbtxt)"))
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..config import RuntimeConfig
     from ..serving.repo import make_repo
 
-    spec = make_repo(args.engine, args.output, args.tokenizer, args.backend, args.force)
+    runtime = RuntimeConfig.from_sources(None, args)
+    spec = make_repo(args.engine, args.output, args.tokenizer, args.backend, args.force, runtime=runtime)
     print(f"model repository written to {args.output} ({spec.backend} backend); serve it with "
           f"`trt-redrafter serve --repo {args.output}`")
     return 0

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ..config import SamplingConfig
+from ..config import RuntimeConfig, SamplingConfig
 from ..errors import UserError
 from ..log import rank0_print
 
@@ -26,9 +26,7 @@ def register(sub) -> None:
     p.add_argument("--tokenizer", help="tokenizer directory (default: ENGINE/tokenizer)")
     p.add_argument("--end-id", type=int, help="stop token id (default: the tokenizer's EOS)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    p.add_argument("--drafter-semantics", default="apple", choices=("apple", "trtllm"),
-                   help="drafter state update: Apple's trained math (default) or TensorRT-LLM's engine math")
+    RuntimeConfig.add_cli_args(p.add_argument_group("runtime (how this process runs the engine)"))
     p.add_argument("--json", action="store_true", help="one JSON document per prompt")
     p.set_defaults(func=run)
 
@@ -66,6 +64,10 @@ def run(args: argparse.Namespace) -> int:
         return subprocess.call(mpirun_command(tp, args.argv))
 
     params = SamplingConfig.from_sources(None, args)
+    runtime = RuntimeConfig.from_sources(None, args)
+    if runtime.compile == "auto" and not _cuda(runtime.device):
+        # a one-shot run on the CPU: compiling the step (tens of seconds) costs more than it saves
+        runtime = runtime.replace(compile="off")
     tokenizer, prompts = load_prompts(args)
     end_id = resolve_end_id(args, tokenizer)
     stop = () if end_id is None else (end_id,)
@@ -74,9 +76,9 @@ def run(args: argparse.Namespace) -> int:
     from ..runtime.generate import generate
     from ..runtime.scheduler import follow
 
-    dist = init_dist(tp, args.device)
+    dist = init_dist(tp, runtime.device)
     try:
-        engine = Engine(args.engine, dist, drafter_semantics=args.drafter_semantics)
+        engine = Engine(args.engine, dist, runtime)
         if dist.is_driver:
             results = generate(engine, prompts, params, args.mode, stop)
         else:
@@ -93,6 +95,12 @@ def run(args: argparse.Namespace) -> int:
         else:
             rank0_print(text if text is not None else " ".join(map(str, r.output_ids)), rank=dist.rank)
     return 0
+
+
+def _cuda(device: str) -> bool:
+    import torch
+
+    return device == "cuda" or (device == "auto" and torch.cuda.is_available())
 
 
 def load_prompts(args) -> tuple[object, list[list[int]]]:

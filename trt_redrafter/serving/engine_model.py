@@ -20,6 +20,7 @@ other ranks (`follower.py`) with mpirun.
 from __future__ import annotations
 
 import itertools
+import json
 import subprocess
 import threading
 import time
@@ -155,22 +156,38 @@ def response_tensors(new: list[int], preceding: list[int], seq) -> dict[str, np.
     }
 
 
+def _utf8_locale() -> None:
+    """Make text files open as UTF-8 in this process. A tritonserver Python-backend stub can start with the C locale
+    (ASCII); torch.compile then fails reading its own templates (UnicodeDecodeError in inductor's load_template)."""
+    import locale
+
+    if locale.getpreferredencoding(False).lower().replace("-", "") != "utf8":
+        try:
+            locale.setlocale(locale.LC_CTYPE, "C.UTF-8")
+        except locale.Error:
+            logger.warning("no UTF-8 locale; torch.compile may fail to read its templates (use --compile off)")
+
+
 class EngineModel:
     """Rank 0 of a served engine: the Engine, its Scheduler thread, and the Triton-facing request bookkeeping."""
 
     def __init__(self, engine_dir: str, tp_size: int, metrics_family: Optional[Callable] = None,
-                 model_name: str = "tensorrt_llm", device: str = "auto"):
+                 model_name: str = "tensorrt_llm", runtime_json: str = ""):
+        from ..config import RuntimeConfig
         from ..runtime.distributed import free_port, init_dist_tcp
         from ..runtime.engine import Engine
         from ..runtime.scheduler import Scheduler
         from .follower import launch_followers
 
+        runtime = RuntimeConfig.from_dict(json.loads(runtime_json), where="runtime_config") if runtime_json \
+            else RuntimeConfig()
+        _utf8_locale()
         self.followers: Optional[subprocess.Popen] = None
         if tp_size > 1:
             port = free_port()
-            self.followers = launch_followers(engine_dir, tp_size, port)
-        self.dist = init_dist_tcp(0, tp_size, port if tp_size > 1 else 0, device)
-        self.engine = Engine(engine_dir, self.dist)
+            self.followers = launch_followers(engine_dir, tp_size, port, runtime)
+        self.dist = init_dist_tcp(0, tp_size, port if tp_size > 1 else 0, runtime.device)
+        self.engine = Engine(engine_dir, self.dist, runtime)
         self.scheduler = Scheduler(self.engine).start()
         self.metrics = None
         if metrics_family is not None:

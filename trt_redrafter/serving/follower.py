@@ -8,6 +8,7 @@ A follower must never outlive the server: it exits when rank 0 says stop, when a
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -22,12 +23,15 @@ logger = get_logger(__name__)
 WATCHDOG_PERIOD_S = 1.0
 
 
-def follower_command(engine_dir: str, tp: int, port: int, parent_pid: int) -> list[str]:
-    """mpirun command that starts ranks 1..tp-1 (rank = OMPI_COMM_WORLD_RANK + 1)."""
+def follower_command(engine_dir: str, tp: int, port: int, parent_pid: int, runtime=None) -> list[str]:
+    """mpirun command that starts ranks 1..tp-1 (rank = OMPI_COMM_WORLD_RANK + 1), with rank 0's runtime config."""
+    from ..config import RuntimeConfig
     from ..runtime.distributed import mpirun_prefix
 
-    return mpirun_prefix(tp - 1, f"serving a tp={tp} engine") + [python_executable(), "-m", "trt_redrafter.serving.follower", "--engine", str(engine_dir),
-                  "--port", str(port), "--world-size", str(tp), "--parent-pid", str(parent_pid)]
+    runtime = runtime or RuntimeConfig()
+    return mpirun_prefix(tp - 1, f"serving a tp={tp} engine") + [
+        python_executable(), "-m", "trt_redrafter.serving.follower", "--engine", str(engine_dir), "--port", str(port),
+        "--world-size", str(tp), "--parent-pid", str(parent_pid), "--runtime-config", json.dumps(runtime.to_dict())]
 
 
 def python_executable() -> str:
@@ -38,8 +42,8 @@ def python_executable() -> str:
     return shutil.which("python3") or "python3"
 
 
-def launch_followers(engine_dir: str, tp: int, port: int) -> subprocess.Popen:
-    return subprocess.Popen(follower_command(engine_dir, tp, port, os.getpid()))
+def launch_followers(engine_dir: str, tp: int, port: int, runtime=None) -> subprocess.Popen:
+    return subprocess.Popen(follower_command(engine_dir, tp, port, os.getpid(), runtime))
 
 
 def _alive(pid: int) -> bool:
@@ -65,20 +69,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, required=True, help="rank 0's TCP rendezvous port")
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone (the engine model)")
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--runtime-config", default="", help="RuntimeConfig as JSON (rank 0's)")
     a = p.parse_args(argv)
     if a.parent_pid:
         threading.Thread(target=_watchdog, args=(a.parent_pid,), name="parent-watchdog", daemon=True).start()
 
+    from ..config import RuntimeConfig
     from ..runtime.distributed import init_dist_tcp, mpi_world, shutdown_dist
     from ..runtime.engine import Engine
     from ..runtime.scheduler import follow
 
+    runtime = RuntimeConfig.from_dict(json.loads(a.runtime_config)) if a.runtime_config else RuntimeConfig()
     rank = mpi_world()[0] + 1
     assert 0 < rank < a.world_size, (rank, a.world_size)
-    dist = init_dist_tcp(rank, a.world_size, a.port, a.device)
+    dist = init_dist_tcp(rank, a.world_size, a.port, runtime.device)
     try:
-        follow(Engine(a.engine, dist))
+        follow(Engine(a.engine, dist, runtime))
     finally:
         shutdown_dist()
     return 0

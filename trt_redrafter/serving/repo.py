@@ -16,9 +16,11 @@ Layout written (REPO):
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..config import RuntimeConfig
 from ..errors import UserError
 from ..fsutil import atomic_output_dir
 from ..log import get_logger
@@ -47,6 +49,7 @@ class RepoSpec:
     tokenizer_dir: Path
     backend: str  # torch | tensorrtllm
     engine: EngineConfig
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)  # torch engine model: how it runs the engine
 
     def values(self) -> dict[str, str]:
         """Every placeholder's value; all derived from the engine's config.json or the given paths."""
@@ -62,6 +65,8 @@ class RepoSpec:
             "engine_extra_input_map": _ENGINE_EXTRA_INPUT_MAP if torch else "",
             "engine_extra_output_map": _ENGINE_EXTRA_OUTPUT_MAP if torch else "",
             "postprocessing_extra_input_map": _POST_EXTRA_INPUT_MAP if torch else "",
+            # a pbtxt string: JSON with its quotes escaped
+            "runtime_config": json.dumps(self.runtime.to_dict(), sort_keys=True).replace('"', '\\"'),
         }
 
     def header(self) -> str:
@@ -82,7 +87,7 @@ def fill(text: str, values: dict[str, str], where: str) -> str:
 
 
 def resolve_spec(engine_dir: str | Path, tokenizer_dir: str | Path | None = None,
-                 backend: str | None = None) -> RepoSpec:
+                 backend: str | None = None, runtime: RuntimeConfig | None = None) -> RepoSpec:
     engine_dir = Path(engine_dir).absolute()
     ecfg = load_engine_config(engine_dir)
     default = {"torch": "torch", "trtllm": "tensorrtllm"}[ecfg.backend]
@@ -97,7 +102,7 @@ def resolve_spec(engine_dir: str | Path, tokenizer_dir: str | Path | None = None
     if not tok.is_dir():
         raise UserError(f"tokenizer directory {tok} does not exist; build the engine with --tokenizer or pass "
                         f"--tokenizer DIR.")
-    return RepoSpec(engine_dir, tok, backend, ecfg)
+    return RepoSpec(engine_dir, tok, backend, ecfg, runtime or RuntimeConfig())
 
 
 def template_files(backend: str, templates: Path = TEMPLATES) -> dict[str, Path]:
@@ -132,8 +137,9 @@ def render(spec: RepoSpec, templates: Path = TEMPLATES) -> dict[str, str]:
 
 
 def make_repo(engine_dir: str | Path, output: str | Path, tokenizer_dir: str | Path | None = None,
-              backend: str | None = None, force: bool = False, templates: Path = TEMPLATES) -> RepoSpec:
-    spec = resolve_spec(engine_dir, tokenizer_dir, backend)
+              backend: str | None = None, force: bool = False, templates: Path = TEMPLATES,
+              runtime: RuntimeConfig | None = None) -> RepoSpec:
+    spec = resolve_spec(engine_dir, tokenizer_dir, backend, runtime)
     files = render(spec, templates)  # every template is filled before anything is written
     with atomic_output_dir(output, force=force, what="model repository") as tmp:
         for rel, text in files.items():

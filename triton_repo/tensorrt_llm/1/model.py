@@ -35,7 +35,7 @@ class TritonPythonModel:
     def initialize(self, args):
         params = {k: v["string_value"] for k, v in json.loads(args["model_config"])["parameters"].items()}
         self.model = EngineModel(params["engine_dir"], int(params["tp_size"]), pb_utils.MetricFamily,
-                                 model_name=args["model_name"])
+                                 model_name=args["model_name"], runtime_json=params.get("runtime_config", ""))
 
     def execute(self, requests):
         for request in requests:
