@@ -1,12 +1,15 @@
 #!/usr/bin/env python3
-"""Offline engine benchmark: AR vs ReDrafter on the same engine, same prompts, same run.
+"""Offline engine benchmark: AR vs ReDrafter on the same engine, same prompts, same run, at one or more batch sizes.
 
-For each repeat, every prompt is decoded greedily with AR and with ReDrafter (alternating which goes first), at
-batch size 1 by default so ms/token is per-request latency. Reports the median over repeats of the per-request
-median TPOT, tokens/step, acceptance, and the AR/ReDrafter ratio. The last stdout line is one JSON document.
+For each repeat and batch size, the prompts are decoded greedily with AR and with ReDrafter (alternating which
+goes first), `--batch-size` requests at a time. Reports, per batch size, the median over repeats of the per-request
+median TPOT (ms/token), the mean decode-step time of each mode (`Engine.step_times`: launch to read-back), their
+ratio (the ReDrafter-step / AR-step cost), tokens/step, and the speedup; then a phase breakdown of one ReDrafter
+request (verify / accept / rewind / draft / pack, `--profile-phases` timing). The last stdout line is one JSON
+document. Thread count, compile mode and the machine's load average are recorded with the numbers.
 
     python scripts/bench_engine.py --engine ENGINE_DIR [--prompts ../shared/data/mt_bench_questions.jsonl]
-        [--num-prompts 8] [--max-tokens 64] [--repeats 5] [--batch-size 1]
+        [--num-prompts 8] [--max-tokens 64] [--repeats 5] [--batch-size 1,8] [--threads 1] [--compile auto]
 With TP > 1 run it under `mpirun -n TP` (rank 0 prints).
 """
 
@@ -14,17 +17,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 from trt_redrafter.bench import schedule
-from trt_redrafter.config import SamplingConfig
+from trt_redrafter.config import RuntimeConfig, SamplingConfig
 from trt_redrafter.runtime.distributed import init_dist, shutdown_dist
-from trt_redrafter.runtime.engine import Engine
+from trt_redrafter.runtime.engine import PHASES, Engine
 from trt_redrafter.runtime.engine_config import load_engine_config
 from trt_redrafter.runtime.generate import generate
 from trt_redrafter.runtime.scheduler import follow
@@ -48,15 +53,17 @@ def main() -> int:
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--batch-size", type=int, default=1, help="requests decoded together")
-    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    ap.add_argument("--batch-size", default="1", help="comma-separated batch sizes (requests decoded together)")
+    RuntimeConfig.add_cli_args(ap)
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    runtime = RuntimeConfig.from_sources(None, args)
+    batches = [int(b) for b in args.batch_size.split(",")]
 
     ecfg = load_engine_config(args.engine)
-    dist = init_dist(ecfg.tp_size)
-    engine = Engine(args.engine, dist)
+    dist = init_dist(ecfg.tp_size, runtime.device)
+    t0 = time.perf_counter()
+    engine = Engine(args.engine, dist, runtime)
+    load_s = time.perf_counter() - t0
     if not dist.is_driver:  # mirror every generate() rank 0 runs, until it says it is done
         while dist.broadcast_object(None) == "more":
             follow(engine)
@@ -71,45 +78,72 @@ def main() -> int:
     max_tokens = min(args.max_tokens, engine.build.max_seq_len - max(map(len, prompts)))
     params = SamplingConfig(max_tokens=max_tokens)
 
-    def run(mode):
+    def run(mode: str, bs: int):
         res = []
-        for i in range(0, len(prompts), args.batch_size):
+        for i in range(0, len(prompts), bs):
             dist.broadcast_object("more")
-            res += generate(engine, prompts[i:i + args.batch_size], params, mode)
+            res += generate(engine, prompts[i:i + bs], params, mode)
         return res
 
-    run("redrafter")  # warm-up (excluded)
-    per_mode = {"ar": [], "redrafter": []}
-    last = {}
-    for rep in range(args.repeats):
-        for mode in (("ar", "redrafter") if rep % 2 == 0 else ("redrafter", "ar")):
-            res = run(mode)
-            per_mode[mode].append(statistics.median(r.ms_per_token for r in res))
-            last[mode] = res
-        print(f"repeat {rep + 1}/{args.repeats}: AR {per_mode['ar'][-1]:.2f} ms/token, "
-              f"ReDrafter {per_mode['redrafter'][-1]:.2f} ms/token", file=sys.stderr)
+    for bs in batches:
+        run("redrafter", bs), run("ar", bs)  # warm-up (excluded): first variants compile / capture here
+    rows = []
+    for bs in batches:
+        tpot = {"ar": [], "redrafter": []}
+        step = {"ar": [], "redrafter": []}
+        last = {}
+        for rep in range(args.repeats):
+            for mode in (("ar", "redrafter") if rep % 2 == 0 else ("redrafter", "ar")):
+                engine.step_times.reset()
+                res = run(mode, bs)
+                tpot[mode].append(statistics.median(r.ms_per_token for r in res))
+                step[mode].append(engine.step_times.mean_ms(mode))
+                last[mode] = res
+        rd = last["redrafter"]
+        row = {"batch_size": bs,
+               "ar_ms_per_token": statistics.median(tpot["ar"]),
+               "redrafter_ms_per_token": statistics.median(tpot["redrafter"]),
+               "ar_step_ms": statistics.median(step["ar"]), "redrafter_step_ms": statistics.median(step["redrafter"]),
+               "tokens_per_step": statistics.mean(r.tokens_per_step for r in rd),
+               "acceptance_rate": sum(r.accepted_draft_tokens for r in rd) / max(1, sum(r.draft_tokens for r in rd)),
+               "greedy_outputs_equal": [r.output_ids for r in rd] == [r.output_ids for r in last["ar"]]}
+        row["speedup"] = row["ar_ms_per_token"] / row["redrafter_ms_per_token"]
+        row["step_cost_ratio"] = row["redrafter_step_ms"] / row["ar_step_ms"]
+        rows.append(row)
+        print(f"batch {bs}: AR {row['ar_ms_per_token']:.3f} ms/token, ReDrafter {row['redrafter_ms_per_token']:.3f} "
+              f"ms/token ({row['speedup']:.2f}x)", file=sys.stderr)
+
+    engine.timer.enabled = True  # phase breakdown of one ReDrafter request (each phase its own graph)
+    dist.broadcast_object("more")
+    generate(engine, prompts[:1], params, "redrafter")
+    engine.timer.reset()
+    dist.broadcast_object("more")
+    generate(engine, prompts[:1], params, "redrafter")
+    phases = engine.timer.mean_ms()
     dist.broadcast_object("done")
     shutdown_dist()
 
-    rd = last["redrafter"]
     summary = {
-        "engine": str(args.engine), "tp": ecfg.tp_size, "dtype": engine.build.dtype,
+        "engine": str(args.engine), "tp": ecfg.tp_size, "dtype": str(engine.dtype).removeprefix("torch."),
         "num_beams": engine.redrafter.num_beams, "draft_len_per_beam": engine.redrafter.draft_len_per_beam,
-        "prompts": len(prompts), "max_tokens": max_tokens, "batch_size": args.batch_size, "repeats": args.repeats,
-        "ar_ms_per_token": statistics.median(per_mode["ar"]),
-        "redrafter_ms_per_token": statistics.median(per_mode["redrafter"]),
-        "tokens_per_step": statistics.mean(r.tokens_per_step for r in rd),
-        "acceptance_rate": sum(r.accepted_draft_tokens for r in rd) / max(1, sum(r.draft_tokens for r in rd)),
-        "greedy_outputs_equal": [r.output_ids for r in rd] == [r.output_ids for r in last["ar"]],
-        "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-                    "device": str(dist.device)},
+        "prompts": len(prompts), "max_tokens": max_tokens, "repeats": args.repeats, "batches": rows,
+        "phases_ms": phases, "runtime": runtime.to_dict(), "compile": engine.compiler.mode, "kernels": engine.kernels,
+        "engine_load_s": load_s,
+        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                    "torch_threads": torch.get_num_threads(), "loadavg": os.getloadavg(), "device": str(dist.device)},
     }
-    summary["speedup"] = summary["ar_ms_per_token"] / summary["redrafter_ms_per_token"]
-    print(f"| mode | ms/token (median of {args.repeats}) | tokens/step |\n|---|---|---|\n"
-          f"| AR | {summary['ar_ms_per_token']:.2f} | 1.00 |\n"
-          f"| ReDrafter | {summary['redrafter_ms_per_token']:.2f} | {summary['tokens_per_step']:.2f} |\n"
-          f"speedup (AR / ReDrafter ms/token): {summary['speedup']:.2f}x; greedy outputs equal: "
-          f"{summary['greedy_outputs_equal']}")
+    print(f"{ecfg.tp_size} rank(s), {summary['dtype']}, nb={summary['num_beams']} dl={summary['draft_len_per_beam']}, "
+          f"compile {engine.compiler.mode}, kernels {engine.kernels}, {torch.get_num_threads()} torch thread(s), "
+          f"load average {os.getloadavg()[0]:.2f}; medians of {args.repeats} repeats")
+    print("| batch | AR ms/token | ReDrafter ms/token | speedup | AR step ms | ReDrafter step ms | step cost ratio | "
+          "tokens/step | greedy equal |\n|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['batch_size']} | {r['ar_ms_per_token']:.3f} | {r['redrafter_ms_per_token']:.3f} | "
+              f"{r['speedup']:.2f}x | {r['ar_step_ms']:.3f} | {r['redrafter_step_ms']:.3f} | "
+              f"{r['step_cost_ratio']:.2f} | {r['tokens_per_step']:.2f} | {r['greedy_outputs_equal']} |")
+    total = sum(phases.values()) or 1.0
+    print("ReDrafter step phases (batch 1, each phase timed alone): " + ", ".join(
+        f"{k} {phases.get(k, 0.0):.3f} ms ({100 * phases.get(k, 0.0) / total:.0f}%)" for k in PHASES))
     print(json.dumps(summary))
     return 0
 

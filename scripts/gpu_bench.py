@@ -1,0 +1,368 @@
+#!/usr/bin/env python3
+"""The GPU benchmark in one command: a random Vicuna-7B-shaped model + Apple-recipe drafter built in place (bf16),
+AR vs ReDrafter at several batch sizes on this project's engine, Hugging Face `generate` on the same weights, and
+the HBM roofline from this card's measured copy bandwidth. Prints a markdown table; the last stdout line is one
+JSON document (also written to --output).
+
+    python scripts/gpu_bench.py                      # 7B shape, nb 6 / beam length 5, batch 1, 8, 32
+    python scripts/gpu_bench.py --shape tiny --device cpu --batches 1,2 --compile off   # a dry run anywhere
+
+Random weights make the drafter's guesses wrong, so measured tokens/step is ~1. Every step has a static shape (the
+tree is padded to 1 + nb*dl tokens, CUDA graphs replay the same kernels), so the *step* time does not depend on
+acceptance; `projected ms/token` divides it by the tokens/step of a trained drafter (--assumed-tokens-per-step,
+default 3.5: Apple's reported acceptance for Vicuna-7B) and is labelled as a projection.
+
+Roofline: an AR step must read every base weight once plus each request's KV cache; floor = bytes / measured copy
+bandwidth (bytes read + written by a large device-to-device copy, per METHOD.md). A ReDrafter step must also read
+the drafter once per drafted token (dl times), which is its own floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout without installing
+
+from trt_redrafter.checkpoint.sharding import Mapping, shard_base, shard_drafter  # noqa: E402
+from trt_redrafter.checkpoint.trtllm_config import build_pretrained_config, parse_checkpoint_config  # noqa: E402
+from trt_redrafter.config import (BuildConfig, DrafterConfig, ModelConfig, ReDrafterConfig,  # noqa: E402
+                                  RuntimeConfig, SamplingConfig)
+from trt_redrafter.model.tp import Dist  # noqa: E402
+from trt_redrafter.runtime.engine import Engine  # noqa: E402
+from trt_redrafter.runtime.engine_config import EngineConfig  # noqa: E402
+from trt_redrafter.runtime.generate import generate  # noqa: E402
+
+SHAPES = {
+    # name: (ModelConfig kwargs, drafter exit_dim, drafter layers)
+    "vicuna-7b": (dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=2048), 8192, 2),
+    "tiny": (dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512), 128, 1),
+}
+
+
+@dataclass
+class Pair:
+    cfg: EngineConfig
+    tensors: dict[str, torch.Tensor]
+    hf: torch.nn.Module
+    base_bytes: int
+    drafter_bytes: int
+
+
+def random_pair(shape: str, nb: int, dl: int, max_batch: int, max_input: int, max_seq: int, device: torch.device,
+                dtype: torch.dtype, seed: int) -> Pair:
+    """HF LlamaForCausalLM with HF's random init + an Apple-format drafter (fan-in scaled), both on `device`;
+    the engine's tensors are the checkpoint layout of the same weights (shared storage where the layout agrees)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    mkw, exit_dim, layers = SHAPES[shape]
+    dname = str(dtype).removeprefix("torch.")
+    model = ModelConfig(**mkw, dtype=dname)
+    drafter = DrafterConfig(vocab_size=model.vocab_size, hidden_size=model.hidden_size, exit_dim=exit_dim,
+                            num_draft_layers=layers, rnn=True)
+    torch.manual_seed(seed)
+    hf_cfg = LlamaConfig(vocab_size=model.vocab_size, hidden_size=model.hidden_size,
+                         intermediate_size=model.intermediate_size, num_hidden_layers=model.num_hidden_layers,
+                         num_attention_heads=model.num_attention_heads, num_key_value_heads=model.num_key_value_heads,
+                         max_position_embeddings=model.max_position_embeddings, rms_norm_eps=model.norm_epsilon,
+                         tie_word_embeddings=False)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            hf = LlamaForCausalLM(hf_cfg).eval()
+    finally:
+        torch.set_default_dtype(default)
+    sd = dict(hf.state_dict())
+    m = Mapping(1, 0)
+    tensors = shard_base(sd.__getitem__, model, m, lambda t: t.to(dtype))
+    g = torch.Generator(device=device).manual_seed(seed + 1)
+    H, e, V = model.hidden_size, exit_dim, model.vocab_size
+
+    def lin(out: int, inp: int, gain: float = 1.0) -> torch.Tensor:
+        return (torch.randn(out, inp, generator=g, device=device) * (gain / math.sqrt(inp))).to(dtype)
+
+    apple = {}
+    if e != 2 * H:
+        apple["input_proj.weight"], apple["input_proj.bias"] = lin(e, 2 * H), torch.zeros(e, device=device, dtype=dtype)
+    for j in range(layers):
+        apple[f"lm_head.{j}.linear.weight"] = lin(e, e, 0.5)
+        apple[f"lm_head.{j}.linear.bias"] = torch.zeros(e, device=device, dtype=dtype)
+    apple[f"lm_head.{layers}.weight"] = lin(V, e, 3.0)
+    apple["rnn_u.weight"], apple["rnn_w.weight"] = lin(H, H), lin(H, H)
+    apple["rnn_u.bias"] = torch.zeros(H, device=device, dtype=dtype)
+    tensors.update(shard_drafter(apple, drafter, m, lambda t: t))
+    rd = ReDrafterConfig(num_beams=nb, draft_len_per_beam=dl)
+    info = parse_checkpoint_config(build_pretrained_config(model, drafter, rd, 1), where="gpu_bench")
+    build = BuildConfig(max_batch_size=max_batch, max_input_len=max_input, max_seq_len=max_seq, dtype=dname)
+    cfg = EngineConfig(info, build, "torch", "gpu_bench", {})
+    base_bytes = sum(t.numel() * t.element_size() for t in sd.values())
+    drafter_bytes = sum(t.numel() * t.element_size() for t in apple.values())
+    return Pair(cfg, tensors, hf, base_bytes, drafter_bytes)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
+    """Bytes read + written per second by a large device-to-device copy (median of 20)."""
+    if device.type != "cuda":
+        return float("nan")
+    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(25):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    del a, b
+    return 2 * nbytes / statistics.median(times[5:])
+
+
+def prompts_for(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (length,), generator=g).tolist() for _ in range(batch)]
+
+
+def measure(engine: Engine, prompts: list[list[int]], max_tokens: int, mode: str, repeats: int) -> dict:
+    params = SamplingConfig(max_tokens=max_tokens)
+    generate(engine, prompts, params, mode)  # warm-up (first captures for this batch bucket)
+    tpots, steps, tps = [], [], []
+    out = None
+    for _ in range(repeats):
+        engine.step_times.reset()
+        res = generate(engine, prompts, params, mode)
+        tpots.append(statistics.median(r.ms_per_token for r in res))
+        steps.append(engine.step_times.mean_ms(mode))
+        tps.append(statistics.mean(r.tokens_per_step for r in res) if mode == "redrafter" else 1.0)
+        out = [r.output_ids for r in res]
+    return {"tpot_ms": statistics.median(tpots), "step_ms": statistics.median(steps),
+            "step_ms_min": min(steps), "step_ms_max": max(steps), "tokens_per_step": statistics.mean(tps),
+            "outputs": out}
+
+
+def phase_profile(engine: Engine, prompt: list[int], max_tokens: int) -> dict[str, float]:
+    engine.timer.enabled = True
+    generate(engine, [prompt], SamplingConfig(max_tokens=max_tokens), "redrafter")  # captures the phase graphs
+    engine.timer.reset()
+    generate(engine, [prompt], SamplingConfig(max_tokens=max_tokens), "redrafter")
+    engine.timer.enabled = False
+    return engine.timer.mean_ms()
+
+
+def kernel_profile(pair: Pair, device: torch.device, prompt: list[int], kernels: str, steps: int = 12,
+                   top: int = 14) -> dict:
+    """CUDA kernel time per step by kernel name (torch.profiler over an eager engine: the same kernels a captured
+    graph replays, with their launches visible)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if device.type != "cuda":
+        return {}
+    engine = Engine.from_tensors(pair.cfg, pair.tensors, Dist(0, 1, device),
+                                 RuntimeConfig(device=device.type, compile="off", kernels=kernels))
+    out = {}
+    for mode in ("ar", "redrafter"):
+        generate(engine, [prompt], SamplingConfig(max_tokens=4), mode)
+        engine.step_times.reset()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            generate(engine, [prompt], SamplingConfig(max_tokens=steps), mode)
+        n = max(1, engine.step_times.steps[mode] + 1)  # decode steps + the prompt step
+        rows = sorted(((e.key, e.device_time_total / 1e3 / n, e.count / n) for e in prof.key_averages()
+                       if e.device_time_total > 0), key=lambda r: -r[1])
+        out[mode] = {"gpu_ms_per_step": sum(r[1] for r in rows), "top": [
+            {"kernel": k[:90], "ms_per_step": round(ms, 4), "calls_per_step": round(c, 1)} for k, ms, c in rows[:top]]}
+    del engine
+    return out
+
+
+def hf_generate_ms(hf, prompts: list[list[int]], max_tokens: int, device: torch.device) -> tuple[float, list]:
+    ids = torch.tensor(prompts, device=device)
+    kw = dict(do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        hf.generate(ids, max_new_tokens=8, min_new_tokens=8, **kw)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = hf.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens, **kw)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3 / max_tokens, out[:, ids.shape[1]:].tolist()
+
+
+def parity_report(engine: Engine, hf, prompts: list[list[int]], max_tokens: int, device: torch.device) -> dict:
+    """Greedy AR vs ReDrafter vs HF generate, one prompt at a time. Where two outputs first differ, the reference
+    (HF's own logits for the common prefix) says how close its top two logits were: a divergence at a near-tie is
+    rounding (matmul shapes differ between a 25-token verify, a 1-token AR step and HF's kernels), anything else
+    would be a bug."""
+    from transformers import GenerationConfig  # noqa: F401  (HF must be importable)
+
+    out = {"prompts": len(prompts), "ar_eq_rd": 0, "ar_eq_hf": 0, "divergences": []}
+    params = SamplingConfig(max_tokens=max_tokens)
+    for p in prompts:
+        ar = generate(engine, [p], params, "ar")[0].output_ids
+        rd = generate(engine, [p], params, "redrafter")[0].output_ids
+        _, hf_out = hf_generate_ms(hf, [p], max_tokens, device)
+        hf_ids = hf_out[0]
+        out["ar_eq_rd"] += ar == rd
+        out["ar_eq_hf"] += ar == hf_ids
+        for name, a, b in (("rd_vs_ar", rd, ar), ("ar_vs_hf", ar, hf_ids)):
+            k = common_prefix(a, b)
+            if k < len(b):
+                with torch.no_grad():
+                    logits = hf(torch.tensor([p + b[:k]], device=device)).logits[0, -1].float()
+                top = logits.topk(2).values
+                ulp = torch.finfo(logits.dtype if logits.dtype != torch.float32 else torch.bfloat16).eps
+                out["divergences"].append({"pair": name, "at": k, "top2_gap": float(top[0] - top[1]),
+                                           "gap_in_bf16_ulps_of_top": float((top[0] - top[1]) / (ulp * top[0].abs()))})
+    return out
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="vicuna-7b")
+    ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--num-beams", type=int, default=6)
+    ap.add_argument("--beam-length", type=int, default=5, help="Apple's beam length: the true token + drafted tokens")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--compile", default="auto", help="comma-separated RuntimeConfig.compile values to compare")
+    ap.add_argument("--kernels", default="auto", help="comma-separated RuntimeConfig.kernels values to compare")
+    ap.add_argument("--hf-batches", default="1", help="batch sizes to time HF generate at ('' to skip)")
+    ap.add_argument("--assumed-tokens-per-step", type=float, default=3.5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", action="store_true", help="also list each kernel's time per step (eager engine)")
+    ap.add_argument("--parity-prompts", type=int, default=0,
+                    help="greedy AR vs ReDrafter vs HF on this many prompts, with the logit gap where they diverge")
+    ap.add_argument("--output", default="out/gpu_bench.json")
+    args = ap.parse_args()
+
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    batches = [int(b) for b in args.batches.split(",")]
+    dl = args.beam_length - 1
+    max_seq = args.prompt_len + args.max_tokens + 8
+    t0 = time.perf_counter()
+    pair = random_pair(args.shape, args.num_beams, dl, max(batches), args.prompt_len, max_seq, device, dtype,
+                       args.seed)
+    print(f"built the random pair in {time.perf_counter() - t0:.1f}s: base {pair.base_bytes / 1e9:.2f} GB, "
+          f"drafter {pair.drafter_bytes / 1e9:.2f} GB", file=sys.stderr)
+    bw = copy_bandwidth(device)
+    m = pair.cfg.checkpoint.model
+    kv_per_token = 2 * m.num_hidden_layers * m.num_key_value_heads * m.head_size * pair.tensors[
+        "transformer.ln_f.weight"].element_size()
+    doc = {"shape": args.shape, "dtype": args.dtype, "num_beams": args.num_beams, "beam_length": args.beam_length,
+           "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "repeats": args.repeats,
+           "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+           "torch": torch.__version__, "copy_bandwidth_GBps": bw / 1e9, "base_GB": pair.base_bytes / 1e9,
+           "drafter_GB": pair.drafter_bytes / 1e9, "runs": []}
+    mean_ctx = args.prompt_len + args.max_tokens / 2
+    hf_ms = {}
+    for b in [int(x) for x in args.hf_batches.split(",") if x]:
+        hf_ms[b], hf_out = hf_generate_ms(pair.hf, prompts_for(b, args.prompt_len, m.vocab_size, args.seed),
+                                          args.max_tokens, device)
+        doc[f"hf_generate_ms_per_token_b{b}"] = hf_ms[b]
+        if b == 1:
+            doc["hf_outputs_b1"] = hf_out
+    for compile_mode, kernels in [(c, k) for c in args.compile.split(",") for k in args.kernels.split(",")]:
+        runtime = RuntimeConfig(device=device.type, compile=compile_mode, kernels=kernels)
+        t0 = time.perf_counter()
+        engine = Engine.from_tensors(pair.cfg, pair.tensors, Dist(0, 1, device), runtime)
+        warm = time.perf_counter() - t0
+        for b in batches:
+            prompts = prompts_for(b, args.prompt_len, m.vocab_size, args.seed)
+            ar = measure(engine, prompts, args.max_tokens, "ar", args.repeats)
+            rd = measure(engine, prompts, args.max_tokens, "redrafter", args.repeats)
+            floor_ms = (pair.base_bytes + b * mean_ctx * kv_per_token) / bw * 1e3
+            row = {"kernels": engine.kernels, "compile": engine.compiler.mode, "batch": b, "warmup_s": warm,
+                   "ar_step_ms": ar["step_ms"], "ar_tpot_ms": ar["tpot_ms"],
+                   "rd_step_ms": rd["step_ms"], "rd_tpot_ms": rd["tpot_ms"], "rd_tokens_per_step": rd["tokens_per_step"],
+                   "step_ratio": rd["step_ms"] / ar["step_ms"], "ar_roofline_ms": floor_ms,
+                   "ar_fraction_of_roofline": floor_ms / ar["step_ms"],
+                   "rd_drafter_floor_ms": dl * pair.drafter_bytes / bw * 1e3,
+                   "projected_rd_ms_per_token": rd["step_ms"] / args.assumed_tokens_per_step,
+                   "projected_speedup": ar["step_ms"] * args.assumed_tokens_per_step / rd["step_ms"],
+                   "ar_equals_redrafter": [common_prefix(a, r) for a, r in zip(ar["outputs"], rd["outputs"])],
+                   "ar_step_ms_range": [ar["step_ms_min"], ar["step_ms_max"]],
+                   "rd_step_ms_range": [rd["step_ms_min"], rd["step_ms_max"]]}
+            if b == 1 and "hf_outputs_b1" in doc:
+                row["ar_equals_hf_prefix"] = common_prefix(ar["outputs"][0], doc["hf_outputs_b1"][0])
+                row["ar_vs_hf_speedup"] = hf_ms[1] / ar["tpot_ms"]
+            if b == 1:
+                row["phases_ms"] = phase_profile(engine, prompts[0], args.max_tokens)
+                if args.parity_prompts:
+                    row["parity"] = parity_report(engine, pair.hf, prompts_for(args.parity_prompts, args.prompt_len,
+                                                                               m.vocab_size, args.seed + 7),
+                                                  args.max_tokens, device)
+            doc["runs"].append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "outputs"}), file=sys.stderr, flush=True)
+        del engine
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        if args.profile and kernels not in doc.get("kernel_profile", {}):
+            doc.setdefault("kernel_profile", {})[kernels] = kernel_profile(
+                pair, device, prompts_for(1, args.prompt_len, m.vocab_size, args.seed)[0], kernels)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    doc.pop("hf_outputs_b1", None)
+
+    print(f"\n{doc['device']}, {args.shape} {args.dtype}, nb={args.num_beams} beam length={args.beam_length}, "
+          f"prompt {args.prompt_len} + {args.max_tokens} tokens; copy bandwidth {bw / 1e9:.0f} GB/s; "
+          f"HF generate " + ", ".join(f"b{b}: {v:.2f} ms/token" for b, v in hf_ms.items()))
+    print("| compile | kernels | batch | AR step ms | roofline ms | AR % of roofline | RD step ms | RD/AR step | "
+          "drafter floor ms | RD tokens/step (random) | projected RD ms/token @" f"{args.assumed_tokens_per_step} | "
+          "projected speedup |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in doc["runs"]:
+        print(f"| {r['compile']} | {r['kernels']} | {r['batch']} | {r['ar_step_ms']:.2f} | {r['ar_roofline_ms']:.2f} | "
+              f"{100 * r['ar_fraction_of_roofline']:.0f}% | {r['rd_step_ms']:.2f} | {r['step_ratio']:.2f} | "
+              f"{r['rd_drafter_floor_ms']:.2f} | {r['rd_tokens_per_step']:.2f} | {r['projected_rd_ms_per_token']:.2f} | "
+              f"{r['projected_speedup']:.2f} |")
+    for r in doc["runs"]:
+        if "phases_ms" in r:
+            ph = r["phases_ms"]
+            total = sum(ph.values()) or 1.0
+            print(f"phases ({r['compile']}, {r['kernels']}, batch 1): " + ", ".join(f"{k} {v:.3f} ms ({100 * v / total:.0f}%)"
+                                                                    for k, v in ph.items()))
+    for r in doc["runs"]:
+        if "parity" in r:
+            pr = r["parity"]
+            print(f"greedy parity ({r['compile']}, {r['kernels']}, {args.dtype}): ReDrafter == AR on {pr['ar_eq_rd']}/"
+                  f"{pr['prompts']} prompts, AR == HF on {pr['ar_eq_hf']}/{pr['prompts']}; divergences (reference "
+                  f"top-2 logit gap in bf16 ulps): " + ", ".join(f"{d['pair']}@{d['at']}: {d['gap_in_bf16_ulps_of_top']:.1f}"
+                                                               for d in pr["divergences"]))
+    for kernels, prof in doc.get("kernel_profile", {}).items():
+        for mode, p in prof.items():
+            print(f"kernels per {mode} step ({kernels}, eager, batch 1): {p['gpu_ms_per_step']:.3f} ms of GPU time")
+            for r in p["top"]:
+                print(f"    {r['ms_per_step']:8.4f} ms  x{r['calls_per_step']:<6} {r['kernel']}")
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps(doc, indent=1))
+    print(json.dumps({k: v for k, v in doc.items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
