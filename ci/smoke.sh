@@ -19,15 +19,18 @@ done
 rm -rf "$OUT"
 mkdir -p "$OUT"
 t0=$(date +%s)
-# the drafter was distilled for 4 drafted tokens; max_seq_len = the base model's trained context (512)
+# one beam of 3 drafts (the drafter was distilled for up to 4), the CPU's best tree for this model (docs/perf.md);
+# max_seq_len = the base model's trained context (512). The servers run the engines as `auto` does: TP1 compiled
+# (inductor), TP2 eager; one torch thread per rank (server, client and ranks share the two cores, and an OpenMP team
+# waiting on a descheduled thread stalls a step for a scheduler tick).
 for tp in 1 2; do
     trt-redrafter convert --base-model "$MODELS/base" --drafter "$MODELS/drafter" --output "$OUT/ckpt-tp$tp" \
-        --tp "$tp" --dtype float32 --num-beams 4 --draft-len-per-beam 4 >"$OUT/build.log" 2>&1
+        --tp "$tp" --dtype float32 --num-beams 1 --draft-len-per-beam 3 >"$OUT/build.log" 2>&1
     trt-redrafter build-engine --checkpoint "$OUT/ckpt-tp$tp" --output "$OUT/engine-tp$tp" --tp "$tp" --backend torch \
         --max-batch-size 8 --max-input-len 448 --max-seq-len 512 --tokenizer "$MODELS/base" >>"$OUT/build.log" 2>&1
 done
 trt-redrafter bench --engines "tp1=$OUT/engine-tp1,tp2=$OUT/engine-tp2" --modes ar,redrafter --dataset "$DATASET" \
-    --qps 2 --num-requests 8 --warmup 1 --max-tokens 64 --seed 0 --repeats 3 --no-progress \
+    --qps 2 --num-requests 8 --warmup 1 --max-tokens 64 --seed 0 --repeats 3 --no-progress --threads 1 \
     --output "$OUT/results" --server-logs "$OUT/logs" 2>"$OUT/bench.log" | tail -n 1
 echo "perf smoke: bench done in $(( $(date +%s) - t0 )) s; table: $OUT/results/results.md"
 trt-redrafter gate --baseline ci/baseline.json --results "$OUT/results/results.json" --config ci/perf_gate.yaml "$@"

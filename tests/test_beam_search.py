@@ -149,3 +149,21 @@ def test_deterministic():
     a = run(d, h, torch.tensor([1, 2]), nb=4, dl=3)
     b = run(d, h, torch.tensor([1, 2]), nb=4, dl=3)
     assert torch.equal(a.beams, b.beams) and torch.equal(a.log_probs, b.log_probs)
+
+
+@pytest.mark.parametrize("warp", [50, None])
+def test_fast_selection_picks_the_oracles_beams(warp):
+    """select_beams_topk (the engine's CPU path) chooses what the literal nb*V top-k chooses, one beam included."""
+    from trt_redrafter.decoding.beam_search import select_beams, select_beams_topk
+
+    g = torch.Generator().manual_seed(7)
+    for nin, nb in ((6, 6), (1, 6), (1, 1), (3, 2)):
+        logits = torch.randn(4, nin, 500, generator=g) * 3
+        score = torch.randn(4, nin, generator=g)
+        ref = select_beams(logits, score, nb, warp)
+        for need in (True, False):
+            got = select_beams_topk(logits, score, nb, warp, need)
+            assert torch.equal(got[1], ref[1]) and torch.equal(got[2], ref[2]), (nin, nb, need)
+            if need:
+                torch.testing.assert_close(got[0], ref[0])
+                torch.testing.assert_close(got[3], ref[3])

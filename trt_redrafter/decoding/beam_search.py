@@ -99,6 +99,9 @@ def select_beams_topk(step_logits: torch.Tensor, score: torch.Tensor, num_beams:
     nb = num_beams
     if warp_top_k is not None and warp_top_k < nb:  # warped-out ties would be chosen: keep the literal algorithm
         return select_beams(step_logits, score, nb, warp_top_k, need_log_probs)
+    if nb == 1 and nin == 1 and not need_log_probs:
+        # one beam is greedy drafting: the argmax, whatever the normalizer (the score is never compared again)
+        return score, torch.zeros_like(score, dtype=torch.long), step_logits.argmax(dim=-1), None
     logits = step_logits.float()
     K = min(max(nb, warp_top_k or 0), V)
     kk = min(nb, K)  # candidates kept per beam
