@@ -47,6 +47,14 @@ def test_tp_ranks_give_the_tp1_tokens(engines, mode):
         assert run_json(engines[tp], prompts, mode) == ref, f"tp={tp} {mode} differs from tp=1"
 
 
+@pytest.mark.slow
+def test_tp2_compiled_gives_the_tp1_tokens(engines):
+    """The compiled step under real ranks (inductor; the collectives split the graph): TP=2 compiled == TP=1."""
+    prompts = random_prompts(512, [4, 9], seed=8)
+    ref = run_json(engines[1], prompts, "redrafter")
+    assert run_json(engines[2], prompts, "redrafter", ["--compile", "inductor"]) == ref
+
+
 def test_tp_sampled_output_is_reproducible_across_tp(engines):
     prompts = random_prompts(512, [5, 7], seed=4)
     extra = ["--temperature", "0.8", "--top-k", "50", "--seed", "123"]
