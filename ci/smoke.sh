@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Perf smoke (CI, after the unit tests): the small trained pair (models/small) -> TP1 and TP2 torch engines ->
 # `trt-redrafter bench` (AR vs ReDrafter on the same engines, one QPS point, a handful of MT-Bench requests,
-# 3 repeats) -> `trt-redrafter gate` against the committed ci/baseline.json. About 2-3 minutes on 2 CPU cores.
+# 5 repeats) -> `trt-redrafter gate` against the committed ci/baseline.json. About 3 minutes on 2 CPU cores.
 #
 #   ci/smoke.sh                     # gate; exit 1 on a regression, 2 on bad input
 #   ci/smoke.sh --update-baseline   # measure and write ci/baseline.json (commit it; see ci/README.md)
@@ -30,7 +30,7 @@ for tp in 1 2; do
         --max-batch-size 8 --max-input-len 448 --max-seq-len 512 --tokenizer "$MODELS/base" >>"$OUT/build.log" 2>&1
 done
 trt-redrafter bench --engines "tp1=$OUT/engine-tp1,tp2=$OUT/engine-tp2" --modes ar,redrafter --dataset "$DATASET" \
-    --qps 2 --num-requests 8 --warmup 1 --max-tokens 64 --seed 0 --repeats 3 --no-progress --threads 1 \
+    --qps 2 --num-requests 8 --warmup 1 --max-tokens 64 --seed 0 --repeats 5 --no-progress --threads 1 \
     --output "$OUT/results" --server-logs "$OUT/logs" 2>"$OUT/bench.log" | tail -n 1
 echo "perf smoke: bench done in $(( $(date +%s) - t0 )) s; table: $OUT/results/results.md"
 trt-redrafter gate --baseline ci/baseline.json --results "$OUT/results/results.json" --config ci/perf_gate.yaml "$@"

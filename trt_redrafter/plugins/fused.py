@@ -3,9 +3,10 @@
 At batch 1 a 7B step is 4 weight-streaming GEMMs per layer plus dozens of tiny elementwise kernels (RMSNorm is
 ~7, RoPE ~12, the SiLU gate 3); each costs a launch slot of a few microseconds even inside a CUDA graph, which
 measured here as ~2 ms of an 8 ms step on an H100. These kernels do the same arithmetic in one pass, rounding to
-the model dtype at the same points as the PyTorch ops (Hugging Face's order); they match the PyTorch path to within
-one unit in the last place (the tests' tolerance; an H100 showed 1-ulp bf16 differences in RoPE), and greedy output
-on CUDA equals Hugging Face's in float32 (tests/test_gpu.py).
+the model dtype at the same points as the PyTorch ops (Hugging Face's order, round to nearest even, done on the
+bits for bf16 so no cast can round differently). Products and sums are exact IEEE float32 on both sides, so RoPE
+and the residual add match PyTorch bit for bit; the normalization's reduction order and SiLU's exp may differ in
+the last float32 bit, hence one bf16 ulp at most (the tests' tolerances).
 
 Oracles: `model.llama.TorchLayerOps` (add_rms_norm, rope_write_kv, silu_mul).
 """
@@ -18,20 +19,39 @@ import triton.language as tl
 
 
 @triton.jit
+def _round(x, DT: tl.constexpr):
+    """Round float32 `x` to the model dtype and back, as PyTorch rounds an op's result (round to nearest even).
+
+    bf16 is rounded with integer arithmetic on the bits: the value is then exact in bf16, so the final store's
+    conversion cannot round it again differently (Triton's interpreter truncates; an H100 showed 1-ulp differences
+    with a plain cast). NaN/inf are not special-cased (none reach here).
+    """
+    if DT == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + (((bits >> 16) & 1) + 0x7FFF)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    elif DT == tl.float32:
+        return x
+    else:
+        return x.to(DT).to(tl.float32)
+
+
+@triton.jit
 def _add_rms_norm_kernel(res_ptr, delta_ptr, w_ptr, out_ptr, H, eps, HAS_DELTA: tl.constexpr,
                          BLOCK: tl.constexpr):
     row = tl.program_id(0)
     c = tl.arange(0, BLOCK)
     ok = c < H
     x = tl.load(res_ptr + row * H + c, mask=ok, other=0.0)
-    if HAS_DELTA:  # residual += delta, rounded to the model dtype (a PyTorch add)
-        x = (x.to(tl.float32) + tl.load(delta_ptr + row * H + c, mask=ok, other=0.0).to(tl.float32)).to(x.dtype)
-        tl.store(res_ptr + row * H + c, x, mask=ok)
+    dt = x.dtype
     xf = x.to(tl.float32)
+    if HAS_DELTA:  # residual += delta, rounded to the model dtype (a PyTorch add)
+        xf = _round(xf + tl.load(delta_ptr + row * H + c, mask=ok, other=0.0).to(tl.float32), dt)
+        tl.store(res_ptr + row * H + c, xf.to(dt), mask=ok)
     var = tl.sum(xf * xf, axis=0) / H
-    y = (xf * (1.0 / tl.sqrt(var + eps))).to(x.dtype)  # Hugging Face: normalize in fp32, cast, then scale
-    w = tl.load(w_ptr + c, mask=ok, other=0.0)
-    tl.store(out_ptr + row * H + c, (w.to(tl.float32) * y.to(tl.float32)).to(x.dtype), mask=ok)
+    y = _round(xf * (1.0 / tl.sqrt(var + eps)), dt)  # Hugging Face: normalize in fp32, cast, then scale
+    w = tl.load(w_ptr + c, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * H + c, _round(w * y, dt).to(dt), mask=ok)
 
 
 def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
@@ -69,8 +89,9 @@ def _rope_kv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, 
     x2 = tl.load(qkv_ptr + tok * width + head * D + HALF + c, mask=rot, other=0.0)
     dt = x1.dtype
     # x * cos + rotate_half(x) * sin, each product and the sum rounded as PyTorch rounds them
-    o1 = ((x1.to(tl.float32) * cos1).to(dt).to(tl.float32) + (-x2.to(tl.float32) * sin1).to(dt).to(tl.float32)).to(dt)
-    o2 = ((x2.to(tl.float32) * cos2).to(dt).to(tl.float32) + (x1.to(tl.float32) * sin2).to(dt).to(tl.float32)).to(dt)
+    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+    o1 = _round(_round(f1 * cos1, dt) + _round(-f2 * sin1, dt), dt).to(dt)
+    o2 = _round(_round(f2 * cos2, dt) + _round(f1 * sin2, dt), dt).to(dt)
     tl.store(q_out_ptr + tok * NH * D + head * D + c, o1, mask=is_q)
     tl.store(q_out_ptr + tok * NH * D + head * D + HALF + c, o2, mask=is_q)
     slot = tl.load(slot_ptr + tok)
@@ -111,8 +132,8 @@ def _silu_mul_kernel(gu_ptr, out_ptr, INNER, BLOCK: tl.constexpr):
     g = tl.load(gu_ptr + row * 2 * INNER + c, mask=ok, other=0.0)
     u = tl.load(gu_ptr + row * 2 * INNER + INNER + c, mask=ok, other=0.0)
     gf = g.to(tl.float32)
-    s = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)  # F.silu, rounded to the dtype
-    tl.store(out_ptr + row * INNER + c, (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=ok)
+    s = _round(gf / (1.0 + tl.exp(-gf)), g.dtype)  # F.silu, rounded to the dtype
+    tl.store(out_ptr + row * INNER + c, _round(s * u.to(tl.float32), g.dtype).to(g.dtype), mask=ok)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

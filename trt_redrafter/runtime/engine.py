@@ -75,7 +75,8 @@ class StepTimes:
         return self.requests[kind] / self.steps[kind] if self.steps[kind] else 0.0
 
     def reset(self) -> None:
-        self.seconds.clear(), self.steps.clear(), self.requests.clear()
+        for d in (self.seconds, self.steps, self.requests):
+            d.clear()
 
 
 class Engine:
