@@ -91,3 +91,15 @@ def _last_logits(engine, seq):
     finally:
         engine.model.logits = orig
     return seq, captured["logits"]
+
+
+def test_phase_profile_times_every_phase_and_changes_no_token(tiny):
+    """--profile-phases runs verify/accept/rewind/draft/pack as separate units: same tokens, every phase timed."""
+    from trt_redrafter.runtime.engine import PHASES
+
+    engine = load_engine(tiny["engine_dir"], profile_phases=True)
+    res = generate(engine, tiny["prompts"], greedy(MAX_NEW), mode="redrafter")
+    assert [r.output_ids for r in res] == tiny["ar"]
+    times = engine.timer.mean_ms()
+    assert engine.timer.steps == engine.step_times.steps["redrafter"] > 0  # every batched ReDrafter step
+    assert set(times) == set(PHASES) and all(t > 0 for t in times.values())

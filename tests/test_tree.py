@@ -128,8 +128,8 @@ def test_pack_property_random_small_vocab():
 
 def test_path_packed_indices():
     tree = pack_beams(torch.stack([FIG4, FIG4]))
-    idx, n = path_packed_indices(tree, torch.tensor([2, 1]), torch.tensor([5, 3]))
+    idx, n = path_packed_indices(tree.unpacker, torch.tensor([2, 1]), torch.tensor([5, 3]))
     assert idx.tolist() == [[0, 1, 2, 5, 7], [0, 1, 2, 0, 0]]
     assert n.tolist() == [5, 3]
-    idx, n = path_packed_indices(tree, torch.tensor([0, 1]), torch.tensor([1, 4]))
+    idx, n = path_packed_indices(tree.unpacker, torch.tensor([0, 1]), torch.tensor([1, 4]))
     assert idx.tolist() == [[0, 0, 0, 0, 0], [0, 1, 2, 5, 0]]

@@ -13,12 +13,12 @@ from . import acceptance, beam_search, sampling, tree
 from .acceptance import Acceptance, accept_apple, accept_exact, accept_greedy, accept_tokens, emitted_tokens
 from .beam_search import BeamSearchResult, DrafterProtocol
 from .sampling import draw, process_logits
-from .tree import PackedTree, dedup_prefix, pack_beams, path_packed_indices
+from .tree import PackedTree, dedup_prefix, pack_beams, path_packed_indices, unpack
 
 __all__ = [
     "acceptance", "beam_search", "sampling", "tree",
     "Acceptance", "accept_apple", "accept_exact", "accept_greedy", "accept_tokens", "emitted_tokens",
     "BeamSearchResult", "DrafterProtocol",
     "process_logits", "draw",
-    "PackedTree", "dedup_prefix", "pack_beams", "path_packed_indices",
+    "PackedTree", "dedup_prefix", "pack_beams", "path_packed_indices", "unpack",
 ]

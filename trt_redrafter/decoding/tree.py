@@ -62,12 +62,17 @@ class PackedTree:
 
     def unpack(self, packed: torch.Tensor) -> torch.Tensor:
         """Per-packed-token values [bs, P, ...] -> beam layout [bs, nb, bl, ...] (e.g. verify logits)."""
-        bs, nb, bl = self.unpacker.shape
         assert packed.shape[:2] == self.tokens.shape, \
             f"packed values {tuple(packed.shape)} do not start with [bs, P] = {tuple(self.tokens.shape)}"
-        tail = packed.shape[2:]
-        index = self.unpacker.reshape(bs, nb * bl, *([1] * len(tail))).expand(bs, nb * bl, *tail)
-        return packed.gather(1, index).reshape(bs, nb, bl, *tail)
+        return unpack(self.unpacker, packed)
+
+
+def unpack(unpacker: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """unpacker [bs, nb, bl], per-packed-token values [bs, P', ...] (P' >= the packed length) -> [bs, nb, bl, ...]."""
+    bs, nb, bl = unpacker.shape
+    tail = packed.shape[2:]
+    index = unpacker.reshape(bs, nb * bl, *([1] * len(tail))).expand(bs, nb * bl, *tail)
+    return packed.gather(1, index).reshape(bs, nb, bl, *tail)
 
 
 def pack_beams(beams: torch.Tensor, pad_to: int | None = None) -> PackedTree:
@@ -120,7 +125,7 @@ def pack_beams(beams: torch.Tensor, pad_to: int | None = None) -> PackedTree:
                       position_offsets=position_offsets, unpacker=unpacker, mask=mask)
 
 
-def path_packed_indices(tree: PackedTree, beam_index: torch.Tensor,
+def path_packed_indices(unpacker: torch.Tensor, beam_index: torch.Tensor,
                         num_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed indices of the first `num_tokens` positions of beam `beam_index`, per row (for the KV rewind).
 
@@ -128,13 +133,13 @@ def path_packed_indices(tree: PackedTree, beam_index: torch.Tensor,
     valid index). Valid indices are strictly increasing, so copying KV entries in order from packed slot
     indices[t] to slot t never overwrites a source that is still to be read.
     """
-    bs, nb, bl = tree.unpacker.shape
+    bs, nb, bl = unpacker.shape  # a PackedTree's `unpacker`
     assert beam_index.shape == (bs,) and num_tokens.shape == (bs,), \
         f"beam_index {tuple(beam_index.shape)} and num_tokens {tuple(num_tokens.shape)} must be [bs]=[{bs}]"
     if num_tokens.device.type == "cpu" and not torch.compiler.is_compiling():  # a check that costs no device sync
         assert bool(((num_tokens >= 1) & (num_tokens <= bl)).all()), \
             f"num_tokens must lie in [1, bl={bl}], got {num_tokens.tolist()}"
     rows = torch.arange(bs, device=beam_index.device)
-    path = tree.unpacker[rows, beam_index]  # [bs, bl]
+    path = unpacker[rows, beam_index]  # [bs, bl]
     valid = torch.arange(bl, device=path.device)[None, :] < num_tokens[:, None]
     return torch.where(valid, path, 0), num_tokens.clone()

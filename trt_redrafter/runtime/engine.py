@@ -61,22 +61,17 @@ class StepTimes:
 
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     steps: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    requests: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
-    def add(self, kind: str, seconds: float, batch: int) -> None:
+    def add(self, kind: str, seconds: float) -> None:
         self.seconds[kind] += seconds
         self.steps[kind] += 1
-        self.requests[kind] += batch
 
     def mean_ms(self, kind: str) -> float:
         return 1e3 * self.seconds[kind] / self.steps[kind] if self.steps[kind] else 0.0
 
-    def mean_batch(self, kind: str) -> float:
-        return self.requests[kind] / self.steps[kind] if self.steps[kind] else 0.0
-
     def reset(self) -> None:
-        for d in (self.seconds, self.steps, self.requests):
-            d.clear()
+        self.seconds.clear()
+        self.steps.clear()
 
 
 class Engine:
@@ -146,7 +141,7 @@ class Engine:
             f"proposer drafts {self.proposer.num_beams}x{self.proposer.draft_len}, engine trees are " \
             f"{rd.num_beams}x{rd.draft_len_per_beam}"
         self.steps = DecodeStep(self.model, None if proposer else self.proposer, self.cache, self.state, dist,
-                                self.vocab_size, kernels)
+                                kernels)
         self.compiler = Compiler(runtime.compile, dist.device, dist.world_size)
         self.buckets = batch_buckets(self.build.max_batch_size)
         self._units: dict[tuple, object] = {}
@@ -236,7 +231,7 @@ class Engine:
         emitted: dict[int, list[int]] = {}
         for kind, group, (out, t0) in launched:
             rows = out.cpu().tolist()  # the step's one host sync
-            self.step_times.add(kind, time.perf_counter() - t0, len(group))
+            self.step_times.add(kind, time.perf_counter() - t0)
             for s, row in zip(group, rows):  # [tokens (bl) | count | next tree length]
                 emitted[s.seq_id] = row[:row[-2]]
                 s.tree_len = row[-1]
@@ -277,22 +272,12 @@ class Engine:
             return "apple"
         return "greedy" if rules == {"greedy"} else "sample"
 
-    def _slots(self, group: list[Sequence], padded: bool) -> torch.Tensor:
-        slots = [s.slot for s in group]
-        if padded:
-            slots += [self.state.padding_slot] * (bucket_for(len(slots), self.buckets) - len(slots))
-        return torch.tensor(slots, dtype=torch.long, device=self.dist.device)
-
-    @property
-    def _graphs(self) -> bool:
-        return "cudagraphs" in self.compiler.mode
-
     def _key_blocks(self, longest: int) -> torch.Tensor:
         """[nblk]: how many KV blocks per request the torch attention reads. All of them under CUDA graphs (static
         shapes) or with the Triton kernel (it stops at each request's length); else enough for `longest`
         positions, at least 2 so that inductor's one dynamic graph covers every length (size 1 would specialize)."""
         n = self.cache.max_blocks_per_seq
-        if not (self._graphs or self.kernels == "triton"):
+        if not (self.compiler.uses_graphs or self.kernels == "triton"):
             n = min(max(2, -(-longest // self.cache.block_size)), n)
         return torch.arange(n, device=self.dist.device)
 
@@ -303,23 +288,30 @@ class Engine:
         if rule == "apple":
             self.state.ensure_draft_logp(self.vocab_size)
         draft = self.host_proposer is None
-        slots = self._slots(group, padded=self._graphs)
         T = self._tree_width(group) if kind == "redrafter" else 1
-        key_blocks = self._key_blocks(max(s.ctx_len for s in group) + T)
-        tree_width = torch.arange(T, device=self.dist.device)
-        for t in (slots, key_blocks, tree_width):
-            self.compiler.mark_dynamic(t, 0)
-        if self.timer.enabled and kind == "redrafter":
-            out = self._profiled_redrafter_step(slots, key_blocks, tree_width, rule, draft)
+        args = self._step_inputs([s.slot for s in group], T, max(s.ctx_len for s in group) + T)
+        if self.timer.enabled and kind == "redrafter":  # each phase its own unit, timed
+            out = self.steps.redrafter_step(*args, rule, draft, run=self._timed_phase)
+            self.timer.end_step()
         else:
-            out = self._unit(kind)(slots, key_blocks, tree_width, rule, draft)
+            out = self._unit(kind)(*args, rule, draft)
         return out[:len(group)], t0
+
+    def _step_inputs(self, slots: list[int], T: int, longest: int) -> tuple[torch.Tensor, ...]:
+        """(slots, key_blocks, tree_width) of a decode step: slots padded to a batch bucket under CUDA graphs, and
+        every varying size marked dynamic for inductor."""
+        if self.compiler.uses_graphs:
+            slots = slots + [self.state.padding_slot] * (bucket_for(len(slots), self.buckets) - len(slots))
+        args = (torch.tensor(slots, dtype=torch.long, device=self.dist.device), self._key_blocks(longest),
+                torch.arange(T, device=self.dist.device))
+        self.compiler.mark_dynamic(*args)
+        return args
 
     def _tree_width(self, group: list[Sequence]) -> int:
         """Packed tokens a ReDrafter step verifies per request: the longest tree of the batch (the host knows the
         lengths: each step returns them), or max_tree_tokens under CUDA graphs (static shapes)."""
         P = self.redrafter.max_tree_tokens
-        return P if self._graphs else min(P, max(2, max(s.tree_len for s in group)))
+        return P if self.compiler.uses_graphs else min(P, max(2, max(s.tree_len for s in group)))
 
     def _unit(self, kind: str):
         unit = self._units.get(kind)
@@ -328,38 +320,17 @@ class Engine:
             unit = self._units[kind] = self.compiler.unit(fn, f"{kind}-step", self._on_padding)
         return unit
 
-    def _phase_units(self) -> dict:
-        units = self._units.get("phases")
-        if units is None:
-            st, c = self.steps, self.compiler
-            units = self._units["phases"] = {name: c.unit(fn, name, None if name == "draft" else self._on_padding)
-                                             for name, fn in (("verify", st.verify_tree), ("accept", st.accept),
-                                                              ("rewind", st.rewind), ("draft", st.draft),
-                                                              ("pack", st.pack))}
-        return units
+    def _timed_phase(self, name: str, phase, *args):
+        """One phase of a profiled step, run as its own unit (compiled / captured) and timed."""
+        unit = self._units.get(name)
+        if unit is None:  # drafting writes no state: its capture needs no padding-slot arguments
+            unit = self._units[name] = self.compiler.unit(phase, name, None if name == "draft" else self._on_padding)
+        with self.timer.phase(name):
+            return unit(*args)
 
     def _on_padding(self, slots: torch.Tensor, *rest):
         """The same call on padding slots only (what a CUDA-graph capture may run for real)."""
         return (torch.full_like(slots, self.state.padding_slot), *rest)
-
-    def _profiled_redrafter_step(self, slots: torch.Tensor, key_blocks: torch.Tensor, tree_width: torch.Tensor,
-                                 rule: str, draft: bool) -> torch.Tensor:
-        """The ReDrafter step phase by phase, each its own graph, timed (runtime.profile_phases)."""
-        u, t = self._phase_units(), self.timer
-        with t.phase("verify"):
-            v = u["verify"](slots, key_blocks, tree_width)
-        with t.phase("accept"):
-            a = u["accept"](slots, v.logits, rule)
-        with t.phase("rewind"):
-            last = u["rewind"](slots, a.decision)
-        tree_len = torch.zeros_like(last)
-        if draft:
-            with t.phase("draft"):
-                beams, logp = u["draft"](v.hidden, last, a.decision, rule == "apple")
-            with t.phase("pack"):
-                tree_len = u["pack"](slots, beams, logp)
-        t.end_step()
-        return torch.cat([a.emitted, tree_len[:, None]], dim=1)
 
     def _prefill(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
         """Prompt step (eager) for newly admitted (or preempted) requests -> (first true token, tree length)."""
@@ -397,18 +368,12 @@ class Engine:
     def warmup(self) -> None:
         """Compile / capture the greedy decode steps before the first request (padding-slot batches only)."""
         t0 = time.perf_counter()
-        pad = self.state.padding_slot
-        sizes = self.buckets if self._graphs else sorted({1, min(2, self.build.max_batch_size)})
+        sizes = self.buckets if self.compiler.uses_graphs else sorted({1, min(2, self.build.max_batch_size)})
         draft = self.host_proposer is None
         with torch.inference_mode():
             for kind in DECODING_MODES:
                 T = self.redrafter.max_tree_tokens if kind == "redrafter" else 1
                 for bs in sorted(sizes, reverse=True):  # largest first: later captures reuse its pool memory
-                    slots = torch.full((bs,), pad, dtype=torch.long, device=self.dist.device)
-                    key_blocks = self._key_blocks(T)
-                    tree_width = torch.arange(T, device=self.dist.device)
-                    for t in (slots, key_blocks, tree_width):
-                        self.compiler.mark_dynamic(t, 0)
-                    self._unit(kind)(slots, key_blocks, tree_width, "greedy", draft).cpu()
-        self.state.ctx_len[pad] = 0
+                    args = self._step_inputs([self.state.padding_slot] * bs, T, T)
+                    self._unit(kind)(*args, "greedy", draft).cpu()
         logger.info("engine warm-up (%s, buckets %s) took %.1fs", self.compiler.mode, sizes, time.perf_counter() - t0)

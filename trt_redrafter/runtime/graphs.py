@@ -32,6 +32,10 @@ logger = get_logger(__name__)
 WARMUP_CALLS = 2  # eager/compiled calls before a capture (lazy inits, autotuning, compilation)
 
 
+def uses_graphs(mode: str) -> bool:
+    return "cudagraphs" in mode
+
+
 def resolve_compile_mode(mode: str, device: torch.device, world_size: int = 1) -> str:
     """`auto`: CUDA graphs on CUDA; inductor on a one-rank CPU engine; eager for TP > 1 on the CPU, where every step
     waits on gloo collectives that compilation cannot remove (measured on the small pair, TP2: AR 13.5 ms/token
@@ -40,7 +44,7 @@ def resolve_compile_mode(mode: str, device: torch.device, world_size: int = 1) -
         if device.type == "cuda":
             return "cudagraphs"
         return "inductor" if world_size == 1 else "off"
-    if "cudagraphs" in mode and device.type != "cuda":
+    if uses_graphs(mode) and device.type != "cuda":
         raise UserError(f"--compile {mode} needs a CUDA device, but this engine runs on {device}; "
                         f"use --compile inductor or off on the CPU.")
     return mode
@@ -74,7 +78,7 @@ class Unit:
 
     def __init__(self, fn: Callable, mode: str, device: torch.device, name: str, pool=None,
                  neutral: Optional[Callable] = None):
-        self.fn, self.mode, self.device, self.name = fn, mode, device, name
+        self.mode, self.device, self.name = mode, device, name
         # capture runs `fn` for real (warm-up calls): on arguments mapped by `neutral`, so a graph first needed in
         # the middle of serving never advances live requests (the engine maps slots to the padding slot)
         self.neutral = neutral
@@ -85,14 +89,9 @@ class Unit:
                                           options={"guard_filter_fn": _arguments_only})
         self.pool = pool
         self.graphs: dict[Any, tuple[torch.cuda.CUDAGraph, list[torch.Tensor], Any]] = {}
-        self.capture_seconds = 0.0
-
-    @property
-    def uses_graphs(self) -> bool:
-        return "cudagraphs" in self.mode
 
     def __call__(self, *args):
-        if not self.uses_graphs:
+        if not uses_graphs(self.mode):
             return self.compiled(*args)
         leaves, spec = pytree.tree_flatten(args)
         key = (spec, tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x for x in leaves))
@@ -125,7 +124,6 @@ class Unit:
             out = self.compiled(*args)
         entry = (graph, static_in, out)
         self.graphs[key] = entry
-        self.capture_seconds += time.perf_counter() - t0
         logger.debug("captured %s for %s in %.2fs", self.name, key[1], time.perf_counter() - t0)
         return entry
 
@@ -136,16 +134,22 @@ class Compiler:
     def __init__(self, mode: str, device: torch.device, world_size: int = 1):
         self.mode = resolve_compile_mode(mode, device, world_size)
         self.device = device
-        self.pool = torch.cuda.graph_pool_handle() if "cudagraphs" in self.mode else None
+        self.pool = torch.cuda.graph_pool_handle() if self.uses_graphs else None
+
+    @property
+    def uses_graphs(self) -> bool:
+        return uses_graphs(self.mode)
 
     def unit(self, fn: Callable, name: str, neutral: Optional[Callable] = None) -> Unit:
         return Unit(fn, self.mode, self.device, name, self.pool, neutral)
 
-    def mark_dynamic(self, t: torch.Tensor, dim: int) -> None:
-        """Tell inductor that `t`'s `dim` varies, so it compiles one graph for all sizes (CUDA graphs are still
-        captured per size)."""
-        if "inductor" in self.mode and t.shape[dim] >= 2:
-            torch._dynamo.mark_dynamic(t, dim)
+    def mark_dynamic(self, *tensors: torch.Tensor) -> None:
+        """Tell inductor that the first dimension of each tensor varies, so it compiles one graph for all sizes
+        (CUDA graphs are still captured per size)."""
+        if "inductor" in self.mode:
+            for t in tensors:
+                if t.shape[0] >= 2:
+                    torch._dynamo.mark_dynamic(t, 0)
 
 
 def batch_buckets(max_batch_size: int) -> list[int]:

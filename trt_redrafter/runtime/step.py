@@ -87,13 +87,16 @@ class StepKernels:
         return kernels
 
 
+def _call(name: str, phase: Callable, *args):
+    return phase(*args)
+
+
 class DecodeStep:
     """The batched step of one engine; holds references to its model, proposer, KV cache and slot state."""
 
     def __init__(self, model: LlamaRank, proposer: Optional[DeviceProposer], cache: PagedKVCache,
-                 state: SlotState, dist: Dist, vocab_size: int, kernels: Optional[StepKernels] = None):
+                 state: SlotState, dist: Dist, kernels: Optional[StepKernels] = None):
         self.model, self.proposer, self.cache, self.state, self.dist = model, proposer, cache, state, dist
-        self.vocab_size = vocab_size
         self.kernels = kernels or StepKernels()
 
     # ---- phases ----------------------------------------------------------------------------------------
@@ -130,7 +133,7 @@ class DecodeStep:
                 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """The target's token after each of the [bs, T] nodes -> (tokens [bs, T], probs [bs, T, V] or None).
 
-        greedy: argmax. sample/apple: process the logits with each request's parameters and draw with the noise
+        greedy: argmax. Any other rule: process the logits with each request's parameters and draw with the noise
         of the drawn token's position, ctx_len + depth + 1 (greedy rows get their argmax through a one-hot).
         """
         if rule == "greedy":
@@ -146,16 +149,13 @@ class DecodeStep:
     def accept(self, slots: torch.Tensor, logits: torch.Tensor, rule: str) -> Accepted:
         """Choose beam, accepted count and next token for every request; pack the emitted tokens."""
         st = self.state
-        bs, P = logits.shape[:2]
+        P = logits.shape[1]
         beams, unpacker = st.beams[slots], st.unpacker[slots]  # [bs, nb, bl]
         offsets = st.tree_offsets[slots].index_select(1, torch.arange(P, device=slots.device))
         node_tok, probs = self.targets(slots, logits, offsets, rule)  # [bs, P]
-        nb, bl = beams.shape[1:]
-        acc = self.kernels.accept_tokens(beams, node_tok.gather(1, unpacker.reshape(bs, nb * bl)).view(bs, nb, bl))
+        acc = self.kernels.accept_tokens(beams, tree.unpack(unpacker, node_tok))  # tokens in beam layout
         if rule == "apple":
-            V = probs.shape[-1]
-            index = unpacker.reshape(bs, nb * bl, 1).expand(bs, nb * bl, V)
-            target_logp = probs.gather(1, index).view(bs, nb, bl, V).log()
+            target_logp = tree.unpack(unpacker, probs).log()  # [bs, nb, bl, V]
             apple = acceptance.accept_apple(beams, target_logp, st.draft_logp[slots], st.seed[slots], st.ctx_len[slots])
             use = st.apple[slots]
             acc = Acceptance(*(torch.where(use, a, e) for a, e in zip(apple.pack(), acc.pack())))
@@ -170,12 +170,10 @@ class DecodeStep:
         """
         st, cache = self.state, self.cache
         acc = Acceptance.unpack(decision)
-        bs = slots.shape[0]
-        rows = torch.arange(bs, device=slots.device)
-        unpacker = st.unpacker[slots]  # [bs, nb, bl]
-        nb, bl = unpacker.shape[1:]
-        path = unpacker[rows, acc.beam_index]  # [bs, bl] packed indices along the chosen beam (increasing)
-        m = torch.arange(bl, device=slots.device)[None, :]
+        rows = torch.arange(slots.shape[0], device=slots.device)
+        # packed indices of the root and the accepted tokens along the chosen beam (increasing), 0 past them
+        path, _ = tree.path_packed_indices(st.unpacker[slots], acc.beam_index, acc.num_accepted + 1)  # [bs, bl]
+        m = torch.arange(path.shape[1], device=slots.device)[None, :]
         keep = m <= acc.num_accepted[:, None]  # [bs, bl] root + accepted tokens
         ctx = st.ctx_len[slots]
         src_pos = ctx[:, None] + torch.where(keep, path, m)  # positions past the path move onto themselves
@@ -191,7 +189,11 @@ class DecodeStep:
               ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """The proposer's beams [bs, nb, bl] (and drafter log-probs for `apple`) for each request's next tree."""
         rows = torch.arange(hidden.shape[0], device=hidden.device)
-        res = self.proposer.draft(hidden[rows, path_last], Acceptance.unpack(decision).next_token, keep_log_probs)
+        return self._propose(hidden[rows, path_last], Acceptance.unpack(decision).next_token, keep_log_probs)
+
+    def _propose(self, h: torch.Tensor, true_token: torch.Tensor, keep_log_probs: bool
+                 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        res = self.proposer.draft(h, true_token, keep_log_probs)
         return self.dist.broadcast(res.beams.contiguous()), res.log_probs
 
     def pack(self, slots: torch.Tensor, beams: torch.Tensor, log_probs: Optional[torch.Tensor]) -> torch.Tensor:
@@ -202,18 +204,21 @@ class DecodeStep:
 
     # ---- whole steps -----------------------------------------------------------------------------------
     def redrafter_step(self, slots: torch.Tensor, key_blocks: torch.Tensor, tree_width: torch.Tensor, rule: str,
-                       draft: bool) -> torch.Tensor:
+                       draft: bool, run: Optional[Callable] = None) -> torch.Tensor:
         """One ReDrafter step for [bs] slots -> [bs, bl + 2] (emitted tokens, their count, next tree length).
 
         `draft=False` stops after rewind: a host proposer fills the next tree (`Engine._draft_on_host`).
+        `run(name, phase, *args)` calls each phase: directly by default; the engine's phase profile passes one that
+        runs each phase as its own timed unit.
         """
-        v = self.verify_tree(slots, key_blocks, tree_width)
-        a = self.accept(slots, v.logits, rule)
-        path_last = self.rewind(slots, a.decision)
+        run = run or _call
+        v = run("verify", self.verify_tree, slots, key_blocks, tree_width)
+        a = run("accept", self.accept, slots, v.logits, rule)
+        path_last = run("rewind", self.rewind, slots, a.decision)
         tree_len = torch.zeros_like(slots)
         if draft:
-            beams, log_probs = self.draft(v.hidden, path_last, a.decision, rule == "apple")
-            tree_len = self.pack(slots, beams, log_probs)
+            beams, log_probs = run("draft", self.draft, v.hidden, path_last, a.decision, rule == "apple")
+            tree_len = run("pack", self.pack, slots, beams, log_probs)
         return torch.cat([a.emitted, tree_len[:, None]], dim=1)
 
     def ar_step(self, slots: torch.Tensor, key_blocks: torch.Tensor, tree_width: torch.Tensor, rule: str,
@@ -226,7 +231,7 @@ class DecodeStep:
         zeros = torch.zeros_like(tok)
         mask = torch.ones(bs, 1, 1, dtype=torch.bool, device=tok.device)
         v = self.verify(slots, key_blocks, tok, zeros, mask)
-        nxt, _ = self.targets(slots, v.logits, zeros, "sample" if rule != "greedy" else rule)  # [bs, 1]
+        nxt, _ = self.targets(slots, v.logits, zeros, rule)  # [bs, 1]
         nxt = self.dist.broadcast(nxt.contiguous())
         st.advance(slots, st.ctx_len[slots] + 1, nxt[:, 0])
         return torch.cat([nxt, torch.ones_like(nxt), torch.ones_like(nxt)], dim=1)
@@ -250,12 +255,11 @@ class DecodeStep:
         h = v.hidden[rows, last]  # [bs, H]
         # the draw at the last prompt position: same noise as an AR step there (position = lengths)
         offsets = last[:, None]  # ctx_len is 0, so position = offset + 1 = lengths
-        nxt, _ = self.targets(slots, self.model.logits(h)[:, None], offsets, "sample" if rule != "greedy" else rule)
+        nxt, _ = self.targets(slots, self.model.logits(h)[:, None], offsets, rule)
         nxt = self.dist.broadcast(nxt[:, 0].contiguous())
         st.advance(slots, lengths, nxt)
         return h
 
     def draft_from_prompt(self, slots: torch.Tensor, h: torch.Tensor, keep_log_probs: bool) -> torch.Tensor:
         """Draft + pack the first tree of newly prefilled requests (their true token is in the slot state)."""
-        res = self.proposer.draft(h, self.state.true_tok[slots], keep_log_probs)
-        return self.pack(slots, self.dist.broadcast(res.beams.contiguous()), res.log_probs)
+        return self.pack(slots, *self._propose(h, self.state.true_tok[slots], keep_log_probs))
