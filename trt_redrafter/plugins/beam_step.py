@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..decoding.beam_search import select_beams, warp_logits
+from ..decoding.beam_search import select_beams_topk, warp_logits
 
 
 @triton.jit
@@ -68,10 +68,9 @@ def beam_step(step_logits: torch.Tensor, score: torch.Tensor, num_beams: int, wa
         f"step_logits must be [bs, nin, V] and score [bs, nin], got {tuple(step_logits.shape)}, {tuple(score.shape)}"
     bs, nin, V = step_logits.shape
     nb = num_beams
-    if warp_top_k is not None and warp_top_k < nb:  # warped-out ties would be chosen: keep the literal algorithm
-        return select_beams(step_logits, score, nb, warp_top_k, need_log_probs)
-    if nb == 1 and nin == 1 and not need_log_probs:  # greedy drafting (see select_beams_topk)
-        return score, torch.zeros_like(score, dtype=torch.long), step_logits.argmax(dim=-1), None
+    if (warp_top_k is not None and warp_top_k < nb) or (nb == 1 and nin == 1 and not need_log_probs):
+        # the cases select_beams_topk does not run its top-K merge for (warped-out ties; one-beam greedy drafting)
+        return select_beams_topk(step_logits, score, nb, warp_top_k, need_log_probs)
     logits = step_logits.float()
     K = min(max(nb, warp_top_k or 0), V)
     top, idx = logits.topk(K, dim=-1)  # [bs, nin, K]
