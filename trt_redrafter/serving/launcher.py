@@ -91,10 +91,6 @@ def server_env(bundled: bool) -> dict[str, str]:
     env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
     pkg_root = str(Path(__file__).resolve().parents[2])  # model.py files import trt_redrafter from here too
     env["PYTHONPATH"] = os.pathsep.join([pkg_root, env.get("PYTHONPATH", "")]).rstrip(":")
-    # the Python-backend stub would read text files as ASCII without a UTF-8 locale; torch.compile reads its own
-    # UTF-8 templates (UnicodeDecodeError in torch/_inductor/utils.py load_template, seen loading the engine model)
-    env.setdefault("LANG", "C.UTF-8")
-    env["LC_ALL"] = env.get("LC_ALL") or "C.UTF-8"
     return env
 
 
