@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
 import statistics
 import sys
@@ -34,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout without installing
 
 from trt_redrafter.checkpoint.sharding import Mapping, shard_base, shard_drafter  # noqa: E402
+from trt_redrafter.checkpoint.tiny import TinyConfig, build_drafter_tensors  # noqa: E402
 from trt_redrafter.checkpoint.trtllm_config import build_pretrained_config, parse_checkpoint_config  # noqa: E402
 from trt_redrafter.config import (BuildConfig, DrafterConfig, ModelConfig, ReDrafterConfig,  # noqa: E402
                                   RuntimeConfig, SamplingConfig)
@@ -87,21 +87,10 @@ def random_pair(shape: str, nb: int, dl: int, max_batch: int, max_input: int, ma
     sd = dict(hf.state_dict())
     m = Mapping(1, 0)
     tensors = shard_base(sd.__getitem__, model, m, lambda t: t.to(dtype))
-    g = torch.Generator(device=device).manual_seed(seed + 1)
-    H, e, V = model.hidden_size, exit_dim, model.vocab_size
-
-    def lin(out: int, inp: int, gain: float = 1.0) -> torch.Tensor:
-        return (torch.randn(out, inp, generator=g, device=device) * (gain / math.sqrt(inp))).to(dtype)
-
-    apple = {}
-    if e != 2 * H:
-        apple["input_proj.weight"], apple["input_proj.bias"] = lin(e, 2 * H), torch.zeros(e, device=device, dtype=dtype)
-    for j in range(layers):
-        apple[f"lm_head.{j}.linear.weight"] = lin(e, e, 0.5)
-        apple[f"lm_head.{j}.linear.bias"] = torch.zeros(e, device=device, dtype=dtype)
-    apple[f"lm_head.{layers}.weight"] = lin(V, e, 3.0)
-    apple["rnn_u.weight"], apple["rnn_w.weight"] = lin(H, H), lin(H, H)
-    apple["rnn_u.bias"] = torch.zeros(H, device=device, dtype=dtype)
+    # the Apple-format drafter with make-tiny's random init (fan-in scaled), at this shape
+    apple = {k: t.to(device=device, dtype=dtype) for k, t in build_drafter_tensors(TinyConfig(
+        seed=seed, vocab_size=model.vocab_size, hidden_size=model.hidden_size, exit_dim=exit_dim,
+        drafter_layers=layers, rnn=True)).items()}
     tensors.update(shard_drafter(apple, drafter, m, lambda t: t))
     rd = ReDrafterConfig(num_beams=nb, draft_len_per_beam=dl)
     info = parse_checkpoint_config(build_pretrained_config(model, drafter, rd, 1), where="gpu_bench")
