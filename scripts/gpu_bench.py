@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a 
 from trt_redrafter.checkpoint.sharding import Mapping, shard_base, shard_drafter  # noqa: E402
 from trt_redrafter.checkpoint.tiny import TinyConfig, build_drafter_tensors  # noqa: E402
 from trt_redrafter.checkpoint.trtllm_config import build_pretrained_config, parse_checkpoint_config  # noqa: E402
-from trt_redrafter.config import (BuildConfig, DrafterConfig, ModelConfig, ReDrafterConfig,  # noqa: E402
+from trt_redrafter.config import (BuildConfig, DrafterConfig, ModelConfig, ProposerConfig, ReDrafterConfig,  # noqa: E402
                                   RuntimeConfig, SamplingConfig)
 from trt_redrafter.model.tp import Dist  # noqa: E402
 from trt_redrafter.runtime.engine import Engine  # noqa: E402
@@ -95,7 +95,7 @@ def random_pair(shape: str, nb: int, dl: int, max_batch: int, max_input: int, ma
     rd = ReDrafterConfig(num_beams=nb, draft_len_per_beam=dl)
     info = parse_checkpoint_config(build_pretrained_config(model, drafter, rd, 1), where="gpu_bench")
     build = BuildConfig(max_batch_size=max_batch, max_input_len=max_input, max_seq_len=max_seq, dtype=dname)
-    cfg = EngineConfig(info, build, "torch", "gpu_bench", {})
+    cfg = EngineConfig(info, build, "torch", "gpu_bench", {}, rd, ProposerConfig().resolved(True, nb))
     base_bytes = sum(t.numel() * t.element_size() for t in sd.values())
     drafter_bytes = sum(t.numel() * t.element_size() for t in apple.values())
     return Pair(cfg, tensors, hf, base_bytes, drafter_bytes)

@@ -34,11 +34,14 @@ AcceptanceRule = Literal["greedy", "exact", "apple"]  # see decoding/acceptance.
 DrafterSemantics = Literal["apple", "trtllm"]  # see model/drafter.py
 CompileMode = Literal["auto", "off", "inductor", "cudagraphs", "inductor+cudagraphs"]
 KernelChoice = Literal["auto", "triton", "torch"]
+ProposerName = Literal["redrafter", "ngram", "mixed"]  # what fills a speculative request's draft tree
 DECODING_MODES: tuple[str, ...] = get_args(DecodingMode)
 ACCEPTANCE_RULES: tuple[str, ...] = get_args(AcceptanceRule)
 DRAFTER_SEMANTICS: tuple[str, ...] = get_args(DrafterSemantics)
 COMPILE_MODES: tuple[str, ...] = get_args(CompileMode)
 KERNEL_CHOICES: tuple[str, ...] = get_args(KernelChoice)
+PROPOSERS: tuple[str, ...] = get_args(ProposerName)
+NGRAM_WHEN = ("auto", "always", "matched", "adaptive")  # ProposerConfig.ngram_when
 
 
 def torch_dtype(name: str):
@@ -296,6 +299,65 @@ class BuildConfig(ConfigBase):
         tree = redrafter.max_tree_tokens if redrafter else 1
         floor = self.max_batch_size * tree
         return max(self.max_num_tokens or max(self.max_input_len, 8192), floor)
+
+
+@dataclass
+class ProposerConfig(ConfigBase):
+    """What drafts an engine's trees (build time; `run`, the Triton `proposer` input and `bench` override the
+    proposer per request). See runtime/ngram.py for the learning-free proposers."""
+
+    SECTION: ClassVar[str] = "proposer"
+
+    proposer: str = _f("", help="default drafts of a speculative request: redrafter (the trained drafter's beam "
+                                "search), ngram (learning-free: context N-grams, then the base's own bigrams), "
+                                "mixed (ReDrafter's beams, the lowest-ranked ones replaced by context N-gram "
+                                "matches); empty: redrafter when the engine has a drafter, else ngram",
+                       choices=("",) + PROPOSERS)
+    ngram_beams: int = _f(0, help="beams of a mixed tree that context N-gram matches may take (0: half of "
+                                  "num_beams, at least 1)")
+    ngram_min: int = _f(1, help="shortest context match in tokens")
+    ngram_max: int = _f(4, help="longest context match in tokens (matches are tried longest first)")
+    ngram_when: str = _f("auto", help="when an N-gram request verifies a tree: always (the model's bigram drafts "
+                                      "when the context has no match), matched (on a context match; else an AR "
+                                      "step), adaptive (on a match, while its accepted tokens pay for the measured "
+                                      "cost of a tree step over an AR step); auto: always on a GPU, where a few "
+                                      "more verified tokens cost almost nothing, adaptive on a CPU",
+                         choices=NGRAM_WHEN)
+    mixed_min_match: int = _f(3, help="shortest context match that may take a drafter beam's place in a mixed tree "
+                                      "(short matches are right less often than a trained drafter)")
+    model_ngrams: str = _f("auto", help="precompute the base's bigram drafts from its weights at build time "
+                                         "(ngrams.safetensors: one forward pass per vocabulary entry): on, off, or "
+                                         "auto: on a GPU, or on a CPU when it takes minutes (a model of a few "
+                                         "hundred million parameters; a 7B one would take hours). Without the "
+                                         "table N-gram drafts come from the context alone",
+                           choices=("auto", "on", "off"))
+
+    def validate(self) -> None:
+        s = self.SECTION
+        if self.proposer not in ("",) + PROPOSERS:
+            raise _bad(s, "proposer", f"one of {', '.join(PROPOSERS)}", self.proposer)
+        if not isinstance(self.ngram_beams, int) or self.ngram_beams < 0:
+            raise _bad(s, "ngram_beams", "0 (half the beams) or a positive integer", self.ngram_beams)
+        _positive(s, "ngram_min", self.ngram_min)
+        _positive(s, "ngram_max", self.ngram_max)
+        if self.ngram_max < self.ngram_min:
+            raise _bad(s, "ngram_max", f"at least ngram_min={self.ngram_min}", self.ngram_max)
+        _positive(s, "mixed_min_match", self.mixed_min_match)
+        if self.ngram_when not in NGRAM_WHEN:
+            raise _bad(s, "ngram_when", f"one of {', '.join(NGRAM_WHEN)}", self.ngram_when)
+        if self.model_ngrams not in ("auto", "on", "off"):
+            raise _bad(s, "model_ngrams", "one of auto, on, off", self.model_ngrams)
+
+    def resolved(self, has_drafter: bool, num_beams: int) -> "ProposerConfig":
+        """The default proposer and mixed split made explicit for an engine."""
+        proposer = self.proposer or ("redrafter" if has_drafter else "ngram")
+        if proposer != "ngram" and not has_drafter:
+            raise UserError(f"--proposer {proposer} needs a drafter, and this engine has none; build with "
+                            f"--drafter DIR, or use --proposer ngram.")
+        k = self.ngram_beams or max(1, num_beams // 2)
+        if k > num_beams:
+            raise _bad(self.SECTION, "ngram_beams", f"at most num_beams={num_beams}", self.ngram_beams)
+        return self.replace(proposer=proposer, ngram_beams=k)
 
 
 @dataclass

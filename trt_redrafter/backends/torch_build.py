@@ -1,7 +1,9 @@
-"""Build a torch-backend engine directory from a TensorRT-LLM ReDrafter checkpoint.
+"""Build a torch-backend engine directory from a TensorRT-LLM ReDrafter checkpoint, or a plain LLaMA one.
 
 The engine holds the checkpoint's rank files cast to the compute dtype (so loading is one mmap-backed read per
-rank, no conversion) and a TensorRT-LLM-shaped `config.json` with the build limits.
+rank, no conversion), a TensorRT-LLM-shaped `config.json` with the build limits and the speculation settings, and
+(unless turned off) `ngrams.safetensors`: the base's bigram drafts for the N-gram proposer (runtime/ngram.py).
+A plain LLaMA checkpoint (no drafter) builds an engine that speculates with the N-gram proposer only.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 
 from ..checkpoint.trtllm_config import parse_checkpoint_config
-from ..config import BuildConfig, torch_dtype
+from ..config import BuildConfig, ProposerConfig, ReDrafterConfig, torch_dtype
 from ..errors import UserError
 from ..fsutil import atomic_output_dir, read_json, write_json
 from ..log import get_logger
@@ -52,9 +54,22 @@ def copy_tokenizer(src: Path, dst: Path) -> bool:
 
 def build_torch_engine(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, build: BuildConfig,
                        tp: int | None = None, tokenizer_dir: str | os.PathLike | None = None,
-                       force: bool = False) -> Path:
+                       force: bool = False, tree: ReDrafterConfig | None = None,
+                       proposer: ProposerConfig | None = None) -> Path:
+    """`tree` (nb, dl) is the draft-tree shape of an engine whose checkpoint has no drafter (default 4 x 4); a
+    ReDrafter checkpoint fixes its own. `proposer` holds the proposer settings (config.ProposerConfig)."""
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
     info = check_checkpoint(ckpt_dir, tp)
+    proposer = proposer or ProposerConfig()
+    if info.redrafter is None:
+        tree = tree or ReDrafterConfig(num_beams=4, draft_len_per_beam=4)
+        logger.info("%s has no drafter: the engine drafts with N-grams (%d beams x %d tokens)", ckpt_dir,
+                    tree.num_beams, tree.draft_len_per_beam)
+    elif tree is not None and (tree.num_beams, tree.draft_len_per_beam) != (info.redrafter.num_beams,
+                                                                            info.redrafter.draft_len_per_beam):
+        raise UserError(f"checkpoint {ckpt_dir} was converted for {info.redrafter.num_beams} beams x "
+                        f"{info.redrafter.draft_len_per_beam} tokens; its tree shape is fixed (re-run convert with "
+                        f"--num-beams/--draft-len-per-beam to change it).")
     if not build.dtype:
         build = build.replace(dtype=info.model.dtype)
     dtype = torch_dtype(build.dtype)
@@ -70,10 +85,49 @@ def build_torch_engine(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, 
             else:
                 save_file({k: v.to(dtype).contiguous() for k, v in tensors.items()}, str(tmp / src.name))
             del tensors
-        write_json(tmp / "config.json", engine_config_dict(info, build, "torch"))
+        write_json(tmp / "config.json", engine_config_dict(info, build, "torch", tree, proposer))
+        if proposer.model_ngrams != "off":
+            write_model_ngrams(tmp, info, force=proposer.model_ngrams == "on")
         if tokenizer_dir is not None:
             if not copy_tokenizer(Path(tokenizer_dir), tmp / "tokenizer"):
                 raise UserError(f"--tokenizer {tokenizer_dir} holds no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}).")
     logger.info("built torch engine %s (tp=%d, %s, max_batch_size=%d, max_seq_len=%d)", out_dir, info.tp_size,
                 build.dtype, build.max_batch_size, build.max_seq_len)
     return out_dir
+
+
+CPU_TABLE_FLOPS = 40e12  # `--model-ngrams auto` on a CPU: about 5 minutes on 2 cores (SmolLM2-135M: 13 TFLOP, 2 min)
+
+
+def write_model_ngrams(engine_dir: Path, info, force: bool = False) -> None:
+    """The base's bigram table (runtime/ngram.py) from the engine's own rank files, on CUDA when one is visible;
+    on a CPU only when it takes minutes, unless `force`."""
+    import torch
+
+    from ..checkpoint import sharding
+    from ..model.llama import LlamaRank
+    from ..model.tp import Dist
+    from ..runtime.ngram import NGRAMS_FILE, build_model_ngrams
+
+    m = info.model
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    params = m.num_hidden_layers * (4 * m.hidden_size ** 2 + 3 * m.hidden_size * m.intermediate_size) + \
+        m.vocab_size * m.hidden_size
+    flops = 2 * params * m.vocab_size
+    if device.type == "cpu" and flops > CPU_TABLE_FLOPS and not force:
+        logger.warning("skipping the model N-gram table: %.0f TFLOP is hours on this CPU (N-gram drafts will come "
+                       "from the context alone); build on a GPU machine, or pass --model-ngrams on", flops / 1e12)
+        return
+    ranks = [load_file(str(engine_dir / f"rank{r}.safetensors")) for r in range(info.tp_size)]
+    if info.tp_size == 1:
+        tensors = ranks[0]
+    else:  # one rank holding everything: unshard by TensorRT-LLM's rules, then shard for tp=1
+        full = sharding.unshard_base(ranks, m)
+        tensors = sharding.shard_base(full.__getitem__, m, sharding.Mapping(1, 0), lambda t: t)
+    del ranks
+    dtype = tensors["transformer.vocab_embedding.weight"].dtype
+    if device.type == "cpu" and dtype != torch.float32:
+        dtype = torch.float32  # CPU matmuls in half precision are slow and not what the CPU runtime computes in
+    model = LlamaRank(m, tensors, Dist(0, 1, device), dtype, max_seq_len=1)
+    del tensors
+    build_model_ngrams(model, m.vocab_size).save(engine_dir / NGRAMS_FILE)

@@ -214,6 +214,9 @@ def build_trtllm_engine(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike,
 
     ckpt_dir, out_dir = Path(ckpt_dir).absolute(), Path(out_dir).absolute()
     info = check_checkpoint(ckpt_dir, tp)
+    if info.redrafter is None:
+        raise UserError(f"{ckpt_dir} has no drafter; the trtllm backend builds ReDrafter engines only (the N-gram "
+                        f"proposers run on --backend torch).")
     if build.dtype and build.dtype != info.model.dtype:
         raise UserError(f"the trtllm backend builds in the checkpoint's dtype ({info.model.dtype}) but "
                         f"--dtype {build.dtype} was asked; re-run convert with --dtype {build.dtype} or drop --dtype.")
@@ -296,6 +299,9 @@ def run_trtllm(args: argparse.Namespace, ecfg) -> int:
                         f"--mode ar cannot run on it; for auto-regressive numbers build a plain Llama engine "
                         f"(TensorRT-LLM's examples/models/core/llama/convert_checkpoint.py, then trtllm-build without "
                         f"--speculative_decoding_mode) or build this checkpoint with --backend torch, which runs both modes.")
+    if getattr(args, "proposer", None) not in (None, "redrafter"):
+        raise UserError(f"{args.engine} is a TensorRT-LLM ReDrafter engine, whose drafts come from its drafter only; "
+                        f"--proposer {args.proposer} runs on torch-backend engines (build-engine --backend torch).")
     tp = ecfg.tp_size
     if tp > 1 and not in_mpi_world():
         return subprocess.call(mpirun_command(tp, args.argv))

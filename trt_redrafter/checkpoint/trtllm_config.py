@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from ..config import DTYPES, DrafterConfig, ModelConfig, ReDrafterConfig
 from ..errors import UserError
@@ -129,11 +129,12 @@ def write_config(path: str | Path, config: dict) -> None:
 
 @dataclass
 class CheckpointInfo:
-    """What a runtime needs from a ReDrafter checkpoint config.json."""
+    """What a runtime needs from a checkpoint config.json: a ReDrafter checkpoint, or a plain LLaMA one (drafter and
+    redrafter None: an engine built from it drafts with the learning-free proposers)."""
 
     model: ModelConfig
-    drafter: DrafterConfig
-    redrafter: ReDrafterConfig
+    drafter: Optional[DrafterConfig]
+    redrafter: Optional[ReDrafterConfig]
     tp_size: int
     architecture: str
     raw: dict
@@ -177,9 +178,16 @@ def model_config_from_trtllm(d: dict, where: str) -> ModelConfig:
 
 
 def parse_checkpoint_config(d: dict, where: str) -> CheckpointInfo:
-    """Read a ReDrafter checkpoint (or engine `pretrained_config`) dict; raise UserError naming what is wrong."""
+    """Read a ReDrafter checkpoint (or engine `pretrained_config`) dict; raise UserError naming what is wrong.
+
+    A plain TensorRT-LLM LLaMA config (no `redrafter_*` keys) reads as a base without a drafter."""
     if not isinstance(d, dict):
         raise UserError(f"{where}: expected a JSON object, got {type(d).__name__}.")
+    if d.get("architecture") == "LlamaForCausalLM" and not any(k in d for k in REDRAFTER_KEYS):
+        if d.get("dtype") not in DTYPES:
+            raise UserError(f"{where}: dtype must be one of {', '.join(DTYPES)}, got {d.get('dtype')!r}.")
+        return CheckpointInfo(model_config_from_trtllm(d, where), None, None, tp_size_of(d, where),
+                              d["architecture"], d)
     _need(d, REDRAFTER_KEYS, where, "ReDrafter checkpoint (converted with `trt-redrafter convert`)")
     arch = d.get("architecture")
     if arch not in REDRAFTER_ARCH.values():

@@ -1,4 +1,8 @@
-"""`build-engine`: a TensorRT-LLM ReDrafter checkpoint (or an HF base + drafter, converted on the way) -> engine dir."""
+"""`build-engine`: a TensorRT-LLM ReDrafter checkpoint (or an HF base + drafter, converted on the way) -> engine dir.
+
+Without a drafter (an HF base alone, or a plain TensorRT-LLM LLaMA checkpoint) the torch backend builds an engine
+that speculates with the learning-free N-gram proposer (--proposer ngram; tree shape from --num-beams and
+--draft-len-per-beam)."""
 
 from __future__ import annotations
 
@@ -7,8 +11,8 @@ import tempfile
 from pathlib import Path
 
 from ..backends import BACKENDS, default_backend, trtllm_available
-from ..checkpoint.convert import ConvertConfig, convert_checkpoint
-from ..config import BuildConfig, ReDrafterConfig, load_recipe
+from ..checkpoint.convert import ConvertConfig, convert_base_checkpoint, convert_checkpoint
+from ..config import BuildConfig, ProposerConfig, ReDrafterConfig, load_recipe
 from ..errors import UserError
 from ..log import get_logger
 
@@ -22,7 +26,8 @@ def register(sub) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="TensorRT-LLM ReDrafter checkpoint dir (trt-redrafter convert)")
     src.add_argument("--base-model", help="HF Llama/Vicuna dir (one-shot: convert, then build)")
-    p.add_argument("--drafter", help="Apple-format drafter dir (with --base-model)")
+    p.add_argument("--drafter", help="Apple-format drafter dir (with --base-model; without one the engine drafts "
+                                     "with N-grams)")
     p.add_argument("--output", required=True, help="engine directory to write")
     p.add_argument("--tp", type=int, help="tensor-parallel size (must match the checkpoint)")
     p.add_argument("--backend", choices=BACKENDS, help="default: trtllm where tensorrt_llm imports, else torch")
@@ -31,7 +36,8 @@ def register(sub) -> None:
     p.add_argument("--workers", type=int, default=1, help="ranks converted/built in parallel")
     p.add_argument("--force", action="store_true", help="replace an existing output directory")
     BuildConfig.add_cli_args(p)
-    g = p.add_argument_group("conversion (with --base-model)")
+    ProposerConfig.add_cli_args(p.add_argument_group("proposers (torch backend; runtime/ngram.py)"))
+    g = p.add_argument_group("conversion (with --base-model); the tree shape of an engine without a drafter")
     ReDrafterConfig.add_cli_args(g)
     g.add_argument("--no-greedy", dest="greedy_search", action="store_false", default=None,
                    help="alias of --no-greedy-search")
@@ -53,15 +59,23 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.output)
     if out.exists() and not args.force:
         raise UserError(f"engine directory {out} already exists; pass --force to replace it or choose another path.")
+    if args.drafter and not args.base_model:
+        raise UserError("--drafter goes with --base-model (a --checkpoint already holds its drafter, if any).")
     if args.base_model:
-        if not args.drafter:
-            raise UserError("--base-model needs --drafter DIR (the Apple-format drafter) for the one-shot build.")
         with tempfile.TemporaryDirectory(prefix=".ckpt-", dir=out.absolute().parent) as tmp:
             ckpt = Path(tmp) / "checkpoint"
-            _convert(args, recipe, ckpt)
-            _build(backend, ckpt, out, build, args, tokenizer=args.tokenizer or args.base_model)
+            if args.drafter:
+                _convert(args, recipe, ckpt)
+            else:
+                if backend == "trtllm":
+                    raise UserError("the trtllm backend builds ReDrafter engines and needs --drafter DIR; the N-gram "
+                                    "proposers (an engine without a drafter) run on --backend torch.")
+                opts = ConvertConfig.from_sources(recipe, args)
+                convert_base_checkpoint(args.base_model, ckpt, tp=opts.tp or args.tp or 1,
+                                        dtype=opts.dtype or "float16", workers=opts.workers)
+            _build(backend, ckpt, out, build, args, recipe, tokenizer=args.tokenizer or args.base_model)
     else:
-        _build(backend, Path(args.checkpoint), out, build, args, tokenizer=args.tokenizer)
+        _build(backend, Path(args.checkpoint), out, build, args, recipe, tokenizer=args.tokenizer)
     print(f"engine written to {out}")
     return 0
 
@@ -72,11 +86,19 @@ def _convert(args, recipe, ckpt: Path) -> None:
                        recipe_model=(recipe or {}).get("model"), recipe_where=str(args.config or ""))
 
 
-def _build(backend: str, ckpt: Path, out: Path, build: BuildConfig, args, tokenizer) -> None:
+def _tree_flags(recipe, args) -> ReDrafterConfig | None:
+    """The tree shape the user asked for, or None (a ReDrafter checkpoint then keeps its own)."""
+    asked = (recipe or {}).get(ReDrafterConfig.SECTION) or any(
+        getattr(args, n, None) is not None for n in ("num_beams", "draft_len_per_beam"))
+    return ReDrafterConfig.from_sources(recipe, args) if asked else None
+
+
+def _build(backend: str, ckpt: Path, out: Path, build: BuildConfig, args, recipe, tokenizer) -> None:
     if backend == "trtllm":
         from ..backends.trtllm import build_trtllm_engine
         build_trtllm_engine(ckpt, out, build, args.tp, tokenizer_dir=tokenizer, force=args.force,
                             workers=args.workers)
     else:
         from ..backends.torch_build import build_torch_engine
-        build_torch_engine(ckpt, out, build, args.tp, tokenizer_dir=tokenizer, force=args.force)
+        build_torch_engine(ckpt, out, build, args.tp, tokenizer_dir=tokenizer, force=args.force,
+                           tree=_tree_flags(recipe, args), proposer=ProposerConfig.from_sources(recipe, args))

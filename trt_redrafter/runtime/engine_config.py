@@ -2,8 +2,10 @@
 
 `pretrained_config` is the checkpoint's config unchanged; `build_config` carries the limits `trtllm-build`
 names (max_batch_size, max_input_len, max_seq_len, max_num_tokens, max_beam_width, max_draft_len,
-speculative_decoding_mode) plus this project's `backend` and torch-backend settings. Serving templates read
-their values from here, so nothing is stated twice.
+speculative_decoding_mode) plus this project's `backend`, torch-backend settings and `speculation`: the tree shape
+(num_beams, draft_len_per_beam: the checkpoint's `redrafter_*` keys, or the build flags for a base without a
+drafter) and the proposer settings (config.ProposerConfig). Serving templates read their values from here, so
+nothing is stated twice.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 
 from .. import __version__
 from ..checkpoint.trtllm_config import CheckpointInfo, parse_checkpoint_config
-from ..config import BuildConfig
+from ..config import BuildConfig, ProposerConfig, ReDrafterConfig
 from ..errors import UserError
 from ..fsutil import read_json
 
@@ -28,14 +30,26 @@ class EngineConfig:
     backend: str
     version: str
     raw: dict
+    tree: ReDrafterConfig  # the draft-tree shape every speculative step verifies
+    proposer: ProposerConfig  # resolved: an explicit default proposer and mixed split
 
     @property
     def tp_size(self) -> int:
         return self.checkpoint.tp_size
 
+    @property
+    def has_drafter(self) -> bool:
+        return self.checkpoint.drafter is not None
 
-def engine_config_dict(info: CheckpointInfo, build: BuildConfig, backend: str) -> dict:
-    rd = info.redrafter
+
+def engine_config_dict(info: CheckpointInfo, build: BuildConfig, backend: str,
+                       tree: ReDrafterConfig | None = None, proposer: ProposerConfig | None = None) -> dict:
+    """`tree` is required for a base without a drafter (a ReDrafter checkpoint fixes its own)."""
+    rd = info.redrafter or tree
+    if rd is None:
+        raise UserError("this checkpoint has no drafter; give the tree shape (--num-beams, --draft-len-per-beam) "
+                        "for the N-gram proposers.")
+    proposer = (proposer or ProposerConfig()).resolved(info.drafter is not None, rd.num_beams)
     build_config = {
         **build.to_dict(),
         "max_num_tokens": build.resolved_max_num_tokens(rd),
@@ -44,6 +58,8 @@ def engine_config_dict(info: CheckpointInfo, build: BuildConfig, backend: str) -
         "speculative_decoding_mode": "explicit_draft_tokens",
         "kv_cache_type": "paged",
         "backend": backend,
+        "speculation": {"num_beams": rd.num_beams, "draft_len_per_beam": rd.draft_len_per_beam,
+                        **proposer.to_dict()},
     }
     return {"version": f"trt-redrafter {__version__}", "pretrained_config": info.raw, "build_config": build_config}
 
@@ -64,4 +80,13 @@ def load_engine_config(engine_dir: str | Path) -> EngineConfig:
     backend = bc.get("backend", "trtllm")
     if backend not in BACKENDS:
         raise UserError(f"{engine_dir}/config.json build_config.backend is {backend!r}; expected one of {BACKENDS}.")
-    return EngineConfig(info, build, backend, str(d.get("version", "")), d)
+    spec = bc.get("speculation") or {}
+    if not isinstance(spec, dict):
+        raise UserError(f"{engine_dir}/config.json build_config.speculation must be an object, got {spec!r}.")
+    where = f"{engine_dir}/config.json build_config.speculation"
+    tree = info.redrafter or ReDrafterConfig.from_dict(
+        {k: spec[k] for k in ("num_beams", "draft_len_per_beam") if k in spec}, where=where)
+    names = {f.name for f in dataclasses.fields(ProposerConfig)}
+    proposer = ProposerConfig.from_dict({k: v for k, v in spec.items() if k in names}, where=where)
+    return EngineConfig(info, build, backend, str(d.get("version", "")), d, tree,
+                        proposer.resolved(info.drafter is not None, tree.num_beams))
