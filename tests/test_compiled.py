@@ -38,6 +38,13 @@ def test_compiled_greedy_redrafter_and_ar_equal_eager_ar_and_hf(tiny, compiled):
     assert ar[:2] == [hf_greedy(base, p, 40) for p in prompts[:2]]
 
 
+def test_compiled_ngram_and_mixed_trees_equal_ar(tiny, compiled):
+    """Trees composed on the host are packed at the start of the compiled step (its other variants)."""
+    _, _, prompts, ar = tiny
+    for proposer in ("ngram", "mixed"):
+        assert [r.output_ids for r in generate(compiled, prompts, greedy(40), proposer=proposer)] == ar, proposer
+
+
 def test_sampled_redrafter_equals_sampled_ar_eager_and_compiled(tiny, compiled):
     """Counter-based noise keyed by (seed, position): exact acceptance emits AR's own draws."""
     _, engine_dir, prompts, _ = tiny

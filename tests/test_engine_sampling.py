@@ -9,12 +9,13 @@ tokens as the tree's first level (so verification both hits and misses), with ra
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import pytest
 import torch
 from scipy.stats import chisquare
 
-from engine_utils import _hf_model, build_tiny_engines, load_engine
+from engine_utils import _hf_model, build_tiny_engines, load_engine, run_cli
 from trt_redrafter.config import SamplingConfig
 from trt_redrafter.decoding import acceptance, sampling
 from trt_redrafter.runtime.generate import generate
@@ -23,11 +24,9 @@ TOP_K, TEMPERATURE, N = 3, 1.0, 2400
 PROMPT = [17, 42, 99, 7]
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    base, engines = build_tiny_engines(tmp_path_factory.mktemp("sampling"), seed=21, num_beams=3, draft_len=2,
-                                       max_batch_size=32, num_heads=4, num_kv_heads=2, rnn=True)
-    hf = _hf_model(str(base))
+def _target(base_dir, prompt):
+    """(probs(prefix) of the top-k target, the exact joint distribution of the first two sampled tokens)."""
+    hf = _hf_model(str(base_dir))
 
     @functools.lru_cache(maxsize=None)
     def cached(prefix: tuple[int, ...]) -> torch.Tensor:
@@ -39,13 +38,20 @@ def setup(tmp_path_factory):
     def probs(prefix: list[int]) -> torch.Tensor:
         return cached(tuple(prefix))
 
-    p1 = probs(PROMPT)
+    p1 = probs(prompt)
     joint = {}
     for t1 in p1.nonzero().flatten().tolist():
-        p2 = probs(PROMPT + [t1])
+        p2 = probs(prompt + [t1])
         for t2 in p2.nonzero().flatten().tolist():
             joint[(t1, t2)] = float(p1[t1] * p2[t2])
-    return engines[1], probs, joint
+    return probs, joint
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    base, engines = build_tiny_engines(tmp_path_factory.mktemp("sampling"), seed=21, num_beams=3, draft_len=2,
+                                       max_batch_size=32, num_heads=4, num_kv_heads=2, rnn=True)
+    return (engines[1], *_target(base, PROMPT))
 
 
 class Top2Proposer:
@@ -72,13 +78,14 @@ class Top2Proposer:
         return torch.stack(rows)
 
 
-def _pvalue(engine_dir, probs, joint, accept_tokens=None):
-    engine = load_engine(engine_dir, Top2Proposer(engine_dir, probs))
+def _pvalue(engine_dir, probs, joint, accept_tokens=None, proposer=None, prompt=PROMPT):
+    """`proposer`: None drafts with Top2Proposer; a name drafts with the engine's own proposer of that name."""
+    engine = load_engine(engine_dir, None if proposer else Top2Proposer(engine_dir, probs))
     if accept_tokens is not None:  # the step's accept rule is swappable (StepKernels; the kernels use it)
         engine.steps.kernels.accept_tokens = accept_tokens
     params = [SamplingConfig(max_tokens=2, temperature=TEMPERATURE, top_k=TOP_K, seed=s, acceptance="exact")
               for s in range(N)]
-    res = generate(engine, [PROMPT] * N, params, mode="redrafter")
+    res = generate(engine, [prompt] * N, params, mode="redrafter", proposer=proposer)
     counts = {k: 0 for k in joint}
     for r in res:
         key = tuple(r.output_ids)
@@ -95,6 +102,22 @@ def test_exact_acceptance_follows_the_ar_distribution(setup):
     engine_dir, probs, joint = setup
     p, accepted = _pvalue(engine_dir, probs, joint)
     assert accepted > N // 4  # the tree's first level is taken often, so acceptance is really tested
+    assert p > 1e-3, p
+
+
+def test_exact_acceptance_with_ngram_drafts_follows_the_ar_distribution(tmp_path):
+    """The N-gram proposer's drafts on an engine built from a base alone: the committed small model, whose bigram
+    table (no context match after this prompt; `--ngram-when always` verifies them anyway) predicts its next token
+    often enough to test acceptance."""
+    base = Path(__file__).resolve().parents[1] / "models" / "small" / "base"
+    plain = tmp_path / "ngram-engine"
+    run_cli("build-engine", "--base-model", base, "--output", plain, "--backend", "torch", "--dtype", "float32",
+            "--num-beams", 3, "--draft-len-per-beam", 2, "--max-batch-size", 32, "--max-input-len", 64,
+            "--max-seq-len", 160, "--ngram-when", "always")
+    prompt = [1, 321, 530, 265, 11]  # "def main(" in its tokenizer
+    probs, joint = _target(base, prompt)
+    p, accepted = _pvalue(plain, probs, joint, proposer="ngram", prompt=prompt)
+    assert accepted > N // 8  # the drafts are taken often, so acceptance is really tested
     assert p > 1e-3, p
 
 

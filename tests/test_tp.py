@@ -47,6 +47,14 @@ def test_tp_ranks_give_the_tp1_tokens(engines, mode):
         assert run_json(engines[tp], prompts, mode) == ref, f"tp={tp} {mode} differs from tp=1"
 
 
+@pytest.mark.parametrize("proposer", ["ngram", "mixed"])
+def test_tp2_ngram_and_mixed_trees_give_the_tp1_tokens(engines, proposer):
+    prompts = random_prompts(512, [4, 9, 6], seed=3)
+    prompts[0] = (prompts[0] * 4)[:14]  # repeated text: context matches, long acceptances
+    ref = run_json(engines[1], prompts, "ar")
+    assert run_json(engines[2], prompts, "redrafter", ["--proposer", proposer]) == ref
+
+
 @pytest.mark.slow
 def test_tp2_compiled_gives_the_tp1_tokens(engines):
     """The compiled step under real ranks (inductor; the collectives split the graph): TP=2 compiled == TP=1."""

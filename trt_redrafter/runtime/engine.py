@@ -6,8 +6,15 @@
     AR             `DecodeStep.ar_step`
 The decode steps run through `graphs.Unit`s (eager, inductor, CUDA graphs per batch bucket) and read their state
 from the device (`SlotState`, the paged KV cache's block table); the host reads back one small tensor per group,
-the emitted tokens, and does the bookkeeping (stop conditions, statistics, streaming events). With a host
-proposer the next trees are drafted after that read-back.
+the emitted tokens, and does the bookkeeping (stop conditions, statistics, streaming events).
+
+Each speculative request has a proposer (config.PROPOSERS; the engine's default, or its own):
+    redrafter  the drafter's beams, drafted and packed inside the step (no host work)
+    ngram      N-gram drafts (runtime/ngram.py) composed on the host after the read-back
+    mixed      the drafter's beams, packed inside the step and read back with the emitted tokens; when the context
+               has N-gram matches, the host puts them in place of the lowest-ranked beams
+Trees composed on the host are packed at the start of the request's next step, so every step is still one launch
+and one read-back.
 
 Every rank runs the same steps on its shard; rank 0's decisions are broadcast inside the step (step.py).
 The engine knows nothing about text: token ids in, token ids out.
@@ -21,12 +28,12 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 from safetensors.torch import load_file
 
-from ..config import DECODING_MODES, BuildConfig, RuntimeConfig, SamplingConfig, torch_dtype
+from ..config import DECODING_MODES, PROPOSERS, BuildConfig, RuntimeConfig, SamplingConfig, torch_dtype
 from ..errors import UserError
 from ..log import get_logger
 from ..model.drafter import DrafterRank
@@ -35,7 +42,8 @@ from .distributed import Dist
 from .engine_config import EngineConfig, load_engine_config
 from .graphs import Compiler, batch_buckets, bucket_for
 from .kv_cache import PagedKVCache
-from .proposer import DeviceProposer, HostProposer, ReDrafterProposer
+from .ngram import NGRAMS_FILE, ModelNgrams, NgramProposer, packed_length
+from .proposer import HostProposer, ReDrafterProposer
 from .sequence import Sequence
 from .state import SlotState
 from .step import DecodeStep, StepKernels
@@ -104,12 +112,13 @@ class Engine:
         info = cfg.checkpoint
         if runtime.threads:
             torch.set_num_threads(runtime.threads)
-        self.redrafter = rd = info.redrafter
+        self.redrafter = rd = cfg.tree  # the draft-tree shape (nb x dl) every speculative step verifies
         self.build: BuildConfig = cfg.build
         self.dtype = torch_dtype(runtime.dtype or self.build.dtype or info.model.dtype)
         per_seq = self.build.max_seq_len + rd.max_tree_tokens  # a full request plus one draft tree
         self.model = LlamaRank(info.model, tensors, dist, self.dtype, per_seq)
-        self.drafter = DrafterRank(info.drafter, tensors, dist, self.dtype, runtime.drafter_semantics)
+        self.drafter = DrafterRank(info.drafter, tensors, dist, self.dtype, runtime.drafter_semantics) \
+            if info.drafter is not None else None
         del tensors
         self.vocab_size = info.model.vocab_size
 
@@ -134,19 +143,26 @@ class Engine:
             self.model.ops = plugins.fused
             select = plugins.beam_step
             kernels = StepKernels.triton([*self.cache.k, *self.cache.v], with_mover="inductor" not in runtime.compile)
-        self.host_proposer = proposer
-        self.proposer: Union[DeviceProposer, HostProposer] = proposer or ReDrafterProposer(
-            self.drafter, self.model.embed, rd.num_beams, rd.draft_len_per_beam, select=select)
-        assert (self.proposer.num_beams, self.proposer.draft_len) == (rd.num_beams, rd.draft_len_per_beam), \
-            f"proposer drafts {self.proposer.num_beams}x{self.proposer.draft_len}, engine trees are " \
-            f"{rd.num_beams}x{rd.draft_len_per_beam}"
-        self.steps = DecodeStep(self.model, None if proposer else self.proposer, self.cache, self.state, dist,
-                                kernels)
+        self.host_proposer = proposer  # tests' oracles: it drafts every speculative request's trees
+        if proposer is not None:
+            assert (proposer.num_beams, proposer.draft_len) == (rd.num_beams, rd.draft_len_per_beam), \
+                f"proposer drafts {proposer.num_beams}x{proposer.draft_len}, engine trees are " \
+                f"{rd.num_beams}x{rd.draft_len_per_beam}"
+        self.device_proposer = ReDrafterProposer(self.drafter, self.model.embed, rd.num_beams, rd.draft_len_per_beam,
+                                                 select=select) if self.drafter is not None else None
+        table = self.engine_dir / NGRAMS_FILE if self.engine_dir is not None else None
+        self.ngram = NgramProposer(rd.num_beams, rd.draft_len_per_beam, cfg.proposer,
+                                   ModelNgrams.load(table, info.model.vocab_size) if table and table.is_file() else None)
+        # when an N-gram request verifies a tree (ngram.py): auto = always on a GPU, adaptive on a CPU
+        self.ngram_when = cfg.proposer.ngram_when if cfg.proposer.ngram_when != "auto" else (
+            "always" if dist.device.type == "cuda" else "adaptive")
+        self.steps = DecodeStep(self.model, self.device_proposer, self.cache, self.state, dist, kernels)
         self.compiler = Compiler(runtime.compile, dist.device, dist.world_size)
         self.buckets = batch_buckets(self.build.max_batch_size)
         self._units: dict[tuple, object] = {}
         self.timer = PhaseTimer(dist.device, enabled=runtime.profile_phases)
         self.step_times = StepTimes()
+        self._step_ms: dict[str, float] = {}  # running mean of step time per kind: what a tree costs over AR
         self._ids = itertools.count()
         if warmup and self.compiler.mode != "off":
             self.warmup()
@@ -173,10 +189,20 @@ class Engine:
     # ---- requests --------------------------------------------------------------------------------------------
     def new_sequence(self, prompt: list[int], params: SamplingConfig, mode: str = "redrafter",
                      stop_ids: tuple[int, ...] = (), seq_id: int | None = None,
-                     stop_sequences: tuple[tuple[int, ...], ...] = ()) -> Sequence:
-        """Validate a request against the engine's limits and make its state."""
+                     stop_sequences: tuple[tuple[int, ...], ...] = (), proposer: str | None = None) -> Sequence:
+        """Validate a request against the engine's limits and make its state. `proposer` (redrafter, ngram, mixed)
+        overrides the engine's default for this request."""
         if mode not in DECODING_MODES:
             raise UserError(f"mode must be one of {', '.join(DECODING_MODES)}, got {mode!r}.")
+        proposer = proposer or self.cfg.proposer.proposer
+        if proposer not in PROPOSERS:
+            raise UserError(f"proposer must be one of {', '.join(PROPOSERS)}, got {proposer!r}.")
+        if proposer != "ngram" and self.drafter is None:
+            raise UserError(f"proposer {proposer!r} needs a drafter, and this engine was built without one; use "
+                            f"proposer 'ngram' (or rebuild with --drafter DIR).")
+        if mode == "redrafter" and proposer != "redrafter" and params.resolved_acceptance == "apple":
+            raise UserError(f"acceptance 'apple' weighs each draft by the drafter's probabilities, which "
+                            f"{proposer!r} drafts do not have; use acceptance 'exact' (distribution-exact).")
         if not prompt:
             raise UserError("the prompt is empty; give at least one token.")
         if len(prompt) > self.build.max_input_len:
@@ -191,11 +217,12 @@ class Engine:
                             f"{self.build.max_seq_len - len(prompt)} tokens.")
         sid = next(self._ids) if seq_id is None else seq_id
         return Sequence(sid, list(prompt), params, mode, frozenset(stop_ids), self.build.max_seq_len,
-                        stop_sequences=tuple(tuple(q) for q in stop_sequences if q))
+                        stop_sequences=tuple(tuple(q) for q in stop_sequences if q), proposer=proposer)
 
     def release(self, seq: Sequence) -> None:
         """Give back `seq`'s KV blocks and batch slot."""
         self.cache.free(seq.seq_id)
+        seq.pending_beams = None
         if seq.slot >= 0:
             self._free_slots.append(seq.slot)
             seq.slot = -1
@@ -215,7 +242,9 @@ class Engine:
 
     # ---- the step --------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def step(self, seqs: list[Sequence]) -> list[StepEvent]:
+    def step(self, seqs: list[Sequence], tree_cost_ratio: Optional[float] = None) -> list[StepEvent]:
+        """One step for every given request. `tree_cost_ratio` (default: this rank's measurement) is what the
+        N-gram proposer weighs its next trees with; under TP every rank is given rank 0's."""
         assert seqs and all(not s.finished for s in seqs), [s.seq_id for s in seqs]
         for s in seqs:
             self.cache.reserve(s.seq_id, self.tokens_needed(s))
@@ -226,21 +255,34 @@ class Engine:
                 self.state.set_params([s.slot], [s.sampling])
         self.cache.sync()
         prompt = [s for s in seqs if s.in_prompt_phase]
-        groups = [(kind, [s for s in seqs if not s.in_prompt_phase and s.mode == kind]) for kind in DECODING_MODES]
+        kinds = {s.seq_id: self._step_kind(s) for s in seqs if not s.in_prompt_phase}
+        groups = [(kind, [s for s in seqs if kinds.get(s.seq_id) == kind]) for kind in DECODING_MODES]
         launched = [(kind, g, self._launch(kind, g)) for kind, g in groups if g]  # all groups, then read back
         emitted: dict[int, list[int]] = {}
+        compose: dict[int, Optional[list[int]]] = {}  # seq_id -> the device's beams (flat) or None: next tree on host
+        bl = self.redrafter.beam_length
         for kind, group, (out, t0) in launched:
             rows = out.cpu().tolist()  # the step's one host sync
-            self.step_times.add(kind, time.perf_counter() - t0)
-            for s, row in zip(group, rows):  # [tokens (bl) | count | next tree length]
-                emitted[s.seq_id] = row[:row[-2]]
-                s.tree_len = row[-1]
+            dt = time.perf_counter() - t0
+            self.step_times.add(kind, dt)
+            self._step_ms[kind] = 0.9 * self._step_ms.get(kind, dt) + 0.1 * dt
+            if kind == "ar":  # [token | 1 | 1]
+                for s, row in zip(group, rows):
+                    emitted[s.seq_id] = row[:1]
+                    if self._on_host(s):  # a speculative request that had nothing to draft this step
+                        compose[s.seq_id] = None
+                continue
+            for s, row in zip(group, rows):  # [tokens (bl) | count | next tree length | device beams (mixed)]
+                emitted[s.seq_id] = row[:row[bl]]
+                s.tree_len = row[bl + 1]
+                if self._on_host(s):
+                    compose[s.seq_id] = row[bl + 2:] or None
         if prompt:
-            for s, (tok, tree_len) in zip(prompt, self._prefill(prompt)):
+            for s, (tok, tree_len) in zip(prompt, self._prefill(prompt, compose)):
                 emitted[s.seq_id] = [tok]
                 s.tree_len = tree_len
 
-        events, host_draft = [], []
+        events = []
         dl = self.redrafter.draft_len_per_beam
         for s in seqs:
             toks = emitted[s.seq_id]
@@ -249,9 +291,11 @@ class Engine:
                 s.prefilled, s.ctx_len = True, len(s.prompt) + len(s.output)
             else:
                 s.ctx_len += len(toks)
-                if s.mode == "redrafter":
+                if kinds[s.seq_id] == "redrafter":
                     s.stats.accepted_draft_tokens += len(toks) - 1
                     s.stats.draft_tokens += dl
+                    if s.proposer == "ngram":
+                        self.ngram.observe(s, len(toks) - 1)
             appended = s.append(toks)
             now = time.perf_counter()
             if was_prompt:
@@ -260,11 +304,63 @@ class Engine:
                 s.stats.steps += 1
                 s.stats.generated_in_steps += len(appended)
             events.append(StepEvent(s.seq_id, appended, s.finished))
-            if self.host_proposer is not None and not s.finished and s.mode == "redrafter":
-                host_draft.append(s)
-        if host_draft:
-            self._draft_on_host(host_draft)
+        self._compose_on_host([s for s in seqs if s.seq_id in compose and not s.finished], compose,
+                              self.tree_cost_ratio() if tree_cost_ratio is None else tree_cost_ratio)
         return events
+
+    # ---- trees composed on the host --------------------------------------------------------------------------
+    def _step_kind(self, s: Sequence) -> str:
+        """"redrafter" (verify a tree) or "ar": AR requests, and speculative ones with nothing drafted this step
+        (an N-gram request with nothing worth verifying, `ngram_when`: tree_len 1 = the root alone)."""
+        return "ar" if s.mode == "ar" or s.tree_len == 1 else "redrafter"
+
+    def tree_cost_ratio(self) -> float:
+        """What a tree step has been costing over an AR step (1 until both have run)."""
+        ar, tree = self._step_ms.get("ar"), self._step_ms.get("redrafter")
+        return tree / ar if ar and tree else 1.0
+
+    def _on_host(self, s: Sequence) -> bool:
+        """Whether `s`'s next tree is composed on the host (else drafted and packed inside the step)."""
+        return s.mode == "redrafter" and (self.host_proposer is not None or s.proposer != "redrafter")
+
+    def _drafts_on_device(self, group: list[Sequence]) -> bool:
+        return self.host_proposer is None and self.drafter is not None and any(s.proposer != "ngram" for s in group)
+
+    def _compose_on_host(self, seqs: list[Sequence], device_beams: dict[int, Optional[list[int]]],
+                         cost_ratio: float) -> None:
+        """The next tree of each of `seqs` (drafts, packed by its next step): the test oracle's, the N-gram
+        proposer's, or (mixed) the device's beams with context N-gram matches in place of its lowest-ranked ones;
+        a mixed request without a match keeps the tree the step packed."""
+        if not seqs:
+            return
+        t0 = time.perf_counter()
+        nb, bl = self.redrafter.num_beams, self.redrafter.beam_length
+        if self.host_proposer is not None:
+            beams = self.host_proposer.propose(seqs)
+            assert beams.shape == (len(seqs), nb, bl), \
+                f"host proposer returned {tuple(beams.shape)}, expected {(len(seqs), nb, bl)}"
+            rows_of = beams.tolist()
+        else:
+            rows_of = []
+            pc = self.cfg.proposer
+            for s in seqs:
+                if s.proposer == "ngram":  # []: nothing worth verifying
+                    rows_of.append(self.ngram.drafts(s, self.ngram_when, cost_ratio) or [])
+                    continue
+                ctx = self.ngram.context_drafts(s, pc.ngram_beams, pc.mixed_min_match)
+                if not ctx:
+                    rows_of.append(None)  # the tree the step packed stays
+                    continue
+                flat = device_beams[s.seq_id]
+                rows = [flat[i * bl:(i + 1) * bl] for i in range(nb)]
+                ctx = [c for c in ctx if c not in rows]
+                rows_of.append(rows[:nb - len(ctx)] + ctx if ctx else None)
+        for s, rows in zip(seqs, rows_of):
+            if rows:
+                s.pending_beams, s.tree_len = rows, packed_length(rows)
+            elif rows is not None:  # the next step is an AR step (`_step_kind`)
+                s.pending_beams, s.tree_len = None, 1
+        self.step_times.add("propose", time.perf_counter() - t0)
 
     def _rule(self, group: list[Sequence]) -> str:
         rules = {s.sampling.resolved_acceptance for s in group}
@@ -282,20 +378,41 @@ class Engine:
         return torch.arange(n, device=self.dist.device)
 
     def _launch(self, kind: str, group: list[Sequence]) -> tuple[torch.Tensor, float]:
-        """Start one decode step for `group` -> (emitted [bs, bl+1] on the device, maybe still running; start time)."""
+        """Start one decode step for `group` -> (its output rows on the device, maybe still running; start time)."""
         t0 = time.perf_counter()
         rule = self._rule(group)
         if rule == "apple":
             self.state.ensure_draft_logp(self.vocab_size)
-        draft = self.host_proposer is None
         T = self._tree_width(group) if kind == "redrafter" else 1
         args = self._step_inputs([s.slot for s in group], T, max(s.ctx_len for s in group) + T)
-        if self.timer.enabled and kind == "redrafter":  # each phase its own unit, timed
-            out = self.steps.redrafter_step(*args, rule, draft, run=self._timed_phase)
+        if kind == "ar":
+            return self._unit(kind)(*args, rule, False)[:len(group)], t0
+        draft = self._drafts_on_device(group)
+        mixed = draft and any(s.proposer == "mixed" for s in group)  # the host needs the device's beams
+        variant = (rule, draft, mixed, *self._host_inputs(group, args[0].shape[0]))
+        if self.timer.enabled:  # each phase its own unit, timed
+            out = self.steps.redrafter_step(*args, *variant, run=self._timed_phase)
             self.timer.end_step()
         else:
-            out = self._unit(kind)(*args, rule, draft)
+            out = self._unit(kind)(*args, *variant)
         return out[:len(group)], t0
+
+    def _host_inputs(self, group: list[Sequence], n: int) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """(host_beams [n, nb, bl], host_mask [n]) of the group's trees composed on the host (None if none); taken:
+        the step packs them."""
+        pending = [s.pending_beams for s in group]
+        if all(p is None for p in pending):
+            return None, None
+        nb, bl = self.redrafter.num_beams, self.redrafter.beam_length
+        empty = [[0] * bl] * nb
+        rows = [p if p is not None else empty for p in pending] + [empty] * (n - len(group))
+        mask = [p is not None for p in pending] + [False] * (n - len(group))
+        for s in group:
+            s.pending_beams = None
+        dev = self.dist.device
+        beams, mask = torch.tensor(rows, dtype=torch.long).to(dev), torch.tensor(mask).to(dev)
+        self.compiler.mark_dynamic(beams, mask)
+        return beams, mask
 
     def _step_inputs(self, slots: list[int], T: int, longest: int) -> tuple[torch.Tensor, ...]:
         """(slots, key_blocks, tree_width) of a decode step: slots padded to a batch bucket under CUDA graphs, and
@@ -322,9 +439,10 @@ class Engine:
 
     def _timed_phase(self, name: str, phase, *args):
         """One phase of a profiled step, run as its own unit (compiled / captured) and timed."""
-        unit = self._units.get(name)
+        key = (name, phase.__name__)  # "pack" is the device's beams, or the host's (pack_host)
+        unit = self._units.get(key)
         if unit is None:  # drafting writes no state: its capture needs no padding-slot arguments
-            unit = self._units[name] = self.compiler.unit(phase, name, None if name == "draft" else self._on_padding)
+            unit = self._units[key] = self.compiler.unit(phase, name, None if name == "draft" else self._on_padding)
         with self.timer.phase(name):
             return unit(*args)
 
@@ -332,8 +450,9 @@ class Engine:
         """The same call on padding slots only (what a CUDA-graph capture may run for real)."""
         return (torch.full_like(slots, self.state.padding_slot), *rest)
 
-    def _prefill(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
-        """Prompt step (eager) for newly admitted (or preempted) requests -> (first true token, tree length)."""
+    def _prefill(self, seqs: list[Sequence], compose: dict[int, Optional[list[int]]]) -> list[tuple[int, int]]:
+        """Prompt step (eager) for newly admitted (or preempted) requests -> (first true token, tree length); rows
+        whose first tree the host composes go into `compose` (with the device's beams, where it drafted)."""
         dev = self.dist.device
         texts = [s.prompt + s.output for s in seqs]
         lengths = torch.tensor([len(t) for t in texts], dtype=torch.long)
@@ -343,37 +462,47 @@ class Engine:
         slots = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=dev)
         rule = self._rule(seqs)
         h = self.steps.prefill(slots, ids.to(dev), lengths.to(dev), rule)
-        rd = [i for i, s in enumerate(seqs) if s.mode == "redrafter"]
+        rd = [i for i, s in enumerate(seqs) if s.mode == "redrafter" and self._drafts_on_device([s])]
         tree_len = [0] * len(seqs)
-        if rd and self.host_proposer is None:
+        if rd:
             if rule == "apple":
                 self.state.ensure_draft_logp(self.vocab_size)
             idx = torch.tensor(rd, device=dev)
             for i, n in zip(rd, self.steps.draft_from_prompt(slots[idx], h[idx], rule == "apple").tolist()):
                 tree_len[i] = n
+        host = [i for i, s in enumerate(seqs) if self._on_host(s)]
+        if host:  # the device's beams of these rows (mixed), read once per prompt
+            flat = self.state.beams[slots[torch.tensor(host, device=dev)]].flatten(1).tolist()
+            for i, row in zip(host, flat):
+                compose[seqs[i].seq_id] = row if i in rd else None
         return list(zip(self.state.true_tok[slots].tolist(), tree_len))
-
-    def _draft_on_host(self, seqs: list[Sequence]) -> None:
-        """Ask the host proposer for the next trees of `seqs` and pack them on the device."""
-        beams = self.host_proposer.propose(seqs)
-        rd = self.redrafter
-        assert beams.shape == (len(seqs), rd.num_beams, rd.beam_length), \
-            f"host proposer returned {tuple(beams.shape)}, expected {(len(seqs), rd.num_beams, rd.beam_length)}"
-        dev = self.dist.device
-        slots = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=dev)
-        for s, n in zip(seqs, self.steps.pack(slots, self.dist.broadcast(beams.to(dev)), None).tolist()):
-            s.tree_len = n
 
     # ---- warm-up ------------------------------------------------------------------------------------------
     def warmup(self) -> None:
-        """Compile / capture the greedy decode steps before the first request (padding-slot batches only)."""
+        """Compile / capture the greedy decode steps of the engine's default proposer before the first request
+        (padding-slot batches only; other proposers' variants compile when first asked for)."""
         t0 = time.perf_counter()
         sizes = self.buckets if self.compiler.uses_graphs else sorted({1, min(2, self.build.max_batch_size)})
-        draft = self.host_proposer is None
+        default = Sequence(-1, [0], SamplingConfig(), "redrafter", frozenset(), 1, proposer=self.cfg.proposer.proposer)
+        draft = self._drafts_on_device([default])
+        mixed = draft and default.proposer == "mixed"
+        # (draft, return beams, host-composed trees in): see `_launch`; a mixed tree is host-composed on some steps
+        variants = [(draft, mixed, False)] if default.proposer == "redrafter" and self.host_proposer is None else \
+            [(draft, mixed, True)] + ([(draft, mixed, False)] if mixed else [])
+        nb, bl = self.redrafter.num_beams, self.redrafter.beam_length
         with torch.inference_mode():
             for kind in DECODING_MODES:
                 T = self.redrafter.max_tree_tokens if kind == "redrafter" else 1
                 for bs in sorted(sizes, reverse=True):  # largest first: later captures reuse its pool memory
                     args = self._step_inputs([self.state.padding_slot] * bs, T, T)
-                    self._unit(kind)(*args, "greedy", draft).cpu()
+                    if kind == "ar":
+                        self._unit(kind)(*args, "greedy", False).cpu()
+                        continue
+                    for d, ret, host in variants:
+                        beams = mask = None
+                        if host:
+                            beams = torch.zeros(bs, nb, bl, dtype=torch.long, device=self.dist.device)
+                            mask = torch.ones(bs, dtype=torch.bool, device=self.dist.device)
+                            self.compiler.mark_dynamic(beams, mask)
+                        self._unit(kind)(*args, "greedy", d, ret, beams, mask).cpu()
         logger.info("engine warm-up (%s, buckets %s) took %.1fs", self.compiler.mode, sizes, time.perf_counter() - t0)

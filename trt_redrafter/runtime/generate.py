@@ -32,12 +32,15 @@ class GenerationResult:
 
 
 def generate(engine: Engine, prompts: list[list[int]], params: SamplingConfig | list[SamplingConfig],
-             mode: str = "redrafter", stop_ids: tuple[int, ...] = ()) -> list[GenerationResult]:
-    """Run requests to completion through the in-flight scheduler (driver rank; followers run `follow`)."""
+             mode: str = "redrafter", stop_ids: tuple[int, ...] = (), proposer: str | None = None
+             ) -> list[GenerationResult]:
+    """Run requests to completion through the in-flight scheduler (driver rank; followers run `follow`).
+    `proposer` overrides the engine's default proposer for these requests."""
     if isinstance(params, SamplingConfig):
         params = [params] * len(prompts)
     sched = Scheduler(engine)
-    reqs = [sched.submit(Request(str(i), p, sp, mode, stop_ids)) for i, (p, sp) in enumerate(zip(prompts, params))]
+    reqs = [sched.submit(Request(str(i), p, sp, mode, stop_ids, proposer=proposer))
+            for i, (p, sp) in enumerate(zip(prompts, params))]
     sched.run_until_idle()
     engine.dist.broadcast_object(None)  # release the follower ranks
     return [GenerationResult.of(r.seq) for r in reqs]

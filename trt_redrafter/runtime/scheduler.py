@@ -50,17 +50,20 @@ class PlannedRequest:
     mode: str
     stop_ids: tuple[int, ...]
     stop_sequences: tuple[tuple[int, ...], ...]
+    proposer: str = ""
 
     @classmethod
     def of(cls, s: Sequence) -> "PlannedRequest":
-        return cls(s.seq_id, s.prompt, s.output, s.sampling, s.mode, tuple(s.stop_ids), s.stop_sequences)
+        return cls(s.seq_id, s.prompt, s.output, s.sampling, s.mode, tuple(s.stop_ids), s.stop_sequences, s.proposer)
 
 
 @dataclass
 class StepPlan:
-    """What rank 0 broadcasts before each step: the requests of the step, in batch order."""
+    """What rank 0 broadcasts before each step: the requests of the step, in batch order, and rank 0's measured cost
+    of a tree step over an AR step (every rank decides the next N-gram trees with it, so they cannot differ)."""
 
     requests: list[PlannedRequest]
+    tree_cost_ratio: float = 1.0
 
 
 @dataclass
@@ -72,6 +75,7 @@ class Request:
     stop_ids: tuple[int, ...] = ()
     stop_sequences: tuple[tuple[int, ...], ...] = ()
     on_tokens: Optional[OnTokens] = None
+    proposer: Optional[str] = None  # overrides the engine's default proposer (config.PROPOSERS)
     seq: Optional[Sequence] = None  # set on submission
     done: threading.Event = field(default_factory=threading.Event)
     cancelled: bool = False
@@ -112,7 +116,7 @@ class Scheduler:
     def submit(self, req: Request) -> Request:
         """Validate and queue a request; raises UserError for a request the engine cannot serve."""
         req.seq = self.engine.new_sequence(req.prompt, req.params, req.mode, req.stop_ids,
-                                           stop_sequences=req.stop_sequences)
+                                           stop_sequences=req.stop_sequences, proposer=req.proposer)
         if len(req.prompt) > self.max_num_tokens:
             raise UserError(f"the prompt has {len(req.prompt)} tokens but one step may hold at most "
                             f"max_num_tokens={self.max_num_tokens}; shorten it or raise --max-num-tokens.")
@@ -200,8 +204,9 @@ class Scheduler:
             assert not self._waiting, "a waiting request cannot be admitted into an empty batch"
             return
         seqs = self._reserve(batch)
-        self.engine.dist.broadcast_object(("step", StepPlan([PlannedRequest.of(s) for s in seqs])))
-        events = self.engine.step(seqs)
+        plan = StepPlan([PlannedRequest.of(s) for s in seqs], self.engine.tree_cost_ratio())
+        self.engine.dist.broadcast_object(("step", plan))
+        events = self.engine.step(seqs, plan.tree_cost_ratio)
         self._steps += 1
         for req, ev in zip([self._req_of(s) for s in seqs], events):
             if req.on_tokens is not None:
@@ -307,10 +312,10 @@ def follow(engine: Engine) -> None:
             s = seqs.get(r.seq_id)
             if s is None:  # newly admitted, or re-admitted after preemption (then it resumes from its output)
                 s = engine.new_sequence(r.prompt, r.params, r.mode, r.stop_ids, seq_id=r.seq_id,
-                                        stop_sequences=r.stop_sequences)
+                                        stop_sequences=r.stop_sequences, proposer=r.proposer or None)
                 s.output = list(r.output)
                 seqs[r.seq_id] = s
             batch.append(s)
-        for ev in engine.step(batch):
+        for ev in engine.step(batch, body.tree_cost_ratio):
             if ev.finished:
                 engine.release(seqs.pop(ev.seq_id))

@@ -47,6 +47,9 @@ class Sequence:
     slot: int = -1  # batch slot while admitted (-1: none)
     prefilled: bool = False  # its prompt has been processed (it has a true token and, for ReDrafter, a tree)
     tree_len: int = 0  # packed length of its next draft tree (ReDrafter)
+    proposer: str = "redrafter"  # what drafts its trees (config.PROPOSERS), when mode == "redrafter"
+    pending_beams: Optional[list[list[int]]] = None  # next tree's drafts composed on the host, packed by the next step
+    context_index: Optional[object] = None  # the N-gram proposer's index of its tokens (ngram.ContextNgrams)
     finished: bool = False
     finish_reason: Optional[str] = None  # "stop" | "length" | "cancelled"
     stats: SeqStats = field(default_factory=SeqStats)

@@ -202,24 +202,38 @@ class DecodeStep:
         self.state.store_tree(slots, beams, packed, log_probs)
         return packed.lengths
 
+    def pack_host(self, slots: torch.Tensor, host_beams: torch.Tensor, host_mask: torch.Tensor) -> torch.Tensor:
+        """Pack the trees the host composed (rows where host_mask; the others keep their stored beams)."""
+        beams = torch.where(host_mask[:, None, None], self.dist.broadcast(host_beams), self.state.beams[slots])
+        return self.pack(slots, beams, None)
+
     # ---- whole steps -----------------------------------------------------------------------------------
     def redrafter_step(self, slots: torch.Tensor, key_blocks: torch.Tensor, tree_width: torch.Tensor, rule: str,
-                       draft: bool, run: Optional[Callable] = None) -> torch.Tensor:
-        """One ReDrafter step for [bs] slots -> [bs, bl + 2] (emitted tokens, their count, next tree length).
+                       draft: bool, return_beams: bool = False, host_beams: Optional[torch.Tensor] = None,
+                       host_mask: Optional[torch.Tensor] = None, run: Optional[Callable] = None) -> torch.Tensor:
+        """One speculative step for [bs] slots -> [bs, bl + 2] (emitted tokens, their count, next tree length), and
+        the device proposer's beams [bs, nb * bl] after those when `draft and return_beams`.
 
-        `draft=False` stops after rewind: a host proposer fills the next tree (`Engine._draft_on_host`).
+        Drafts composed on the host (N-gram proposers, mixed trees, test oracles) arrive as `host_beams` [bs, nb, bl]
+        for the rows in `host_mask` [bs] and are packed first. `draft` runs the device proposer after rewind and packs
+        its beams into the next trees; `return_beams` also returns them, for the host to compose mixed trees with.
         `run(name, phase, *args)` calls each phase: directly by default; the engine's phase profile passes one that
         runs each phase as its own timed unit.
         """
         run = run or _call
+        if host_beams is not None:
+            run("pack", self.pack_host, slots, host_beams, host_mask)
         v = run("verify", self.verify_tree, slots, key_blocks, tree_width)
         a = run("accept", self.accept, slots, v.logits, rule)
         path_last = run("rewind", self.rewind, slots, a.decision)
         tree_len = torch.zeros_like(slots)
+        out = [a.emitted, tree_len[:, None]]
         if draft:
             beams, log_probs = run("draft", self.draft, v.hidden, path_last, a.decision, rule == "apple")
-            tree_len = run("pack", self.pack, slots, beams, log_probs)
-        return torch.cat([a.emitted, tree_len[:, None]], dim=1)
+            out[1] = run("pack", self.pack, slots, beams, log_probs)[:, None]
+            if return_beams:
+                out.append(beams.flatten(1))
+        return torch.cat(out, dim=1)
 
     def ar_step(self, slots: torch.Tensor, key_blocks: torch.Tensor, tree_width: torch.Tensor, rule: str,
                 draft: bool = False) -> torch.Tensor:
