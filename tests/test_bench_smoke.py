@@ -1,6 +1,6 @@
 """`trt-redrafter bench` end to end against a real tritonserver on a tiny engine (one QPS point, a few requests):
-the JSON document, the markdown table and the PNG plots appear, with zero errors. Plus the per-request
-`decoding_mode` input the bench relies on."""
+the JSON document, the markdown table and the PNG plots appear, with zero errors, for AR and each proposer. Plus
+the per-request `decoding_mode` and `proposer` inputs the bench relies on."""
 
 from __future__ import annotations
 
@@ -27,6 +27,16 @@ def test_decoding_mode_input():
         parse_inputs(_inputs(decoding_mode=np.array([[b"medusa"]], dtype=object)))
 
 
+def test_proposer_input():
+    assert parse_inputs(_inputs()).proposer is None  # the engine's default
+    assert parse_inputs(_inputs(proposer=np.array([[b"NGram "]], dtype=object))).proposer == "ngram"
+    assert parse_inputs(_inputs(proposer=np.array([[b""]], dtype=object))).proposer is None
+    with pytest.raises(UserError, match="proposer must be one of"):
+        parse_inputs(_inputs(proposer=np.array([[b"eagle"]], dtype=object)))
+    with pytest.raises(UserError, match="one value per request"):
+        parse_inputs(_inputs(proposer=np.array([[b"ngram", b"mixed"]], dtype=object)))
+
+
 @pytest.mark.server
 @pytest.mark.timeout(240)
 def test_bench_end_to_end(tmp_path, capsys):
@@ -46,14 +56,15 @@ def test_bench_end_to_end(tmp_path, capsys):
     out = tmp_path / "bench"
     rc = cli(["bench", "--engines", f"tp1={engines[1]}", "--dataset", str(data), "--qps", "8", "--num-requests", "4",
               "--warmup", "1", "--max-tokens", "12", "--repeats", "1", "--output", str(out), "--no-progress",
-              "--compile", "off"])
+              "--compile", "off", "--modes", "ar,redrafter,ngram,mixed"])
     assert rc == 0
     stdout = capsys.readouterr().out
     summary = json.loads(stdout.strip().splitlines()[-1])
     assert summary["errors"] == 0
     doc = json.loads((out / "results.json").read_text())
     assert doc["prompts"]["dropped_too_long"] == 1 and doc["git"]["sha"] and doc["machine"]["cpu_count"]
-    assert {(p["tp"], p["mode"]) for p in doc["points"]} == {(1, "ar"), (1, "redrafter")}
+    assert {(p["tp"], p["mode"]) for p in doc["points"]} == {(1, m) for m in ("ar", "redrafter", "ngram", "mixed")}
+    assert [s["mode"] for s in doc["speedups"]] == ["redrafter", "ngram", "mixed"]
     for p in doc["points"]:
         m = p["metrics"]
         assert m["errors"] == 0 and m["completed"] == 4

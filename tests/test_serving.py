@@ -169,6 +169,17 @@ def test_stream_matches_offline_generation(server, offline, codec):
 
 
 @pytest.mark.server
+def test_proposer_input_reaches_the_engine_through_the_ensemble(server, offline):
+    want = offline(PROMPTS[:2], [30, 30])
+    for proposer in ("ngram", "mixed", "redrafter"):
+        for prompt, ids in zip(PROMPTS[:2], want):
+            out = _gen(server, prompt, 30, stream=True, proposer=proposer)
+            assert out.error is None and out.output_ids == ids, proposer
+    bad = _gen(server, PROMPTS[0], 4, proposer="eagle")
+    assert bad.error is not None and "proposer must be one of redrafter, ngram, mixed" in bad.error
+
+
+@pytest.mark.server
 def test_32_concurrent_streams_batch_in_flight(server, offline):
     prompts = [f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(32)]
     lengths = [8 + (7 * i) % 33 for i in range(32)]

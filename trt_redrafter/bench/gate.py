@@ -109,13 +109,15 @@ def evaluate(baseline: dict, results: dict, cfg: GateConfig) -> GateReport:
     check_comparable(baseline, results)
     rep = GateReport()
     greedy = not results["config"].get("temperature")
-    r_speed = {(s["tp"], s["qps"]): s for s in results["speedups"]}
+    # the gated speedup is ReDrafter's (documents before the N-gram modes have no `mode`: all ReDrafter)
+    r_speed = {(s["tp"], s["qps"]): s for s in results["speedups"] if s.get("mode", "redrafter") == "redrafter"}
     r_points = {(p["tp"], p["qps"], p["mode"]): p for p in results["points"]}
     b_points = {(p["tp"], p["qps"], p["mode"]): p for p in baseline["points"]}
     keys = sorted({(tp, qps) for tp, qps, _ in b_points})
     for tp, qps in keys:
         # speedup
-        b = next((s for s in baseline["speedups"] if (s["tp"], s["qps"]) == (tp, qps)), None)
+        b = next((s for s in baseline["speedups"]
+                  if (s["tp"], s["qps"]) == (tp, qps) and s.get("mode", "redrafter") == "redrafter"), None)
         if b is not None and b.get("speedup") is not None:
             base = b["speedup"]
             floor = base * (1 - cfg.speedup_margin)

@@ -30,7 +30,7 @@ from .schedule import CHAT_TEMPLATES, load_prompts, pick_prompts, poisson_offset
 
 logger = get_logger(__name__)
 
-MODES = ("ar", "redrafter")
+MODES = ("ar", "redrafter", "ngram", "mixed")  # ar, or a speculative request's proposer (config.PROPOSERS)
 DEFAULT_DATASET = "../shared/data/mt_bench_questions.jsonl"  # MT-Bench beside a checkout, as CI has it
 
 
@@ -44,7 +44,8 @@ class BenchConfig(ConfigBase):
     chat_template: str = _f("auto", choices=CHAT_TEMPLATES,
                             help="auto: Vicuna v1.1 for MT-Bench rows, none for {\"prompt\"} rows")
     qps: str = _f("1", help="comma-separated offered loads, requests/s (Poisson arrivals); 'inf' = all at once")
-    modes: str = _f("ar,redrafter", help="comma-separated decoding modes to measure: ar, redrafter")
+    modes: str = _f("ar,redrafter", help="comma-separated decoding modes to measure: ar, redrafter, ngram, mixed "
+                                         "(the last three: speculative, with that proposer)")
     num_requests: int = _f(32, help="measured requests per point")
     warmup: int = _f(2, help="requests sent first at each point and excluded from its metrics")
     max_tokens: int = _f(64, help="output tokens per request")
@@ -87,10 +88,11 @@ class Target:
     """Where one (TP, mode) point's requests go."""
 
     tp: int
-    mode: str  # ar | redrafter
+    mode: str  # ar | redrafter | ngram | mixed
     url: str  # gRPC HOST:PORT
     decoding_mode: Optional[str]  # the per-request input to send (torch engine), None for a fixed-mode engine
     engine_dir: Optional[str] = None
+    proposer: Optional[str] = None  # the per-request `proposer` input (torch engine), None: the engine's default
 
 
 def point_key(tp: int, qps: float, mode: str) -> str:
@@ -108,7 +110,7 @@ def run_point(target: Target, prompts: list[str], offsets: list[float], cfg: Ben
     def one(rec: RequestRecord, prompt: str, t0: float) -> None:
         req = GenerationRequest(prompt=prompt, max_tokens=cfg.max_tokens, temperature=cfg.temperature or None,
                                 seed=cfg.seed if cfg.temperature else None, end_id=-1 if cfg.ignore_eos else None,
-                                decoding_mode=target.decoding_mode)
+                                decoding_mode=target.decoding_mode, proposer=target.proposer)
         try:
             out = generate_one(target.url, req, timeout=cfg.timeout_s)
         except Exception as e:  # an unreachable server is an error of this request, counted, not a crash
@@ -182,9 +184,13 @@ def serve_engines(ar_engines: dict[int, str], rd_engines: dict[int, str], modes:
             if backends[d] != "torch" and mode == "ar" and d == str(Path(rd_engines.get(tp, "")).absolute()):
                 raise UserError(f"engine {d} is a TensorRT-LLM ReDrafter engine; its decoding mode is fixed, so AR "
                                 f"needs its own engine: --ar-engine DIR.")
-            # torch engines take the mode per request; a separate (TensorRT-LLM) AR engine decodes AR by itself
-            dm = mode if backends[d] == "torch" else None
-            targets.append(Target(tp, mode, servers[d].grpc_url, dm, d))
+            if backends[d] != "torch" and mode in ("ngram", "mixed"):
+                raise UserError(f"engine {d} is a TensorRT-LLM engine, which drafts with its drafter only; mode "
+                                f"{mode} needs a torch-backend engine.")
+            # torch engines take the mode and proposer per request; a separate (TensorRT-LLM) AR engine decodes AR
+            dm = ("ar" if mode == "ar" else "redrafter") if backends[d] == "torch" else None
+            proposer = mode if backends[d] == "torch" and mode != "ar" else None
+            targets.append(Target(tp, mode, servers[d].grpc_url, dm, d, proposer))
         yield targets
 
 
@@ -247,8 +253,8 @@ def fit_prompts(prompts: list[str], engine_dirs: list[str], max_tokens: int) -> 
 
 
 def combine_repeats(runs: list[dict]) -> dict:
-    """Medians over repeats per (TP, QPS, mode), and the AR/ReDrafter TPOT ratio per (TP, QPS): the median over
-    repeats of the ratio taken within each repeat (both modes measured minutes apart on the same machine)."""
+    """Medians over repeats per (TP, QPS, mode), and the AR/speculative TPOT ratio per (TP, QPS, speculative mode):
+    the median over repeats of the ratio taken within each repeat (both measured minutes apart on one machine)."""
     groups: dict[tuple, list[dict]] = {}
     for run in runs:
         groups.setdefault((run["tp"], run["qps"], run["mode"]), []).append(run)
@@ -256,8 +262,9 @@ def combine_repeats(runs: list[dict]) -> dict:
                "metrics": median_of_points([x["metrics"] for x in rs])}
               for (tp, qps, mode), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2]))]
     speedups = []
-    for tp, qps in sorted({(tp, qps) for tp, qps, _ in groups}):
-        ar, rd = groups.get((tp, qps, "ar"), []), groups.get((tp, qps, "redrafter"), [])
+    for tp, qps, mode in sorted({(tp, qps, m) for tp, qps, m in groups if m != "ar"},
+                                key=lambda k: (k[0], k[1], MODES.index(k[2]))):
+        ar, rd = groups.get((tp, qps, "ar"), []), groups.get((tp, qps, mode), [])
         by_rep = {x["repeat"]: x for x in ar}
         ratios = []
         for y in rd:
@@ -267,7 +274,7 @@ def combine_repeats(runs: list[dict]) -> dict:
             if a and b:
                 ratios.append(a / b)
         if ar and rd:
-            speedups.append({"tp": tp, "qps": qps, "speedup": median(ratios), "per_repeat": ratios,
+            speedups.append({"tp": tp, "qps": qps, "mode": mode, "speedup": median(ratios), "per_repeat": ratios,
                              "min": min(ratios) if ratios else None, "max": max(ratios) if ratios else None})
     return {"points": points, "speedups": speedups}
 
@@ -288,11 +295,12 @@ def engines_info(targets: list[Target]) -> dict:
             e = load_engine_config(t.engine_dir)
         except UserError:
             continue
-        rd, b = e.checkpoint.redrafter, e.build
+        rd, b = e.tree, e.build
         out[t.engine_dir] = {"backend": e.backend, "tp": e.tp_size, "dtype": b.dtype or e.checkpoint.model.dtype,
                              "max_batch_size": b.max_batch_size, "max_seq_len": b.max_seq_len,
                              "num_beams": rd.num_beams, "draft_len_per_beam": rd.draft_len_per_beam,
-                             "greedy_search": rd.greedy_search}
+                             "greedy_search": rd.greedy_search, "drafter": e.has_drafter,
+                             "proposer": e.proposer.to_dict()}
     return out
 
 

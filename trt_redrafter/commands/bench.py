@@ -72,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
         host, port = parse_host_port(args.url, 8001)
         # redrafter is the engine's default: send decoding_mode only for AR, so a TensorRT-LLM ensemble (which
         # has no such input) can still be measured with --modes redrafter
-        targets = [Target(args.tp, m, f"{host}:{port}", "ar" if m == "ar" else None, None) for m in modes]
+        targets = [Target(args.tp, m, f"{host}:{port}", "ar" if m == "ar" else None, None,
+                          m if m in ("ngram", "mixed") else None) for m in modes]
         doc_sweep = run_sweep(targets, cfg, show_progress=not args.no_progress)
         engines = {}
     else:
@@ -99,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     print(files["markdown"].read_text())
     errors = sum(p["metrics"]["errors"] for p in doc["points"])
     print(json.dumps({"results": str(files["json"]), "errors": errors,
-                      "speedups": [{k: s[k] for k in ("tp", "qps", "speedup")} for s in doc["speedups"]],
+                      "speedups": [{k: s[k] for k in ("tp", "qps", "mode", "speedup")} for s in doc["speedups"]],
                       "files": {k: str(v) for k, v in files.items()}}))
     if errors:
         print(f"warning: {errors} request(s) failed; see error_samples in {files['json']}", file=sys.stderr)

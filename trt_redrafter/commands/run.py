@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ..config import RuntimeConfig, SamplingConfig
+from ..config import PROPOSERS, RuntimeConfig, SamplingConfig
 from ..errors import UserError
 from ..log import rank0_print
 
@@ -21,7 +21,11 @@ def register(sub) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", nargs="+", help="prompt text(s); needs a tokenizer")
     src.add_argument("--prompt-ids", nargs="+", help="prompt(s) as comma-separated token ids, e.g. 1,450,4996")
-    p.add_argument("--mode", choices=("redrafter", "ar"), default="redrafter")
+    p.add_argument("--mode", choices=("redrafter", "ar"), default="redrafter",
+                   help="redrafter: speculative (drafts from --proposer); ar: one token per step")
+    p.add_argument("--proposer", choices=PROPOSERS,
+                   help="what drafts the trees of these requests (default: the engine's, set at build time): "
+                        "redrafter, ngram (learning-free) or mixed")
     SamplingConfig.add_cli_args(p)
     p.add_argument("--tokenizer", help="tokenizer directory (default: ENGINE/tokenizer)")
     p.add_argument("--end-id", type=int, help="stop token id (default: the tokenizer's EOS)")
@@ -80,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         engine = Engine(args.engine, dist, runtime)
         if dist.is_driver:
-            results = generate(engine, prompts, params, args.mode, stop)
+            results = generate(engine, prompts, params, args.mode, stop, proposer=args.proposer)
         else:
             follow(engine)
             results = []

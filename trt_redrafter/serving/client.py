@@ -34,6 +34,7 @@ class GenerationRequest:
     stream: bool = True
     prompt_ids: Optional[list[int]] = None  # engine model only: token ids instead of text
     decoding_mode: Optional[str] = None  # torch engine only: "redrafter" (default) | "ar"
+    proposer: Optional[str] = None  # torch engine only: "redrafter" | "ngram" | "mixed" (default: the engine's)
 
 
 @dataclass
@@ -113,8 +114,9 @@ def build_inputs(req: GenerationRequest, model: str = ENSEMBLE_MODEL, stop: bool
                               ("end_id", req.end_id, np.int32)):
         if value is not None:
             inputs.append(_tensor(n(key), np.array([[value]], dtype)))
-    if req.decoding_mode is not None:
-        inputs.append(_tensor("decoding_mode", np.array([[req.decoding_mode.encode()]], dtype=object)))
+    for key, value in (("decoding_mode", req.decoding_mode), ("proposer", req.proposer)):
+        if value is not None:
+            inputs.append(_tensor(key, np.array([[value.encode()]], dtype=object)))
     if req.stop_words and not engine:
         inputs.append(_tensor("stop_words", np.array([[w.encode() for w in req.stop_words]], dtype=object)))
     if stop:

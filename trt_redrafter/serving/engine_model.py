@@ -29,7 +29,7 @@ from typing import Callable, Optional, Protocol
 
 import numpy as np
 
-from ..config import SamplingConfig
+from ..config import PROPOSERS, SamplingConfig
 from ..errors import UserError
 from ..log import get_logger
 from . import DRAIN_REQUEST_ID
@@ -61,6 +61,7 @@ class ParsedRequest:
     stop_ids: tuple[int, ...]
     stop_sequences: tuple[tuple[int, ...], ...]
     mode: str = "redrafter"  # "redrafter" | "ar": the optional `decoding_mode` input (torch engine only)
+    proposer: Optional[str] = None  # the optional `proposer` input: redrafter | ngram | mixed (None: the engine's)
 
 
 @dataclass
@@ -132,15 +133,25 @@ def parse_inputs(inputs: dict[str, np.ndarray]) -> ParsedRequest:
         stop_sequences = list_to_words(inputs["stop_words_list"].reshape(2, -1))
     if inputs.get("bad_words_list") is not None and list_to_words(inputs["bad_words_list"].reshape(2, -1)):
         logger.info("bad_words are accepted but not applied by the torch engine; ignoring them")
-    mode = inputs.get("decoding_mode")
-    if mode is not None and mode.size != 1:
-        raise UserError(f"input 'decoding_mode' must hold one value per request, got shape {list(mode.shape)}.")
-    mode = b"redrafter" if mode is None else mode.reshape(-1)[0]  # BYTES arrive as an object array of bytes
-    mode = (mode.decode(errors="replace") if isinstance(mode, bytes) else str(mode)).strip().lower() or "redrafter"
+    mode = _string(inputs, "decoding_mode") or "redrafter"
     if mode not in DECODING_MODES:
         raise UserError(f"decoding_mode must be one of {', '.join(DECODING_MODES)}, got {mode!r}.")
+    proposer = _string(inputs, "proposer")
+    if proposer and proposer not in PROPOSERS:
+        raise UserError(f"proposer must be one of {', '.join(PROPOSERS)}, got {proposer!r}.")
     return ParsedRequest(prompt, params, bool(_scalar(inputs, "streaming", False)), stop_ids, stop_sequences,
-                         DECODING_MODES[mode])
+                         DECODING_MODES[mode], proposer or None)
+
+
+def _string(inputs: dict[str, np.ndarray], name: str) -> str:
+    """An optional one-value BYTES input, decoded, stripped and lower-cased ('' when absent)."""
+    x = inputs.get(name)
+    if x is None:
+        return ""
+    if x.size != 1:
+        raise UserError(f"input '{name}' must hold one value per request, got shape {list(x.shape)}.")
+    v = x.reshape(-1)[0]  # BYTES arrive as an object array of bytes
+    return (v.decode(errors="replace") if isinstance(v, bytes) else str(v)).strip().lower()
 
 
 def response_tensors(new: list[int], preceding: list[int], seq) -> dict[str, np.ndarray]:
@@ -220,7 +231,7 @@ class EngineModel:
                 self._open[rid] = state
             try:
                 self.scheduler.submit(Request(rid, p.prompt, p.params, p.mode, p.stop_ids, p.stop_sequences,
-                                              on_tokens=self._on_tokens))
+                                              on_tokens=self._on_tokens, proposer=p.proposer))
             except BaseException:
                 with self._lock:
                     self._open.pop(rid, None)

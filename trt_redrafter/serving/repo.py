@@ -35,9 +35,12 @@ ENGINE_BACKEND_FOR = {"torch": "torch", "tensorrtllm": "trtllm"}  # repo backend
 PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 TEXT_MODELS = ("ensemble", "preprocessing", "postprocessing")
 
-# torch only: a per-request `decoding_mode` ("redrafter" | "ar"; the same engine decodes either way)
-_ENSEMBLE_EXTRA_INPUTS = ',\n  { name: "decoding_mode" data_type: TYPE_STRING dims: [ 1 ] optional: true }'
-_ENGINE_EXTRA_INPUT_MAP = '      input_map  { key: "decoding_mode"      value: "decoding_mode" }'
+# torch only: a per-request `decoding_mode` ("redrafter" | "ar"; the same engine decodes either way) and `proposer`
+# ("redrafter" | "ngram" | "mixed"; what drafts the request's trees, default the engine's)
+_ENSEMBLE_EXTRA_INPUTS = (',\n  { name: "decoding_mode" data_type: TYPE_STRING dims: [ 1 ] optional: true }'
+                          ',\n  { name: "proposer" data_type: TYPE_STRING dims: [ 1 ] optional: true }')
+_ENGINE_EXTRA_INPUT_MAP = ('      input_map  { key: "decoding_mode"      value: "decoding_mode" }\n'
+                           '      input_map  { key: "proposer"           value: "proposer" }')
 # torch only: the engine sends the tokens preceding each response so postprocessing can detokenize incrementally
 _ENGINE_EXTRA_OUTPUT_MAP = '      output_map { key: "preceding_output_ids"        value: "_PRECEDING_TOKENS" }'
 _POST_EXTRA_INPUT_MAP = '      input_map  { key: "PRECEDING_TOKENS"            value: "_PRECEDING_TOKENS" }'

@@ -8,7 +8,8 @@ from trt_redrafter.serving.engine_model import EngineModel
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 INPUTS = ("input_ids", "input_lengths", "request_output_len", "end_id", "pad_id", "stop_words_list", "bad_words_list",
-          "beam_width", "temperature", "runtime_top_k", "runtime_top_p", "seed", "streaming", "stop", "decoding_mode")
+          "beam_width", "temperature", "runtime_top_k", "runtime_top_p", "seed", "streaming", "stop", "decoding_mode",
+          "proposer")
 
 
 class _Sink:
