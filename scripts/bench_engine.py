@@ -1,16 +1,21 @@
 #!/usr/bin/env python3
-"""Offline engine benchmark: AR vs ReDrafter on the same engine, same prompts, same run, at one or more batch sizes.
+"""Offline engine benchmark: AR vs each proposer (ReDrafter, N-gram, mixed) on the same engine, same prompts, same
+run, at one or more batch sizes; optionally Hugging Face `generate` (greedy, and prompt-lookup decoding) on the
+same weights, prompts and threads.
 
-For each repeat and batch size, the prompts are decoded greedily with AR and with ReDrafter (alternating which
-goes first), `--batch-size` requests at a time. Reports, per batch size, the median over repeats of the per-request
-median TPOT (ms/token), the mean decode-step time of each mode (`Engine.step_times`: launch to read-back), their
-ratio (the ReDrafter-step / AR-step cost), tokens/step, and the speedup; then a phase breakdown of one ReDrafter
-request (verify / accept / rewind / draft / pack, `--profile-phases` timing). The last stdout line is one JSON
-document. Thread count, compile mode and the machine's load average are recorded with the numbers.
+For each repeat and batch size, the prompts are decoded greedily in every mode (the mode order rotating from one
+repeat to the next), `--batch-size` requests at a time. Reports, per batch size and mode, the median over repeats
+of the per-request median TPOT (ms/token), the mean decode-step time (`Engine.step_times`: launch to read-back),
+the step cost relative to an AR step, tokens/step, acceptance, the host proposer's time per step and its share of
+the step, the speedup over AR, and whether the greedy output equals AR's; then a phase breakdown of one ReDrafter
+request. With `--hf-model DIR` (the base's HF directory) HF `generate` runs at batch 1 on the same prompts: its
+TPOT is (time for max_tokens - time for 1 token) / (max_tokens - 1), medians as above. The last stdout line is one
+JSON document. Threads, compile mode and the machine's load average are recorded with the numbers.
 
     python scripts/bench_engine.py --engine ENGINE_DIR [--prompts ../shared/data/mt_bench_questions.jsonl]
-        [--num-prompts 8] [--max-tokens 64] [--repeats 5] [--batch-size 1,8] [--threads 1] [--compile auto]
-With TP > 1 run it under `mpirun -n TP` (rank 0 prints).
+        [--num-prompts 8] [--max-tokens 64] [--repeats 5] [--batch-size 1,8] [--modes ar,redrafter,ngram,mixed]
+        [--hf-model HF_DIR] [--threads 1] [--compile auto]
+With TP > 1 run it under `mpirun -n TP` (rank 0 prints; --hf-model is then ignored).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from pathlib import Path
 import torch
 
 from trt_redrafter.bench import schedule
-from trt_redrafter.config import RuntimeConfig, SamplingConfig
+from trt_redrafter.config import PROPOSERS, RuntimeConfig, SamplingConfig
 from trt_redrafter.runtime.distributed import init_dist, shutdown_dist
 from trt_redrafter.runtime.engine import PHASES, Engine
 from trt_redrafter.runtime.engine_config import load_engine_config
@@ -39,11 +44,56 @@ BUILTIN_PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:
                    "The quick brown fox"]
 
 
-def load_prompts(path: Path | None, n: int) -> list[str]:
+def load_prompts(path: Path | None, n: int, chat_template: str = "auto") -> list[str]:
     """The first n prompts of an MT-Bench / {"prompt"} JSONL file (the harness's reader), else a few built-in ones."""
     if path is None or not path.is_file():
         return BUILTIN_PROMPTS[:n]
-    return schedule.load_prompts(path)[:n]
+    return schedule.load_prompts(path, chat_template)[:n]
+
+
+def encode_prompts(tok, args) -> list[list[int]]:
+    """Token ids of the prompts: `--chat-template tokenizer` applies the tokenizer's own chat template to each first
+    turn; the others are the harness's (auto: Vicuna v1.1 for MT-Bench rows)."""
+    if args.chat_template != "tokenizer":
+        return [tok.encode(p) for p in load_prompts(args.prompts, args.num_prompts, args.chat_template)]
+    if not tok.chat_template:
+        raise SystemExit("--chat-template tokenizer: this engine's tokenizer has no chat template")
+    return [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True,
+                                    return_dict=False)
+            for p in load_prompts(args.prompts, args.num_prompts, "none")]
+
+
+def hf_baselines(hf_dir: str, prompts: list[list[int]], max_tokens: int, repeats: int, lookup_tokens: int,
+                 reference: list[list[int]]) -> dict:
+    """HF generate at batch 1 (greedy; prompt-lookup decoding): median TPOT and whether outputs equal `reference`."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # decode exactly max_tokens, like the engine's runs
+
+    def gen(ids: list[int], n: int, **kw) -> tuple[float, list[int]]:
+        x = torch.tensor([ids])
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
+                                 do_sample=False, pad_token_id=0, **kw)
+        return time.perf_counter() - t0, out[0, len(ids):].tolist()
+
+    variants = {"hf_greedy": {}, "hf_prompt_lookup": {"prompt_lookup_num_tokens": lookup_tokens}}
+    out = {}
+    for name, kw in variants.items():
+        gen(prompts[0], 4, **kw)  # warm-up
+        reps, outputs = [], []
+        for _ in range(repeats):
+            tpots, outputs = [], []
+            for ids in prompts:
+                t_full, toks = gen(ids, max_tokens, **kw)
+                t_one, _ = gen(ids, 1, **kw)
+                tpots.append(1e3 * (t_full - t_one) / (max_tokens - 1))
+                outputs.append(toks)
+            reps.append(statistics.median(tpots))
+        out[name] = {"ms_per_token": statistics.median(reps), "greedy_outputs_equal": outputs == reference, **kw}
+    return out
 
 
 def main() -> int:
@@ -51,15 +101,26 @@ def main() -> int:
     ap.add_argument("--engine", required=True)
     ap.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS)
     ap.add_argument("--num-prompts", type=int, default=8)
+    ap.add_argument("--chat-template", default="auto", choices=(*schedule.CHAT_TEMPLATES, "tokenizer"),
+                    help="auto: Vicuna v1.1 for MT-Bench rows; tokenizer: the tokenizer's own chat template")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--batch-size", default="1", help="comma-separated batch sizes (requests decoded together)")
+    ap.add_argument("--modes", default="", help="comma-separated: ar and the proposers to measure (default: ar and "
+                                                "every proposer the engine has)")
+    ap.add_argument("--hf-model", help="the base's Hugging Face directory: also time HF generate (batch 1)")
+    ap.add_argument("--hf-lookup-tokens", type=int, default=10,
+                    help="prompt_lookup_num_tokens of HF prompt-lookup decoding (HF's documented value: 10)")
     RuntimeConfig.add_cli_args(ap)
     args = ap.parse_args()
     runtime = RuntimeConfig.from_sources(None, args)
     batches = [int(b) for b in args.batch_size.split(",")]
 
     ecfg = load_engine_config(args.engine)
+    all_modes = ("ar", *PROPOSERS) if ecfg.has_drafter else ("ar", "ngram")
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()] or list(all_modes)
+    if "ar" not in modes or any(m not in all_modes for m in modes):
+        ap.error(f"--modes must include ar and only name modes of this engine: {','.join(all_modes)}")
     dist = init_dist(ecfg.tp_size, runtime.device)
     t0 = time.perf_counter()
     engine = Engine(args.engine, dist, runtime)
@@ -74,7 +135,7 @@ def main() -> int:
 
     tok = AutoTokenizer.from_pretrained(str(Path(args.engine) / "tokenizer"))
     max_in = engine.build.max_input_len
-    prompts = [tok.encode(p)[-max_in:] for p in load_prompts(args.prompts, args.num_prompts)]
+    prompts = [ids[-max_in:] for ids in encode_prompts(tok, args)]
     max_tokens = min(args.max_tokens, engine.build.max_seq_len - max(map(len, prompts)))
     params = SamplingConfig(max_tokens=max_tokens)
 
@@ -82,68 +143,92 @@ def main() -> int:
         res = []
         for i in range(0, len(prompts), bs):
             dist.broadcast_object("more")
-            res += generate(engine, prompts[i:i + bs], params, mode)
+            if mode == "ar":
+                res += generate(engine, prompts[i:i + bs], params, "ar")
+            else:
+                res += generate(engine, prompts[i:i + bs], params, "redrafter", proposer=mode)
         return res
 
     for bs in batches:
-        run("redrafter", bs), run("ar", bs)  # warm-up (excluded): first variants compile / capture here
+        for mode in modes:  # warm-up (excluded): first variants compile / capture here
+            run(mode, bs)
     rows = []
     for bs in batches:
-        tpot = {"ar": [], "redrafter": []}
-        step = {"ar": [], "redrafter": []}
+        tpot, step, propose = ({m: [] for m in modes} for _ in range(3))
         last = {}
         for rep in range(args.repeats):
-            for mode in (("ar", "redrafter") if rep % 2 == 0 else ("redrafter", "ar")):
+            for mode in modes[rep % len(modes):] + modes[:rep % len(modes)]:
                 engine.step_times.reset()
                 res = run(mode, bs)
+                st = engine.step_times  # an N-gram request with nothing worth drafting takes an AR step
+                steps = st.steps["ar"] + st.steps["redrafter"]
                 tpot[mode].append(statistics.median(r.ms_per_token for r in res))
-                step[mode].append(engine.step_times.mean_ms(mode))
+                step[mode].append(1e3 * (st.seconds["ar"] + st.seconds["redrafter"]) / steps)
+                propose[mode].append(1e3 * st.seconds["propose"] / steps)
                 last[mode] = res
-        rd = last["redrafter"]
-        row = {"batch_size": bs,
-               "ar_ms_per_token": statistics.median(tpot["ar"]),
-               "redrafter_ms_per_token": statistics.median(tpot["redrafter"]),
-               "ar_step_ms": statistics.median(step["ar"]), "redrafter_step_ms": statistics.median(step["redrafter"]),
-               "tokens_per_step": statistics.mean(r.tokens_per_step for r in rd),
-               "acceptance_rate": sum(r.accepted_draft_tokens for r in rd) / max(1, sum(r.draft_tokens for r in rd)),
-               "greedy_outputs_equal": [r.output_ids for r in rd] == [r.output_ids for r in last["ar"]]}
-        row["speedup"] = row["ar_ms_per_token"] / row["redrafter_ms_per_token"]
-        row["step_cost_ratio"] = row["redrafter_step_ms"] / row["ar_step_ms"]
-        rows.append(row)
-        print(f"batch {bs}: AR {row['ar_ms_per_token']:.3f} ms/token, ReDrafter {row['redrafter_ms_per_token']:.3f} "
-              f"ms/token ({row['speedup']:.2f}x)", file=sys.stderr)
+        ar_ms, ar_step = statistics.median(tpot["ar"]), statistics.median(step["ar"])
+        for mode in modes:
+            res = last[mode]
+            row = {"batch_size": bs, "mode": mode, "ms_per_token": statistics.median(tpot[mode]),
+                   "step_ms": statistics.median(step[mode]), "propose_ms_per_step": statistics.median(propose[mode]),
+                   "tokens_per_step": statistics.mean(r.tokens_per_step for r in res) if mode != "ar" else 1.0,
+                   "acceptance_rate": (sum(r.accepted_draft_tokens for r in res) / max(1, sum(r.draft_tokens for r in res))
+                                       if mode != "ar" else None),
+                   "greedy_outputs_equal": [r.output_ids for r in res] == [r.output_ids for r in last["ar"]]}
+            row["speedup"] = ar_ms / row["ms_per_token"]
+            row["step_cost_ratio"] = row["step_ms"] / ar_step
+            row["propose_share"] = row["propose_ms_per_step"] / row["step_ms"] if row["step_ms"] else 0.0
+            rows.append(row)
+            print(f"batch {bs}: {mode} {row['ms_per_token']:.3f} ms/token ({row['speedup']:.2f}x AR)", file=sys.stderr)
 
-    engine.timer.enabled = True  # phase breakdown of one ReDrafter request (each phase its own graph)
-    dist.broadcast_object("more")
-    generate(engine, prompts[:1], params, "redrafter")
-    engine.timer.reset()
-    dist.broadcast_object("more")
-    generate(engine, prompts[:1], params, "redrafter")
-    phases = engine.timer.mean_ms()
+    hf = {}
+    if args.hf_model and ecfg.tp_size == 1:
+        hf = hf_baselines(args.hf_model, prompts, max_tokens, args.repeats, args.hf_lookup_tokens,
+                          [r.output_ids for r in last["ar"]] if 1 in batches else None)
+        ar1 = next((r["ms_per_token"] for r in rows if r["batch_size"] == 1 and r["mode"] == "ar"), None)
+        for name, h in hf.items():
+            h["speedup"] = ar1 / h["ms_per_token"] if ar1 else None
+            print(f"batch 1: {name} {h['ms_per_token']:.3f} ms/token", file=sys.stderr)
+
+    phases = {}
+    if ecfg.has_drafter:
+        engine.timer.enabled = True  # phase breakdown of one ReDrafter request (each phase its own graph)
+        dist.broadcast_object("more")
+        generate(engine, prompts[:1], params, "redrafter", proposer="redrafter")
+        engine.timer.reset()
+        dist.broadcast_object("more")
+        generate(engine, prompts[:1], params, "redrafter", proposer="redrafter")
+        phases = engine.timer.mean_ms()
     dist.broadcast_object("done")
     shutdown_dist()
 
     summary = {
         "engine": str(args.engine), "tp": ecfg.tp_size, "dtype": str(engine.dtype).removeprefix("torch."),
         "num_beams": engine.redrafter.num_beams, "draft_len_per_beam": engine.redrafter.draft_len_per_beam,
-        "prompts": len(prompts), "max_tokens": max_tokens, "repeats": args.repeats, "batches": rows,
-        "phases_ms": phases, "runtime": runtime.to_dict(), "compile": engine.compiler.mode, "kernels": engine.kernels,
-        "engine_load_s": load_s,
+        "proposer": ecfg.proposer.to_dict(), "prompts": len(prompts), "max_tokens": max_tokens,
+        "repeats": args.repeats, "rows": rows, "hf": hf, "phases_ms": phases, "runtime": runtime.to_dict(),
+        "compile": engine.compiler.mode, "kernels": engine.kernels, "engine_load_s": load_s,
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                     "torch_threads": torch.get_num_threads(), "loadavg": os.getloadavg(), "device": str(dist.device)},
     }
     print(f"{ecfg.tp_size} rank(s), {summary['dtype']}, nb={summary['num_beams']} dl={summary['draft_len_per_beam']}, "
           f"compile {engine.compiler.mode}, kernels {engine.kernels}, {torch.get_num_threads()} torch thread(s), "
-          f"load average {os.getloadavg()[0]:.2f}; medians of {args.repeats} repeats")
-    print("| batch | AR ms/token | ReDrafter ms/token | speedup | AR step ms | ReDrafter step ms | step cost ratio | "
-          "tokens/step | greedy equal |\n|---|---|---|---|---|---|---|---|---|")
+          f"load average {os.getloadavg()[0]:.2f}; {len(prompts)} prompts x {max_tokens} tokens, greedy; medians of "
+          f"{args.repeats} repeats")
+    print("| batch | mode | ms/token | speedup vs AR | step ms | step cost vs AR | tokens/step | acceptance | "
+          "proposer ms/step (share) | greedy == AR |\n|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['batch_size']} | {r['ar_ms_per_token']:.3f} | {r['redrafter_ms_per_token']:.3f} | "
-              f"{r['speedup']:.2f}x | {r['ar_step_ms']:.3f} | {r['redrafter_step_ms']:.3f} | "
-              f"{r['step_cost_ratio']:.2f} | {r['tokens_per_step']:.2f} | {r['greedy_outputs_equal']} |")
-    total = sum(phases.values()) or 1.0
-    print("ReDrafter step phases (batch 1, each phase timed alone): " + ", ".join(
-        f"{k} {phases.get(k, 0.0):.3f} ms ({100 * phases.get(k, 0.0) / total:.0f}%)" for k in PHASES))
+        acc = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
+        print(f"| {r['batch_size']} | {r['mode']} | {r['ms_per_token']:.3f} | {r['speedup']:.2f}x | {r['step_ms']:.3f} | "
+              f"{r['step_cost_ratio']:.2f} | {r['tokens_per_step']:.2f} | {acc} | "
+              f"{r['propose_ms_per_step']:.3f} ({100 * r['propose_share']:.1f}%) | {r['greedy_outputs_equal']} |")
+    for name, h in hf.items():
+        print(f"| 1 | {name} | {h['ms_per_token']:.3f} | {h['speedup']:.2f}x | - | - | - | - | - | "
+              f"{h['greedy_outputs_equal']} |")
+    if phases:
+        total = sum(phases.values()) or 1.0
+        print("ReDrafter step phases (batch 1, each phase timed alone): " + ", ".join(
+            f"{k} {phases.get(k, 0.0):.3f} ms ({100 * phases.get(k, 0.0) / total:.0f}%)" for k in PHASES))
     print(json.dumps(summary))
     return 0
 
