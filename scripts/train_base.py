@@ -15,7 +15,6 @@ Defaults take ~5-10 minutes on 2 CPU cores; pass bigger sizes and --device cuda 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time

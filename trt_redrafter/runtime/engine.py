@@ -323,8 +323,9 @@ class Engine:
         """Whether `s`'s next tree is composed on the host (else drafted and packed inside the step)."""
         return s.mode == "redrafter" and (self.host_proposer is not None or s.proposer != "redrafter")
 
-    def _drafts_on_device(self, group: list[Sequence]) -> bool:
-        return self.host_proposer is None and self.drafter is not None and any(s.proposer != "ngram" for s in group)
+    def _drafts_on_device(self, proposers) -> bool:
+        """Whether the drafter runs for requests with these proposer names (any that is not ngram)."""
+        return self.host_proposer is None and self.drafter is not None and any(p != "ngram" for p in proposers)
 
     def _compose_on_host(self, seqs: list[Sequence], device_beams: dict[int, Optional[list[int]]],
                          cost_ratio: float) -> None:
@@ -387,7 +388,7 @@ class Engine:
         args = self._step_inputs([s.slot for s in group], T, max(s.ctx_len for s in group) + T)
         if kind == "ar":
             return self._unit(kind)(*args, rule, False)[:len(group)], t0
-        draft = self._drafts_on_device(group)
+        draft = self._drafts_on_device(s.proposer for s in group)
         mixed = draft and any(s.proposer == "mixed" for s in group)  # the host needs the device's beams
         variant = (rule, draft, mixed, *self._host_inputs(group, args[0].shape[0]))
         if self.timer.enabled:  # each phase its own unit, timed
@@ -462,7 +463,7 @@ class Engine:
         slots = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=dev)
         rule = self._rule(seqs)
         h = self.steps.prefill(slots, ids.to(dev), lengths.to(dev), rule)
-        rd = [i for i, s in enumerate(seqs) if s.mode == "redrafter" and self._drafts_on_device([s])]
+        rd = [i for i, s in enumerate(seqs) if s.mode == "redrafter" and self._drafts_on_device([s.proposer])]
         tree_len = [0] * len(seqs)
         if rd:
             if rule == "apple":
@@ -471,10 +472,11 @@ class Engine:
             for i, n in zip(rd, self.steps.draft_from_prompt(slots[idx], h[idx], rule == "apple").tolist()):
                 tree_len[i] = n
         host = [i for i, s in enumerate(seqs) if self._on_host(s)]
-        if host:  # the device's beams of these rows (mixed), read once per prompt
-            flat = self.state.beams[slots[torch.tensor(host, device=dev)]].flatten(1).tolist()
-            for i, row in zip(host, flat):
-                compose[seqs[i].seq_id] = row if i in rd else None
+        compose.update((seqs[i].seq_id, None) for i in host)
+        drafted = [i for i in host if i in rd]  # mixed: the host composes with the device's beams, read once
+        if drafted:
+            flat = self.state.beams[slots[torch.tensor(drafted, device=dev)]].flatten(1).tolist()
+            compose.update((seqs[i].seq_id, row) for i, row in zip(drafted, flat))
         return list(zip(self.state.true_tok[slots].tolist(), tree_len))
 
     # ---- warm-up ------------------------------------------------------------------------------------------
@@ -483,11 +485,11 @@ class Engine:
         (padding-slot batches only; other proposers' variants compile when first asked for)."""
         t0 = time.perf_counter()
         sizes = self.buckets if self.compiler.uses_graphs else sorted({1, min(2, self.build.max_batch_size)})
-        default = Sequence(-1, [0], SamplingConfig(), "redrafter", frozenset(), 1, proposer=self.cfg.proposer.proposer)
+        default = self.cfg.proposer.proposer
         draft = self._drafts_on_device([default])
-        mixed = draft and default.proposer == "mixed"
+        mixed = draft and default == "mixed"
         # (draft, return beams, host-composed trees in): see `_launch`; a mixed tree is host-composed on some steps
-        variants = [(draft, mixed, False)] if default.proposer == "redrafter" and self.host_proposer is None else \
+        variants = [(draft, mixed, False)] if default == "redrafter" and self.host_proposer is None else \
             [(draft, mixed, True)] + ([(draft, mixed, False)] if mixed else [])
         nb, bl = self.redrafter.num_beams, self.redrafter.beam_length
         with torch.inference_mode():

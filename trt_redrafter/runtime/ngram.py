@@ -127,6 +127,10 @@ class ModelNgrams:
     def vocab_size(self) -> int:
         return self.successors.shape[0]
 
+    def starts(self, token: int) -> tuple[int, ...]:
+        """First drafted tokens after `token`, best first: its successors, then the unigrams."""
+        return (*self._succ[token], *self._uni)
+
     def chains(self, length: int) -> list[list[int]]:
         """chain[t] = the `length` tokens the bigram table predicts after t, each the top-1 successor of the last."""
         out = self._chains.get(length)
@@ -193,7 +197,7 @@ class NgramProposer:
         if len(rows) < nb and self.table is not None:
             true, chain = seq.true_token, self._chain
             have = {r[1] for r in rows}  # one model draft per distinct first token
-            for first in (*self.table._succ[true], *self.table._uni):
+            for first in self.table.starts(true):
                 if len(rows) == nb:
                     break
                 if first not in have:
