@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 from ..backends import BACKENDS, default_backend, trtllm_available
-from ..checkpoint.convert import ConvertConfig, convert_base_checkpoint, convert_checkpoint
+from ..checkpoint.convert import DEFAULT_DTYPE, ConvertConfig, convert_base_checkpoint, convert_checkpoint
 from ..config import BuildConfig, ProposerConfig, ReDrafterConfig, load_recipe
 from ..errors import UserError
 from ..log import get_logger
@@ -61,18 +61,13 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"engine directory {out} already exists; pass --force to replace it or choose another path.")
     if args.drafter and not args.base_model:
         raise UserError("--drafter goes with --base-model (a --checkpoint already holds its drafter, if any).")
+    if args.base_model and not args.drafter and backend == "trtllm":
+        raise UserError("the trtllm backend builds ReDrafter engines and needs --drafter DIR; the N-gram proposers "
+                        "(an engine without a drafter) run on --backend torch.")
     if args.base_model:
         with tempfile.TemporaryDirectory(prefix=".ckpt-", dir=out.absolute().parent) as tmp:
             ckpt = Path(tmp) / "checkpoint"
-            if args.drafter:
-                _convert(args, recipe, ckpt)
-            else:
-                if backend == "trtllm":
-                    raise UserError("the trtllm backend builds ReDrafter engines and needs --drafter DIR; the N-gram "
-                                    "proposers (an engine without a drafter) run on --backend torch.")
-                opts = ConvertConfig.from_sources(recipe, args)
-                convert_base_checkpoint(args.base_model, ckpt, tp=opts.tp or args.tp or 1,
-                                        dtype=opts.dtype or "float16", workers=opts.workers)
+            _convert(args, recipe, ckpt)
             _build(backend, ckpt, out, build, args, recipe, tokenizer=args.tokenizer or args.base_model)
     else:
         _build(backend, Path(args.checkpoint), out, build, args, recipe, tokenizer=args.tokenizer)
@@ -81,7 +76,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _convert(args, recipe, ckpt: Path) -> None:
+    """--base-model (+ --drafter) -> a ReDrafter checkpoint, or without a drafter a plain LLaMA one."""
     opts = ConvertConfig.from_sources(recipe, args)
+    if not args.drafter:
+        convert_base_checkpoint(args.base_model, ckpt, tp=opts.tp or 1, dtype=opts.dtype or DEFAULT_DTYPE,
+                                workers=opts.workers)
+        return
     convert_checkpoint(args.drafter, ckpt, opts, ReDrafterConfig.from_sources(recipe, args), base_model=args.base_model,
                        recipe_model=(recipe or {}).get("model"), recipe_where=str(args.config or ""))
 
