@@ -65,7 +65,8 @@ class StepEvent:
 
 @dataclass
 class StepTimes:
-    """Wall time of decode steps by kind (launch to read-back, host bookkeeping excluded), for cost ratios."""
+    """Wall time of decode steps by kind (launch to read-back, host bookkeeping excluded), for cost ratios; and
+    under "propose" the host's drafting between steps (N-gram proposer, mixed trees)."""
 
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     steps: dict[str, int] = field(default_factory=lambda: defaultdict(int))
