@@ -31,7 +31,7 @@ def test_1x_layout():
     assert [cfg[k] for k in REDRAFTER_KEYS] == [2, 4096, 8192, True, 6, 4, True]
     assert cfg["mapping"] == {"world_size": 4, "gpus_per_node": 8, "cp_size": 1, "tp_size": 4, "pp_size": 1,
                               "moe_tp_size": 4, "moe_cluster_size": 1, "moe_ep_size": 1, "attn_tp_size": 4,
-                              "attn_cp_size": 1, "cp_config": {}, "auto_parallel": False}
+                              "attn_cp_size": 1, "cp_config": {}}
     assert cfg["quantization"]["quant_algo"] is None and cfg["quantization"]["exclude_modules"] is None
     assert (cfg["position_embedding_type"], cfg["head_size"], cfg["rotary_embedding_dim"]) == ("rope_gpt_neox", 128,
                                                                                               128)

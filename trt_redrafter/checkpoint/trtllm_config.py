@@ -11,8 +11,11 @@ Two layouts (TensorRT-LLM's `PretrainedConfig.to_dict()` and `examples/redrafter
   name HF never writes) and so always stored null; we store the real scaling so a rope-scaled model is not silently
   mis-rotated.
 
-Values that come from TensorRT-LLM defaults we cannot read at run time (moe, mapping, quantization field lists) follow
-the 1.0 sources; runtimes read only the model keys, `mapping.tp_size` and the `redrafter_*` keys.
+`mapping` and `quantization` are rebuilt by strict constructors (`Mapping.from_dict` and `QuantConfig.from_dict` are
+both `cls(**d)`: an unknown key is a TypeError), and their field lists differ between releases, so the 1.x format
+writes only the keys every supported release accepts (`MAPPING_KEYS` / `QUANT_KEYS` below, read from source) and
+leaves the rest to the constructors' defaults. Runtimes read only the model keys, `mapping.tp_size` and the
+`redrafter_*` keys.
 """
 
 from __future__ import annotations
@@ -33,25 +36,63 @@ REDRAFTER_KEYS = ("redrafter_num_layers", "redrafter_hidden_size", "redrafter_ex
 LOGITS_DTYPE = "float32"  # TensorRT-LLM's default logits_dtype
 GPUS_PER_NODE = 8  # Mapping default
 
+# Which `mapping` / `quantization` keys each TensorRT-LLM release line's constructor accepts (NVIDIA/TensorRT-LLM):
+# - Mapping.__init__, tensorrt_llm/mapping.py: @05ebebb2 (1.0-era; has auto_parallel, no enable_lm_head_tp_in_adp);
+#   @b35ac1b6 (version.py 1.2.0rc2; auto_parallel gone, removed by PR #8329 in Oct 2025 after main moved to 1.2;
+#   enable_lm_head_tp_in_adp added by PR #7571 in Sep 2025 while main was 1.1.0rc). `rank` is a parameter too, but
+#   PretrainedConfig.to_dict drops it.
+# - QuantConfig dataclass fields, tensorrt_llm/models/modeling_utils.py: @01ea6d79 (no mamba_ssm_cache_dtype) and
+#   @b35ac1b6 (1.2.0rc2, with it). For 1.1 the field could not be dated, so it counts as not accepted.
+# The release commits themselves (1.0.0 ae8270b7, 1.1.0 48b7b5d8) were not readable; lines 0.21/1.0/1.1 are inferred
+# from the dated pull requests above (docs/tensorrt-llm.md).
+_MAPPING_COMMON = ("world_size", "gpus_per_node", "cp_size", "cp_config", "tp_size", "pp_size", "moe_cluster_size",
+                   "moe_tp_size", "moe_ep_size", "attn_tp_size", "attn_cp_size", "enable_attention_dp")
+_QUANT_COMMON = ("quant_algo", "kv_cache_quant_algo", "group_size", "smoothquant_val", "clamp_val", "use_meta_recipe",
+                 "has_zero_point", "pre_quant_scale", "exclude_modules")
+ACCEPTED_KEYS: dict[str, dict[str, frozenset]] = {
+    "0.21": {"mapping": frozenset(_MAPPING_COMMON + ("auto_parallel",)), "quantization": frozenset(_QUANT_COMMON)},
+    "1.0": {"mapping": frozenset(_MAPPING_COMMON + ("auto_parallel",)), "quantization": frozenset(_QUANT_COMMON)},
+    "1.1": {"mapping": frozenset(_MAPPING_COMMON + ("auto_parallel", "enable_lm_head_tp_in_adp")),
+            "quantization": frozenset(_QUANT_COMMON)},
+    "1.2": {"mapping": frozenset(_MAPPING_COMMON + ("enable_lm_head_tp_in_adp",)),
+            "quantization": frozenset(_QUANT_COMMON + ("mamba_ssm_cache_dtype",))},
+}
+SUPPORTED_LINES = ("1.0", "1.1", "1.2")  # what the 1.x format (and the trtllm backend) must load in
+# what the 1.x format writes: keys every supported line accepts, in TensorRT-LLM's own to_dict order
+MAPPING_KEYS = tuple(k for k in ("world_size", "gpus_per_node", "cp_size", "tp_size", "pp_size", "moe_tp_size",
+                                 "moe_cluster_size", "moe_ep_size", "attn_tp_size", "attn_cp_size", "cp_config")
+                     if all(k in ACCEPTED_KEYS[line]["mapping"] for line in SUPPORTED_LINES))
+QUANT_KEYS = tuple(k for k in _QUANT_COMMON if all(k in ACCEPTED_KEYS[line]["quantization"] for line in SUPPORTED_LINES))
+
+
+def unaccepted_keys(config: dict, line: str) -> list[str]:
+    """`mapping.X` / `quantization.X` keys of a checkpoint config.json that release line `line` would reject."""
+    bad = []
+    for section in ("mapping", "quantization"):
+        d = config.get(section)
+        if isinstance(d, dict):
+            bad += [f"{section}.{k}" for k in d if k not in ACCEPTED_KEYS[line][section] | {"rank"}]
+    return bad
+
 
 def _mapping(tp: int, fmt: str) -> dict:
     if fmt == "legacy":
         return {"world_size": tp, "gpus_per_node": GPUS_PER_NODE, "cp_size": 1, "tp_size": tp, "pp_size": 1,
                 "moe_tp_size": tp, "moe_ep_size": 1}
-    return {"world_size": tp, "gpus_per_node": GPUS_PER_NODE, "cp_size": 1, "tp_size": tp, "pp_size": 1,
-            "moe_tp_size": tp, "moe_cluster_size": 1, "moe_ep_size": 1, "attn_tp_size": tp, "attn_cp_size": 1,
-            "cp_config": {}, "auto_parallel": False}
+    values = {"world_size": tp, "gpus_per_node": GPUS_PER_NODE, "cp_size": 1, "tp_size": tp, "pp_size": 1,
+              "moe_tp_size": tp, "moe_cluster_size": 1, "moe_ep_size": 1, "attn_tp_size": tp, "attn_cp_size": 1,
+              "cp_config": {}}
+    return {k: values[k] for k in MAPPING_KEYS}
 
 
 def _quantization(fmt: str) -> dict:
-    q: dict[str, Any] = {"quant_algo": None, "kv_cache_quant_algo": None, "group_size": 128, "smoothquant_val": 0.5,
-                         "clamp_val": None}
-    if fmt != "legacy":
-        q["use_meta_recipe"] = False
-    q.update({"has_zero_point": False, "pre_quant_scale": False, "exclude_modules": None})
-    if fmt != "legacy":
-        q["mamba_ssm_cache_dtype"] = None
-    return q
+    values: dict[str, Any] = {"quant_algo": None, "kv_cache_quant_algo": None, "group_size": 128,
+                              "smoothquant_val": 0.5, "clamp_val": None, "use_meta_recipe": False,
+                              "has_zero_point": False, "pre_quant_scale": False, "exclude_modules": None}
+    if fmt == "legacy":
+        del values["use_meta_recipe"]
+        return values
+    return {k: values[k] for k in QUANT_KEYS}
 
 
 def _moe() -> dict:
