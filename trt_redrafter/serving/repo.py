@@ -7,8 +7,8 @@ sequence limits) or the command line (paths), so nothing is stated twice.
 
 Layout written (REPO):
     ensemble/config.pbtxt
-    preprocessing/{config.pbtxt, 1/model.py}
-    postprocessing/{config.pbtxt, 1/model.py}
+    preprocessing/{config.pbtxt, 1/model.py, 1/trt_redrafter/}
+    postprocessing/{config.pbtxt, 1/model.py, 1/trt_redrafter/}
     tensorrt_llm/{config.pbtxt, 1/model.py}   torch backend: Python-backend decoupled engine model
     tensorrt_llm/{config.pbtxt, 1/}           tensorrtllm backend: TensorRT-LLM's C++ backend, decoding_mode redrafter
 """
@@ -34,6 +34,10 @@ REPO_BACKENDS = ("torch", "tensorrtllm")
 ENGINE_BACKEND_FOR = {"torch": "torch", "tensorrtllm": "trtllm"}  # repo backend -> engine backend it serves
 PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 TEXT_MODELS = ("ensemble", "preprocessing", "postprocessing")
+# The text models' own code, copied beside their model.py: a repository then loads in a stock tritonserver (NGC's
+# -trtllm-python-py3 container has transformers and numpy, not trt-redrafter) without any PYTHONPATH.
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]
+TEXT_MODULES = ("__init__.py", "errors.py", "serving/__init__.py", "serving/text.py")
 
 # torch only: a per-request `decoding_mode` ("redrafter" | "ar"; the same engine decodes either way) and `proposer`
 # ("redrafter" | "ngram" | "mixed"; what drafts the request's trees, default the engine's)
@@ -136,6 +140,9 @@ def render(spec: RepoSpec, templates: Path = TEMPLATES) -> dict[str, str]:
         if src.suffix == ".pbtxt":
             text = spec.header() + fill(text, values, str(src))
         out[rel] = text
+    for model in ("preprocessing", "postprocessing"):
+        for mod in TEXT_MODULES:
+            out[f"{model}/1/trt_redrafter/{mod}"] = (PACKAGE_ROOT / mod).read_text()
     return out
 
 

@@ -1,9 +1,14 @@
 """Triton adapter: TensorRT-LLM's postprocessing model (ids -> text); the logic is trt_redrafter.serving.text."""
 
 import json
+import os
+import sys
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
+
+# make-repo copies the text modules of trt_redrafter beside this file, so a stock tritonserver loads this model
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from trt_redrafter.serving.text import TextCodec
 

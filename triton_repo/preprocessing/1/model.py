@@ -1,9 +1,14 @@
 """Triton adapter: TensorRT-LLM's preprocessing model (text -> ids); the logic is trt_redrafter.serving.text."""
 
 import json
+import os
+import sys
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
+
+# make-repo copies the text modules of trt_redrafter beside this file, so a stock tritonserver loads this model
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from trt_redrafter.errors import UserError
 from trt_redrafter.serving.text import TextCodec
@@ -16,6 +21,11 @@ def _strings(tensor):
 def _id(request, name, default):
     t = pb_utils.get_input_tensor_by_name(request, name)
     return np.array([[default if t is None else int(t.as_numpy().reshape(-1)[0])]], dtype=np.int32)
+
+
+def _flag(request, name, default):
+    t = pb_utils.get_input_tensor_by_name(request, name)
+    return np.array([[default if t is None else bool(t.as_numpy().reshape(-1)[0])]], dtype=bool)
 
 
 class TritonPythonModel:
@@ -47,4 +57,7 @@ class TritonPythonModel:
             pb_utils.Tensor("STOP_WORDS_IDS", words["STOP_WORDS_IDS"]),
             pb_utils.Tensor("OUT_END_ID", _id(request, "END_ID", self.codec.end_id)),
             pb_utils.Tensor("OUT_PAD_ID", _id(request, "PAD_ID", self.codec.pad_id)),
+            # default true: the ensemble's acceptance outputs are always filled (TensorRT-LLM's C++ backend sends
+            # them only to requests that set return_perf_metrics)
+            pb_utils.Tensor("OUT_RETURN_PERF_METRICS", _flag(request, "RETURN_PERF_METRICS", True)),
         ])
