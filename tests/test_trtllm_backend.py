@@ -34,9 +34,13 @@ def _cli(*args) -> int:
 
 @pytest.fixture(scope="module")
 def tiny_ckpt(tmp_path_factory) -> tuple[Path, Path]:
-    """(HF base dir with tokenizer, fp16 ReDrafter checkpoint dir) of a tiny random Llama + drafter."""
+    """(HF base dir with tokenizer, fp16 ReDrafter checkpoint dir) of a tiny random Llama + drafter, with a head size
+    TensorRT-LLM's attention plugin builds (32; test_trtllm_sources checks it against the plugin's list)."""
+    from test_trtllm_sources import TRTLLM_TINY
+
     root = tmp_path_factory.mktemp("trtllm-tiny")
-    assert _cli("make-tiny", "--output", root / "tiny", "--seed", 5) == 0
+    sizes = [a for k, v in TRTLLM_TINY.items() for a in (f"--{k.replace('_', '-')}", v)]
+    assert _cli("make-tiny", "--output", root / "tiny", "--seed", 5, *sizes) == 0
     ckpt = root / "ckpt"
     assert _cli("convert", "--base-model", root / "tiny" / "base", "--drafter", root / "tiny" / "drafter",
                 "--output", ckpt, "--dtype", "float16", "--num-beams", NB, "--draft-len-per-beam", DL) == 0
@@ -191,7 +195,7 @@ def test_trtllm_greedy_equals_torch_backend_greedy(trtllm_engine, tiny_ckpt, tmp
                 "--max-batch-size", 4, "--max-input-len", 64, "--max-seq-len", 160, "--tokenizer", base) == 0
     prompts = ["1,17,42,5,9", "3,3,8", "200,11,7,64,2,90,31"]
     got = _run_json(trtllm_engine, prompts, 24)
-    want = _run_json(torch_engine, prompts, 24, "--drafter-semantics", "trtllm")
+    want = _run_json(torch_engine, prompts, 24)
     assert [d["output_ids"] for d in got] == [d["output_ids"] for d in want]
     assert all(len(d["output_ids"]) == 24 and d["finish_reason"] == "length" for d in got)
     assert all(d["backend"] == "trtllm" and d["ms_per_token"] > 0 for d in got)

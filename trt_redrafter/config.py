@@ -31,7 +31,7 @@ DTYPES = ("float16", "bfloat16", "float32")
 # The vocabularies of mode strings, named once.
 DecodingMode = Literal["redrafter", "ar"]  # how a request is decoded: speculatively, or one token per step
 AcceptanceRule = Literal["greedy", "exact", "apple"]  # see decoding/acceptance.py
-DrafterSemantics = Literal["apple", "trtllm"]  # see model/drafter.py
+DrafterSemantics = Literal["apple", "trtllm-0.13"]  # see model/drafter.py
 CompileMode = Literal["auto", "off", "inductor", "cudagraphs", "inductor+cudagraphs"]
 KernelChoice = Literal["auto", "triton", "torch"]
 ProposerName = Literal["redrafter", "ngram", "mixed"]  # what fills a speculative request's draft tree
@@ -280,6 +280,13 @@ class BuildConfig(ConfigBase):
     max_tokens_in_paged_kv_cache: int = _f(0, help="KV-cache capacity in tokens (torch backend); 0 sizes it for "
                                                    "max_batch_size requests of max_seq_len tokens")
     dtype: str = _f("", help="compute dtype; empty means the checkpoint's dtype", choices=DTYPES + ("",))
+    drafter_semantics: str = _f("apple", help="the drafter's math baked into the engine: apple (what Apple's trainer "
+                                              "and train-drafter optimise, and what TensorRT-LLM >= 0.14's "
+                                              "ReDrafterForLLaMALM graph computes: SiLU on the RNN state update, "
+                                              "beam search over the top-50 warp) or trtllm-0.13 (the graph of "
+                                              "TensorRT-LLM <= 0.13, which omits both; torch backend only); greedy "
+                                              "output is the same either way, the drafts and so the speed are not "
+                                              "(model/drafter.py)", choices=DRAFTER_SEMANTICS)
 
     def validate(self) -> None:
         for n in ("max_batch_size", "max_input_len", "max_seq_len", "kv_block_size"):
@@ -293,6 +300,9 @@ class BuildConfig(ConfigBase):
             raise _bad(self.SECTION, "max_num_tokens", "0 (derive) or a positive integer", self.max_num_tokens)
         if self.dtype not in DTYPES + ("",):
             raise _bad(self.SECTION, "dtype", f"one of {', '.join(DTYPES)}", self.dtype)
+        if self.drafter_semantics not in DRAFTER_SEMANTICS:
+            raise _bad(self.SECTION, "drafter_semantics", f"one of {', '.join(DRAFTER_SEMANTICS)}",
+                       self.drafter_semantics)
 
     def resolved_max_num_tokens(self, redrafter: ReDrafterConfig | None) -> int:
         """trtllm-build raises max_num_tokens to at least max_batch_size * (max_draft_len + 1)."""
@@ -406,8 +416,9 @@ class RuntimeConfig(ConfigBase):
 
     device: str = _f("auto", help="auto (CUDA when visible), cpu or cuda", choices=("auto", "cpu", "cuda"))
     dtype: str = _f("", help="compute dtype; empty means the engine's", choices=DTYPES + ("",))
-    drafter_semantics: str = _f("apple", help="drafter state update: Apple's trained math or TensorRT-LLM's engine "
-                                              "math (model/drafter.py)", choices=DRAFTER_SEMANTICS)
+    drafter_semantics: str = _f("", help="override the engine's drafter math (build-engine --drafter-semantics): "
+                                         "apple or trtllm-0.13; empty means the engine's (model/drafter.py)",
+                                choices=DRAFTER_SEMANTICS + ("",))
     kv_cache_tokens: int = _f(0, help="KV-cache capacity in tokens; 0 means the engine's")
     compile: str = _f("auto", help="decode-step compilation: off (eager), inductor (torch.compile), cudagraphs "
                                    "(captured per batch bucket), inductor+cudagraphs; auto: cudagraphs on CUDA, "
@@ -422,7 +433,7 @@ class RuntimeConfig(ConfigBase):
     def validate(self) -> None:
         s = self.SECTION
         for name, allowed in (("device", ("auto", "cpu", "cuda")), ("dtype", DTYPES + ("",)),
-                              ("drafter_semantics", DRAFTER_SEMANTICS), ("compile", COMPILE_MODES),
+                              ("drafter_semantics", DRAFTER_SEMANTICS + ("",)), ("compile", COMPILE_MODES),
                               ("kernels", KERNEL_CHOICES)):
             if getattr(self, name) not in allowed:
                 raise _bad(s, name, f"one of {', '.join(a for a in allowed if a)}", getattr(self, name))

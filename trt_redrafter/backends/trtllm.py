@@ -39,6 +39,10 @@ logger = get_logger(__name__)
 
 TRTLLM_SUPPORTED = ">=1.0,<1.3"
 MARKER_FILE = "trt_redrafter.json"
+# Head sizes TensorRT-LLM's attention plugin builds (masked multi-head attention kernels); any other aborts the
+# build inside TensorRT ("Head size N is not supported by MMHA"). HEAD_SIZES_SOURCE says where it was read.
+MMHA_HEAD_SIZES = (32, 48, 64, 80, 96, 104, 112, 128, 144, 160, 192, 224, 256)
+HEAD_SIZES_SOURCE = "cpp/tensorrt_llm/kernels/decoderMaskedMultiheadAttention"
 
 _INSTALL_HINT = ("run inside NVIDIA's NGC container nvcr.io/nvidia/tritonserver:<yy.mm>-trtllm-python-py3 (one whose "
                  "TensorRT-LLM is 1.0-1.2) or `pip install tensorrt_llm==1.2.* --extra-index-url https://pypi.nvidia.com`, "
@@ -109,6 +113,43 @@ def trtllm_build_argv(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, b
         "--context_fmha", "enable",
         "--use_paged_context_fmha", "enable",
     ]
+
+
+def check_buildable(info, build: BuildConfig, ckpt_dir: Path) -> None:
+    """What TensorRT-LLM 1.0-1.2 would refuse late (or with a raw traceback), refused before it is imported."""
+    from ..checkpoint.trtllm_config import REDRAFTER_ARCH
+
+    where = f"{ckpt_dir}/config.json"
+    if info.redrafter is None:
+        raise UserError(f"{ckpt_dir} has no drafter; the trtllm backend builds ReDrafter engines only (the N-gram "
+                        f"proposers run on --backend torch).")
+    if info.architecture != REDRAFTER_ARCH["1.x"]:
+        # PretrainedConfig.from_dict indexes MODEL_MAP[config['architecture']] first: a bare KeyError otherwise
+        raise UserError(f"{where} has architecture {info.architecture!r}, the legacy format of TensorRT-LLM <= 0.21, "
+                        f"which TensorRT-LLM {TRTLLM_SUPPORTED} cannot load; re-convert with --trtllm-format 1.x "
+                        f"(architecture {REDRAFTER_ARCH['1.x']}).")
+    head = info.model.head_size
+    if head not in MMHA_HEAD_SIZES:
+        raise UserError(f"{where} has head size {head} (hidden {info.model.hidden_size} / "
+                        f"{info.model.num_attention_heads} heads), which TensorRT-LLM's attention plugin does not "
+                        f"support (head sizes {', '.join(map(str, MMHA_HEAD_SIZES))}); use --backend torch for "
+                        f"this model.")
+    if build.drafter_semantics != "apple":
+        raise UserError(f"--drafter-semantics {build.drafter_semantics} is the drafter math of TensorRT-LLM <= 0.13; "
+                        f"TensorRT-LLM {TRTLLM_SUPPORTED} builds only Apple's (--drafter-semantics apple, the "
+                        f"default); use --backend torch to run the old math.")
+
+
+def check_release_accepts(info, version: str, ckpt_dir: Path) -> None:
+    """The installed release's Mapping/QuantConfig take every key the checkpoint holds (else a bare TypeError)."""
+    from ..checkpoint.trtllm_config import unaccepted_keys
+
+    line = ".".join(version.split(".")[:2])
+    bad = unaccepted_keys(info.raw, line)
+    if bad:
+        raise UserError(f"{ckpt_dir}/config.json holds {', '.join(bad)}, which TensorRT-LLM {version}'s "
+                        f"Mapping/QuantConfig do not accept; re-convert it with `trt-redrafter convert` (it writes "
+                        f"only keys that TensorRT-LLM {TRTLLM_SUPPORTED} all accept).")
 
 
 def _trtllm_build_config(argv: list[str]):
@@ -214,15 +255,14 @@ def build_trtllm_engine(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike,
 
     ckpt_dir, out_dir = Path(ckpt_dir).absolute(), Path(out_dir).absolute()
     info = check_checkpoint(ckpt_dir, tp)
-    if info.redrafter is None:
-        raise UserError(f"{ckpt_dir} has no drafter; the trtllm backend builds ReDrafter engines only (the N-gram "
-                        f"proposers run on --backend torch).")
+    check_buildable(info, build, ckpt_dir)
     if build.dtype and build.dtype != info.model.dtype:
         raise UserError(f"the trtllm backend builds in the checkpoint's dtype ({info.model.dtype}) but "
                         f"--dtype {build.dtype} was asked; re-run convert with --dtype {build.dtype} or drop --dtype.")
     if tokenizer_dir is not None and not any((Path(tokenizer_dir) / f).is_file() for f in TOKENIZER_FILES):
         raise UserError(f"--tokenizer {tokenizer_dir} holds no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}).")
     tensorrt_llm = require_trtllm()
+    check_release_accepts(info, str(tensorrt_llm.__version__), ckpt_dir)
     n_workers = max(1, min(workers, _gpu_count() or 1))
     log_level = os.environ.get("TRT_REDRAFTER_TRTLLM_LOG", "info")
 

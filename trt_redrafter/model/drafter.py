@@ -6,10 +6,15 @@ from the embeddings (the base model's table) of the tokens drafted so far.
     logits = lm_head(ResBlock^L(input_proj?([h ; s])))       ResBlock(x) = x + SiLU(W x + b)
 
 State update, by `semantics`:
-    "apple"  (default; what Apple's trainer optimises)  s0 = 0;  s' = SiLU(rnn_w e + rnn_u s)   (rnn)
-    "trtllm" (TensorRT-LLM's engine math)               s' = rnn_w e  at step 0, rnn_w e + rnn_u s later
+    "apple"        (default)  s0 = 0;  s' = SiLU(rnn_w e + rnn_u s)                      (rnn)
+    "trtllm-0.13"             s' = rnn_w e  at step 0, rnn_w e + rnn_u s later
     without rnn, both use the cumulative embedding sum  s' = e + s.
-Apple also warps drafter logits to the top 50 before the beam search; that lives in `decoding.beam_search`.
+"apple" is what Apple's trainer optimises and what TensorRT-LLM's ReDrafterForLLaMALM graph computes since 0.14
+(PR #2297 "match Apple's ReDrafter v1.1": `_beam_search_candidates` in tensorrt_llm/models/redrafter/
+redrafter_helper.py applies `silu(drafter.rnn_w(embedding(last_tokens)) + drafter.rnn_u(state))` from a zero state,
+then `warp_logits` top-50), so TensorRT-LLM 1.0-1.2 engines draft the same beams. "trtllm-0.13" is the older graph
+(`Drafter.rnn_embed`, no SiLU, no warp), kept to reproduce engines of those releases. Apple's top-50 warp of the
+drafter logits lives in `decoding.beam_search` (runtime/proposer.py turns it on for "apple").
 """
 
 from __future__ import annotations
@@ -18,10 +23,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..config import DrafterConfig
+from ..config import DRAFTER_SEMANTICS, DrafterConfig
 from .tp import Dist
 
-SEMANTICS = ("apple", "trtllm")
+SEMANTICS = DRAFTER_SEMANTICS
 
 
 class DrafterRank(nn.Module):
@@ -60,7 +65,7 @@ class DrafterRank(nn.Module):
             return emb + state
         w, u, ub = self.rnn
         we = self._col(emb, w)
-        if self.semantics == "trtllm":
+        if self.semantics == "trtllm-0.13":
             return we if step == 0 else we + self._col(state, u, ub)
         return F.silu(we + self._col(state, u, ub))
 

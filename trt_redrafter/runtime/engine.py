@@ -118,7 +118,8 @@ class Engine:
         self.dtype = torch_dtype(runtime.dtype or self.build.dtype or info.model.dtype)
         per_seq = self.build.max_seq_len + rd.max_tree_tokens  # a full request plus one draft tree
         self.model = LlamaRank(info.model, tensors, dist, self.dtype, per_seq)
-        self.drafter = DrafterRank(info.drafter, tensors, dist, self.dtype, runtime.drafter_semantics) \
+        semantics = runtime.drafter_semantics or self.build.drafter_semantics
+        self.drafter = DrafterRank(info.drafter, tensors, dist, self.dtype, semantics) \
             if info.drafter is not None else None
         del tensors
         self.vocab_size = info.model.vocab_size
