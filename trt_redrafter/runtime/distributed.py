@@ -43,11 +43,16 @@ def mpi_world() -> tuple[int, int]:
 
 def mpirun_prefix(n: int, what: str) -> list[str]:
     """`mpirun -n N` with what Open MPI needs for ranks on one box (and as root); `what` says who needs them."""
+    return mpirun_options(n, what) + ["-n", str(n)]
+
+
+def mpirun_options(n: int, what: str) -> list[str]:
+    """`mpirun` and its global options, before one or more `-n K program` application contexts."""
     mpirun = shutil.which("mpirun")
     if mpirun is None:
         raise UserError(f"{what} needs {n} MPI rank(s) but mpirun is not installed; install Open MPI "
                         f"(apt-get install openmpi-bin) and mpi4py (pip install 'trt-redrafter[mpi]').")
-    cmd = [mpirun, "-n", str(n), "--bind-to", "none", "--oversubscribe"]
+    cmd = [mpirun, "--bind-to", "none", "--oversubscribe"]
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         cmd.append("--allow-run-as-root")
     return cmd

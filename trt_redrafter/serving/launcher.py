@@ -7,6 +7,14 @@ interpreter's X.Y, `LD_LIBRARY_PATH` starting with this interpreter's libpython 
 3.X.Y build's and crash) and the wheel's vendored libraries, and this interpreter's bin directory first on PATH
 (the stub finds its prefix, and so NumPy < 2, through `python3` on PATH; NumPy 2 silently corrupts tensors).
 
+A `tensorrtllm` repository (make-repo --backend tensorrtllm: TensorRT-LLM's C++ backend) runs the way
+TensorRT-LLM's `scripts/launch_triton_server.py` starts it (tensorrtllm_backend @ c2e65b8, `get_cmd`): one
+tritonserver per TP rank under one mpirun, `mpirun --allow-run-as-root -n 1 tritonserver ARGS0 : -n 1 tritonserver
+ARGS1 : ...`, every rank with the same ports and `--disable-auto-complete-config
+--backend-config=python,shm-region-prefix-name=<prefix><rank>_`, ranks > 0 with `--model-control-mode=explicit
+--load-model=tensorrt_llm`. The backend's leader (rank 0) serves; the others stay inside the engine's model load,
+so they never bind the ports. mpirun forwards the SIGINT below to every rank.
+
 Shutdown order (SIGINT alone breaks ensemble streams that are still open, and can leave the stub and a
 /dev/shm region behind):
     1. drain   a `stop=true` request with id DRAIN_REQUEST_ID ends every open stream with a final response
@@ -114,6 +122,7 @@ class TritonServer:
         self.repo = Path(repo).absolute()
         if not (self.repo / "ensemble" / "config.pbtxt").is_file() and not any(self.repo.glob("*/config.pbtxt")):
             raise UserError(f"{self.repo} is not a Triton model repository; make one with `trt-redrafter make-repo`.")
+        self.engine_backend, self.world_size = repo_engine(self.repo)
         self.host, self.grpc_port, self.http_port, self.metrics_port = host, grpc_port, http_port, metrics_port
         self.ready_timeout, self.exit_timeout, self.verbose = ready_timeout, exit_timeout, verbose
         self.shm_prefix = f"{SHM_PREFIX_STEM}{os.getpid()}x{int(time.time() * 1e3) % 100000}_"
@@ -138,13 +147,27 @@ class TritonServer:
 
     # ---- start -----------------------------------------------------------------------------------------------
     def command(self, binary: Path, backends: Optional[Path]) -> list[str]:
+        if self.engine_backend != "tensorrtllm":
+            return self._server_args(binary, backends, self.shm_prefix)
+        from ..runtime.distributed import mpirun_options
+
+        cmd = mpirun_options(self.world_size, "a tensorrtllm repository")
+        for rank in range(self.world_size):
+            cmd += ["-n", "1", *self._server_args(binary, backends, f"{self.shm_prefix}{rank}_")]
+            if rank:
+                cmd += ["--model-control-mode=explicit", f"--load-model={ENGINE_MODEL}"]
+            cmd.append(":")
+        return cmd[:-1]
+
+    def _server_args(self, binary: Path, backends: Optional[Path], shm_prefix: str) -> list[str]:
         cmd = [str(binary), f"--model-repository={self.repo}", "--disable-auto-complete-config",
                f"--http-address={self.host}", f"--http-port={self.http_port}",
                f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
                f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
-               "--allow-gpu-metrics=false",
-               f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
+               f"--backend-config=python,shm-region-prefix-name={shm_prefix}",
                f"--exit-timeout-secs={self.exit_timeout}"]
+        if self.engine_backend != "tensorrtllm":
+            cmd.append("--allow-gpu-metrics=false")
         if backends is not None:
             cmd.append(f"--backend-directory={backends}")
         if self.verbose:
@@ -153,6 +176,12 @@ class TritonServer:
 
     def start(self) -> "TritonServer":
         binary, bundled = find_tritonserver()
+        if self.engine_backend == "tensorrtllm":
+            try:
+                require_tensorrtllm_backend(binary, bundled)
+            except UserError:
+                shutil.rmtree(self._tmp, ignore_errors=True)
+                raise
         backends = _bundled_backends(binary.parents[1], self._tmp / "backends") if bundled else None
         cmd = self.command(binary, backends)
         logger.debug("starting %s", " ".join(cmd))
@@ -283,6 +312,33 @@ class TritonServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def repo_engine(repo: Path) -> tuple[str, int]:
+    """(engine model's backend, ranks to launch) of a repository: ("python", 1) for the torch engine model (it
+    starts its own follower ranks), ("tensorrtllm", tp) for TensorRT-LLM's C++ backend (one server per rank)."""
+    cfg = repo / ENGINE_MODEL / "config.pbtxt"
+    text = cfg.read_text() if cfg.is_file() else ""
+    m = re.search(r'^\s*backend:\s*"([^"]+)"', text, re.M)
+    if m is None or m.group(1) != "tensorrtllm":
+        return (m.group(1) if m else ""), 1
+    path = re.search(r'key:\s*"gpt_model_path"\s*value:\s*\{\s*string_value:\s*"([^"]*)"', text)
+    from ..runtime.engine_config import load_engine_config
+
+    if path is None:
+        raise UserError(f"{cfg} has no gpt_model_path parameter; remake the repository with `trt-redrafter make-repo`.")
+    return "tensorrtllm", load_engine_config(path.group(1)).tp_size
+
+
+def require_tensorrtllm_backend(binary: Path, bundled: bool) -> Path:
+    """TensorRT-LLM's Triton backend next to `binary`, or one UserError saying where to get it."""
+    backend = binary.parents[1] / "backends" / "tensorrtllm"
+    if bundled or not backend.is_dir():
+        raise UserError(f"this repository's tensorrt_llm model runs on TensorRT-LLM's Triton backend, which "
+                        f"{binary} does not have ({backend} is missing); serve it inside NVIDIA's container "
+                        f"nvcr.io/nvidia/tritonserver:<yy.mm>-trtllm-python-py3 (docs/tensorrt-llm.md lists the "
+                        f"tags of TensorRT-LLM 1.0-1.2).")
+    return backend
 
 
 def _signal(pid: int, sig: int) -> None:
