@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from trt_redrafter.backends import trtllm as backend
+from trt_redrafter.checkpoint.convert import convert_base_checkpoint
 from trt_redrafter.checkpoint.trtllm_config import parse_checkpoint_config
 from trt_redrafter.cli import main as cli
 from trt_redrafter.config import BuildConfig
@@ -89,6 +90,25 @@ def test_build_argv_is_the_documented_trtllm_build_command(tiny_ckpt, tmp_path):
         "--kv_cache_type": "paged", "--remove_input_padding": "enable", "--context_fmha": "enable",
         "--use_paged_context_fmha": "enable",
     }
+
+
+def test_build_argv_of_a_plain_checkpoint_is_the_auto_regressive_engine(tiny_ckpt, tmp_path):
+    base, _ = tiny_ckpt
+    plain = tmp_path / "plain"
+    convert_base_checkpoint(base, plain, tp=1, dtype="float16")
+    info = parse_checkpoint_config(read_json(plain / "config.json", "ckpt"), "ckpt")
+    assert info.redrafter is None
+    argv = backend.trtllm_build_argv(plain, tmp_path / "eng", BuildConfig(max_input_len=64, max_seq_len=160), info)
+    assert "--speculative_decoding_mode" not in argv and argv[argv.index("--gemm_plugin") + 1] == "float16"
+
+
+@pytest.mark.skipif(HAVE_TRTLLM, reason="tensorrt_llm is installed here")
+def test_build_engine_cli_without_tensorrt_llm_names_what_to_install(tiny_ckpt, tmp_path, capsys):
+    _, ckpt = tiny_ckpt
+    assert _cli("build-engine", "--checkpoint", ckpt, "--output", tmp_path / "e", "--backend", "trtllm") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "tensorrt_llm is not installed" in err[0] and "pip install tensorrt_llm" in err[0]
+    assert not (tmp_path / "e").exists()
 
 
 @pytest.mark.skipif(HAVE_TRTLLM, reason="tensorrt_llm is installed here")
@@ -200,3 +220,69 @@ def test_trtllm_greedy_equals_torch_backend_greedy(trtllm_engine, tiny_ckpt, tmp
     assert all(len(d["output_ids"]) == 24 and d["finish_reason"] == "length" for d in got)
     assert all(d["backend"] == "trtllm" and d["ms_per_token"] > 0 for d in got)
 
+
+
+@pytest.fixture(scope="module")
+def trtllm_ar_engine(tiny_ckpt, tmp_path_factory) -> Path:
+    """TensorRT-LLM's auto-regressive engine of the same base (a plain LLaMA checkpoint through the same build)."""
+    pytest.importorskip("tensorrt_llm", reason=SKIP_REASON)
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip(SKIP_REASON)
+    base, _ = tiny_ckpt
+    root = tmp_path_factory.mktemp("trtllm-ar")
+    convert_base_checkpoint(base, root / "plain", tp=1, dtype="float16")
+    return backend.build_trtllm_engine(root / "plain", root / "engine", BuildConfig(max_batch_size=4, max_input_len=64,
+                                                                                      max_seq_len=160), None,
+                                       tokenizer_dir=base)
+
+
+@pytest.mark.trtllm
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_trtllm_greedy_redrafter_equals_trtllm_greedy_ar(trtllm_engine, trtllm_ar_engine):
+    prompts = ["1,17,42,5,9", "3,3,8", "200,11,7,64,2,90,31"]
+    assert [d["output_ids"] for d in _run_json(trtllm_engine, prompts, 24)] == \
+        [d["output_ids"] for d in _run_json(trtllm_ar_engine, prompts, 24)]
+
+
+@pytest.mark.trtllm
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_trtllm_tp2_equals_tp1(trtllm_engine, tiny_ckpt, tmp_path):
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("TP=2 needs two GPUs")
+    base, _ = tiny_ckpt
+    ckpt2 = tmp_path / "ckpt-tp2"
+    assert _cli("convert", "--base-model", base, "--drafter", base.parent / "drafter", "--output", ckpt2,
+                "--dtype", "float16", "--tp", 2, "--num-beams", NB, "--draft-len-per-beam", DL) == 0
+    eng2 = backend.build_trtllm_engine(ckpt2, tmp_path / "engine-tp2", BuildConfig(max_batch_size=4, max_input_len=64,
+                                                                                    max_seq_len=160), 2,
+                                       tokenizer_dir=base)
+    prompts = ["1,17,42,5,9", "3,3,8"]
+    assert [d["output_ids"] for d in _run_json(eng2, prompts, 24)] == \
+        [d["output_ids"] for d in _run_json(trtllm_engine, prompts, 24)]
+
+
+@pytest.mark.trtllm
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/opt/tritonserver/backends/tensorrtllm").is_dir(),
+                    reason="needs TensorRT-LLM's Triton backend (NGC tritonserver:<yy.mm>-trtllm-python-py3 container)")
+def test_tensorrtllm_triton_model_serves_a_request(trtllm_engine, tmp_path):
+    from trt_redrafter.runtime.distributed import free_port
+    from trt_redrafter.serving.client import GenerationRequest, generate_one
+    from trt_redrafter.serving.launcher import TritonServer
+    from trt_redrafter.serving.repo import make_repo
+
+    make_repo(trtllm_engine, tmp_path / "repo")
+    want = _run_json(trtllm_engine, ["1,17,42,5,9"], 16)[0]["output_ids"]
+    with TritonServer(tmp_path / "repo", grpc_port=free_port(), http_port=free_port(),
+                      metrics_port=free_port()) as srv:
+        res = generate_one(srv.grpc_url, GenerationRequest(prompt_ids=[1, 17, 42, 5, 9], max_tokens=16, end_id=-1),
+                           model="tensorrt_llm", timeout=120)
+    assert res.error is None and res.output_ids == want
+    assert res.stats["total_draft_tokens"] > 0  # return_perf_metrics reached the backend

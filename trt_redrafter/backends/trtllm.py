@@ -98,11 +98,12 @@ def trtllm_build_argv(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, b
     tensorrt_llm/plugin/plugin.py (`add_plugin_argument`).
     """
     dtype = info.model.dtype
+    spec = ["--speculative_decoding_mode", "explicit_draft_tokens"] if info.redrafter is not None else []
     return [
         "--checkpoint_dir", str(ckpt_dir),
         "--output_dir", str(out_dir),
         "--gemm_plugin", dtype,
-        "--speculative_decoding_mode", "explicit_draft_tokens",
+        *spec,
         "--max_beam_width", "1",
         "--max_batch_size", str(build.max_batch_size),
         "--max_input_len", str(build.max_input_len),
@@ -120,10 +121,8 @@ def check_buildable(info, build: BuildConfig, ckpt_dir: Path) -> None:
     from ..checkpoint.trtllm_config import REDRAFTER_ARCH
 
     where = f"{ckpt_dir}/config.json"
-    if info.redrafter is None:
-        raise UserError(f"{ckpt_dir} has no drafter; the trtllm backend builds ReDrafter engines only (the N-gram "
-                        f"proposers run on --backend torch).")
-    if info.architecture != REDRAFTER_ARCH["1.x"]:
+    # a plain LLaMA checkpoint (no drafter) builds TensorRT-LLM's auto-regressive engine: the AR baseline
+    if info.redrafter is not None and info.architecture != REDRAFTER_ARCH["1.x"]:
         # PretrainedConfig.from_dict indexes MODEL_MAP[config['architecture']] first: a bare KeyError otherwise
         raise UserError(f"{where} has architecture {info.architecture!r}, the legacy format of TensorRT-LLM <= 0.21, "
                         f"which TensorRT-LLM {TRTLLM_SUPPORTED} cannot load; re-convert with --trtllm-format 1.x "
@@ -134,7 +133,7 @@ def check_buildable(info, build: BuildConfig, ckpt_dir: Path) -> None:
                         f"{info.model.num_attention_heads} heads), which TensorRT-LLM's attention plugin does not "
                         f"support (head sizes {', '.join(map(str, MMHA_HEAD_SIZES))}); use --backend torch for "
                         f"this model.")
-    if build.drafter_semantics != "apple":
+    if info.redrafter is not None and build.drafter_semantics != "apple":
         raise UserError(f"--drafter-semantics {build.drafter_semantics} is the drafter math of TensorRT-LLM <= 0.13; "
                         f"TensorRT-LLM {TRTLLM_SUPPORTED} builds only Apple's (--drafter-semantics apple, the "
                         f"default); use --backend torch to run the old math.")
@@ -246,7 +245,8 @@ def _gpu_count() -> int:
 def build_trtllm_engine(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, build: BuildConfig,
                         tp: int | None, tokenizer_dir: str | os.PathLike | None = None, force: bool = False,
                         workers: int = 1) -> Path:
-    """Build a TensorRT-LLM ReDrafter engine dir from a checkpoint, as the equivalent `trtllm-build` would.
+    """Build a TensorRT-LLM engine dir from a checkpoint, as the equivalent `trtllm-build` would: a ReDrafter
+    engine from a ReDrafter checkpoint, TensorRT-LLM's auto-regressive engine from a plain LLaMA one.
 
     Ranks are built one after another, or in a spawned process pool of `workers` (capped at the number of
     GPUs, rank r on GPU r % workers), like trtllm-build's `parallel_build` without MPI.
@@ -334,21 +334,23 @@ def run_trtllm(args: argparse.Namespace, ecfg) -> int:
     from ..commands.run import load_prompts, mpirun_command, resolve_end_id
     from ..runtime.distributed import in_mpi_world
 
-    if getattr(args, "mode", "redrafter") == "ar":
+    redrafter = ecfg.checkpoint.redrafter  # None: a plain (auto-regressive) TensorRT-LLM engine
+    if getattr(args, "mode", "redrafter") == "ar" and redrafter is not None:
         raise UserError(f"{args.engine} is a TensorRT-LLM ReDrafter engine, which always decodes speculatively, so "
                         f"--mode ar cannot run on it; for auto-regressive numbers build a plain Llama engine "
                         f"(TensorRT-LLM's examples/models/core/llama/convert_checkpoint.py, then trtllm-build without "
                         f"--speculative_decoding_mode) or build this checkpoint with --backend torch, which runs both modes.")
     if getattr(args, "proposer", None) not in (None, "redrafter"):
-        raise UserError(f"{args.engine} is a TensorRT-LLM ReDrafter engine, whose drafts come from its drafter only; "
+        raise UserError(f"{args.engine} is a TensorRT-LLM engine, whose drafts (if any) come from its drafter only; "
                         f"--proposer {args.proposer} runs on torch-backend engines (build-engine --backend torch).")
     tp = ecfg.tp_size
     if tp > 1 and not in_mpi_world():
         return subprocess.call(mpirun_command(tp, args.argv))
 
     params = SamplingConfig.from_sources(None, args)
-    greedy_engine = ecfg.checkpoint.redrafter.greedy_search
-    _warn_ignored(args, params, greedy_engine)
+    greedy_engine = redrafter.greedy_search if redrafter is not None else params.greedy
+    if redrafter is not None:
+        _warn_ignored(args, params, greedy_engine)
     tokenizer, prompts = load_prompts(args)
     end_id = resolve_end_id(args, tokenizer)
     end_id = -1 if end_id is None else int(end_id)  # -1: no stop token; outputs are cut by sequence_lengths
@@ -363,6 +365,11 @@ def run_trtllm(args: argparse.Namespace, ecfg) -> int:
     sampling = {"random_seed": params.seed}
     if params.temperature > 0 and not greedy_engine:
         sampling["temperature"] = params.temperature
+    if redrafter is None:  # the AR engine samples with the request's settings; top_k 1 is greedy
+        if params.greedy:
+            sampling["top_k"] = 1
+        else:
+            sampling.update(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
     results = []
     for i in range(0, len(prompts), runner.max_batch_size):
         chunk = prompts[i:i + runner.max_batch_size]

@@ -2,7 +2,7 @@
 
 Without a drafter (an HF base alone, or a plain TensorRT-LLM LLaMA checkpoint) the torch backend builds an engine
 that speculates with the learning-free N-gram proposer (--proposer ngram; tree shape from --num-beams and
---draft-len-per-beam)."""
+--draft-len-per-beam); the trtllm backend builds TensorRT-LLM's auto-regressive engine from it (the AR baseline)."""
 
 from __future__ import annotations
 
@@ -52,8 +52,9 @@ def run(args: argparse.Namespace) -> int:
     if args.backend is None and backend == "torch":
         logger.info("tensorrt_llm is not importable here; building for the torch backend")
     if backend == "trtllm" and not trtllm_available():
-        raise UserError("--backend trtllm needs TensorRT-LLM (tensorrt_llm 1.0-1.2 on an NVIDIA GPU); "
-                        "use --backend torch on this machine.")
+        from ..backends.trtllm import require_trtllm
+
+        require_trtllm()  # one sentence naming what to install
     if args.tp is not None and args.tp <= 0:
         raise UserError(f"--tp must be a positive integer, got {args.tp}.")
     out = Path(args.output)
@@ -61,9 +62,6 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"engine directory {out} already exists; pass --force to replace it or choose another path.")
     if args.drafter and not args.base_model:
         raise UserError("--drafter goes with --base-model (a --checkpoint already holds its drafter, if any).")
-    if args.base_model and not args.drafter and backend == "trtllm":
-        raise UserError("the trtllm backend builds ReDrafter engines and needs --drafter DIR; the N-gram proposers "
-                        "(an engine without a drafter) run on --backend torch.")
     if args.base_model:
         with tempfile.TemporaryDirectory(prefix=".ckpt-", dir=out.absolute().parent) as tmp:
             ckpt = Path(tmp) / "checkpoint"

@@ -35,6 +35,7 @@ class GenerationRequest:
     prompt_ids: Optional[list[int]] = None  # engine model only: token ids instead of text
     decoding_mode: Optional[str] = None  # torch engine only: "redrafter" (default) | "ar"
     proposer: Optional[str] = None  # torch engine only: "redrafter" | "ngram" | "mixed" (default: the engine's)
+    return_perf_metrics: bool = True  # TensorRT-LLM's C++ backend sends the acceptance statistics only when asked
 
 
 @dataclass
@@ -109,6 +110,7 @@ def build_inputs(req: GenerationRequest, model: str = ENSEMBLE_MODEL, stop: bool
         inputs = [_tensor("text_input", np.array([[req.prompt.encode()]], dtype=object))]
     inputs.append(_tensor(n("max_tokens"), np.array([[req.max_tokens]], np.int32)))
     inputs.append(_tensor(n("stream"), np.array([[req.stream]], bool)))
+    inputs.append(_tensor("return_perf_metrics", np.array([[req.return_perf_metrics]], bool)))
     for key, value, dtype in (("temperature", req.temperature, np.float32), ("top_k", req.top_k, np.int32),
                               ("top_p", req.top_p, np.float32), ("seed", req.seed, np.uint64),
                               ("end_id", req.end_id, np.int32)):
