@@ -4,7 +4,7 @@ Pinned to TensorRT-LLM 1.0-1.2.x, the releases that still have `trtllm-build`, t
 `ReDrafterForLLaMALM`. `tensorrt_llm` is imported inside functions only, so this module imports everywhere.
 
 What each function does is what the TensorRT-LLM command line does, through its Python API; the source files
-followed are cited where they are used (paths inside the NVIDIA/TensorRT-LLM repository). See docs/trtllm.md
+followed are cited where they are used (paths inside the NVIDIA/TensorRT-LLM repository). See docs/tensorrt-llm.md
 for the API surface, what was verified and what was not.
 
 Engine directory written by `build_trtllm_engine` (OUT):
