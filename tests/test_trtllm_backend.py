@@ -162,17 +162,23 @@ def test_run_without_tensorrt_llm_is_one_clear_error(trtllm_marked_engine, capsy
 
 
 # ---- real TensorRT-LLM ------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def trtllm_engine(tiny_ckpt, tmp_path_factory) -> Path:
+LIMITS = BuildConfig(max_batch_size=4, max_input_len=64, max_seq_len=160)
+
+
+def _require_trtllm_gpu() -> None:
     pytest.importorskip("tensorrt_llm", reason=SKIP_REASON)
     import torch
 
     if not torch.cuda.is_available():
         pytest.skip(SKIP_REASON)
+
+
+@pytest.fixture(scope="module")
+def trtllm_engine(tiny_ckpt, tmp_path_factory) -> Path:
+    _require_trtllm_gpu()
     base, ckpt = tiny_ckpt
     out = tmp_path_factory.mktemp("trtllm-engine") / "engine"
-    backend.build_trtllm_engine(ckpt, out, BuildConfig(max_batch_size=4, max_input_len=64, max_seq_len=160),
-                                None, tokenizer_dir=base)
+    backend.build_trtllm_engine(ckpt, out, LIMITS, None, tokenizer_dir=base)
     return out
 
 
@@ -221,21 +227,14 @@ def test_trtllm_greedy_equals_torch_backend_greedy(trtllm_engine, tiny_ckpt, tmp
     assert all(d["backend"] == "trtllm" and d["ms_per_token"] > 0 for d in got)
 
 
-
 @pytest.fixture(scope="module")
 def trtllm_ar_engine(tiny_ckpt, tmp_path_factory) -> Path:
     """TensorRT-LLM's auto-regressive engine of the same base (a plain LLaMA checkpoint through the same build)."""
-    pytest.importorskip("tensorrt_llm", reason=SKIP_REASON)
-    import torch
-
-    if not torch.cuda.is_available():
-        pytest.skip(SKIP_REASON)
+    _require_trtllm_gpu()
     base, _ = tiny_ckpt
     root = tmp_path_factory.mktemp("trtllm-ar")
     convert_base_checkpoint(base, root / "plain", tp=1, dtype="float16")
-    return backend.build_trtllm_engine(root / "plain", root / "engine", BuildConfig(max_batch_size=4, max_input_len=64,
-                                                                                      max_seq_len=160), None,
-                                       tokenizer_dir=base)
+    return backend.build_trtllm_engine(root / "plain", root / "engine", LIMITS, None, tokenizer_dir=base)
 
 
 @pytest.mark.trtllm
@@ -259,9 +258,7 @@ def test_trtllm_tp2_equals_tp1(trtllm_engine, tiny_ckpt, tmp_path):
     ckpt2 = tmp_path / "ckpt-tp2"
     assert _cli("convert", "--base-model", base, "--drafter", base.parent / "drafter", "--output", ckpt2,
                 "--dtype", "float16", "--tp", 2, "--num-beams", NB, "--draft-len-per-beam", DL) == 0
-    eng2 = backend.build_trtllm_engine(ckpt2, tmp_path / "engine-tp2", BuildConfig(max_batch_size=4, max_input_len=64,
-                                                                                    max_seq_len=160), 2,
-                                       tokenizer_dir=base)
+    eng2 = backend.build_trtllm_engine(ckpt2, tmp_path / "engine-tp2", LIMITS, 2, tokenizer_dir=base)
     prompts = ["1,17,42,5,9", "3,3,8"]
     assert [d["output_ids"] for d in _run_json(eng2, prompts, 24)] == \
         [d["output_ids"] for d in _run_json(trtllm_engine, prompts, 24)]

@@ -119,6 +119,19 @@ def test_tensorrtllm_model_has_every_parameter_the_backend_reads_without_a_fallb
         assert name not in p or p[name] in BOOLS, (name, p[name])
 
 
+def test_tensorrtllm_scalar_inputs_are_shaped_as_the_backend_batches_them(tiny, tmp_path):
+    """utils.cc splitBatchInputsTensors @ c2e65b8: a batch of requests needs input_lengths, 1-D; the stock config
+    reshapes every [1] input to [] (all_models/inflight_batcher_llm/tensorrt_llm/config.pbtxt)."""
+    make_repo(tiny["engine"], tmp_path / "repo")
+    text = (tmp_path / "repo" / "tensorrt_llm" / "config.pbtxt").read_text()
+    block = re.search(r"^input \[(.*?)^\]", text, re.S | re.M).group(1)
+    entries = {re.search(r'name:\s*"(\w+)"', e).group(1): e for e in re.findall(r"\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\}", block)}
+    for name, entry in entries.items():
+        if "dims: [ 1 ]" in entry:
+            assert "reshape: { shape: [ ] }" in entry, name
+    assert "optional" not in entries["input_lengths"]
+
+
 # ---- 3. acceptance statistics: the ensemble asks for them, the model declares what the backend sends ------------
 def test_tensorrtllm_model_declares_every_perf_metric_output(tiny, tmp_path):
     make_repo(tiny["engine"], tmp_path / "repo")
