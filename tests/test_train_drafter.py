@@ -15,7 +15,7 @@ SMALL = REPO / "models" / "small"
 # fast settings: a handful of short base-generated sequences, a few optimizer steps
 FAST = ["--steps", "12", "--num-sequences", "8", "--eval-sequences", "4", "--seq-len", "12", "--batch-size", "64",
         "--gen-batch-size", "8", "--prompt-min", "8", "--prompt-max", "16", "--lr", "3e-3", "--device", "cpu",
-        "--threads", "1"]
+        "--threads", "1", "--exit-dim", "128"]  # 2H of the tiny base: Apple's recipe, no input projection
 
 
 def _train(base: Path, out: Path, *extra) -> dict:
@@ -59,6 +59,156 @@ def test_same_seed_same_bytes_and_options_shape_the_drafter(trained, tmp_path):
     assert (cfg["rnn"], cfg["exit_dim"], cfg["num_draft_layers"]) == (False, 96, 2)
     names = set(load_file(str(other / "model.safetensors")))
     assert "input_proj.weight" in names and not any(n.startswith("rnn_") for n in names)
+
+
+def test_auto_exit_dim_keeps_the_drafter_head_small_next_to_the_base():
+    from trt_redrafter.training.drafter_training import DrafterTrainConfig, _exit_dim
+
+    cfg = DrafterTrainConfig(draft_len=4)
+    # a 7B-shaped base (H 4096, V 32000): the 2H head is 4% of the base per step, Apple's recipe
+    assert _exit_dim(cfg, 4096, 32000, 6_738_415_616) == 8192
+    # models/small (H 128, V 2048, 1.3M parameters): a 2H head would read 1.6x the base per step
+    assert _exit_dim(cfg, 128, 2048, 1_300_000) == 64
+    # SmolLM2-135M (H 576, V 49152): a 1152-wide head would read 1.7x the base per step; 128 reads 19%
+    e = _exit_dim(cfg, 576, 49152, 134_515_008)
+    assert e == 128 and 4 * e * 49152 <= 0.25 * 134_515_008 < 4 * 2 * e * 49152
+    assert _exit_dim(DrafterTrainConfig(exit_dim=96), 576, 49152, 134_515_008) == 96  # an explicit width wins
+
+
+def _resume_args(base, out, work, *extra):
+    # 4 shards of 2 sequences, 2 in memory at a time, 14 steps: the schedule crosses shard groups and epochs
+    args = ["train-drafter", "--base-model", str(base), "--output", str(out), "--work-dir", str(work), *FAST,
+            "--num-sequences", "8", "--gen-batch-size", "2", "--shards-in-memory", "2", "--batch-size", "32",
+            "--steps", "14", "--save-every", "4", *map(str, extra)]
+    return args
+
+
+def test_resume_continues_to_the_same_bytes_as_an_uninterrupted_run(make_tiny_pair, tmp_path, capsys):
+    base = make_tiny_pair() / "base"
+    assert cli(_resume_args(base, tmp_path / "whole", tmp_path / "w1")) == 0
+    assert cli(_resume_args(base, tmp_path / "cut", tmp_path / "w2", "--stop-after", "6")) == 0
+    assert "--resume" in capsys.readouterr().out and not (tmp_path / "cut").exists()
+    assert (tmp_path / "w2" / "checkpoint.pt").is_file()
+    assert cli(_resume_args(base, tmp_path / "cut", tmp_path / "w2", "--resume")) == 0
+    assert (tmp_path / "cut" / "model.safetensors").read_bytes() == \
+        (tmp_path / "whole" / "model.safetensors").read_bytes()
+    whole = json.loads((tmp_path / "whole" / "training.json").read_text())
+    cut = json.loads((tmp_path / "cut" / "training.json").read_text())
+    assert cut["held_out"] == whole["held_out"] and cut["final_loss"] == whole["final_loss"]
+    assert cut["data"]["corpus_reused"] and not whole["data"]["corpus_reused"]
+    # a checkpoint is only resumed with the settings that wrote it
+    assert cli(_resume_args(base, tmp_path / "cut2", tmp_path / "w2", "--resume", "--lr", "1e-3")) == 2
+    assert "lr: 0.003 then, 0.001 now" in capsys.readouterr().err
+    assert cli(_resume_args(base, tmp_path / "o", tmp_path / "nowhere", "--resume")) == 2
+
+
+def test_the_schedule_streams_a_few_shards_and_visits_every_position_once_per_epoch(tmp_path):
+    import torch
+
+    from trt_redrafter.training import corpus as cm
+
+    c = cm.ShardedCorpus(tmp_path, {"t": 1}, 5)
+    for i in range(5):  # shard i: 2 rows, lengths 6 and 4+i, first drafting position 2
+        length = torch.tensor([6, 4 + i])
+        toks = torch.arange(2 * 8).reshape(2, 8) + 100 * i
+        c.write(i, cm.Shard(toks, toks, torch.zeros(2, 8, 3), torch.tensor([2, 2]), length))
+        c.record({i: cm.num_positions([2, 2], length.tolist())})
+    total = c.total_positions
+    assert total == sum(3 + (1 + i) for i in range(5))
+    loads, peak = [], [0]
+    real_load = c.load
+
+    def counting_load(i):
+        loads.append(i)
+        return real_load(i)
+    c.load = counting_load
+    batch, seen = 4, []
+    for step, loaded, pos in cm.batch_schedule(c, batch, seed=3, group=2):
+        peak[0] = max(peak[0], len(loaded))
+        assert len(pos) == batch
+        seen += [(int(loaded[k].tokens[r, 0]) // 100, r, t) for k, r, t in pos.tolist()]
+        if step == 40:
+            break
+    assert peak[0] <= 2
+    # an epoch drops at most batch-1 positions per group of 2 shards (3 groups), so its first 20 are distinct
+    assert len(set(seen[:20])) == 20 and all(t >= 2 for _, _, t in seen)
+    assert len(set(seen)) == total  # and every position comes
+    # resuming at step 30 loads only the shards from there on and yields the same batches
+    loads.clear()
+    again = [(s, p.tolist()) for s, _, p in _take(cm.batch_schedule(c, batch, 3, 2, start_step=30), 5)]
+    assert len(loads) <= 6  # 5 batches span at most 3 groups of 2 shards; replaying steps 0-29 loads ~25
+    ref = [(s, p.tolist()) for s, _, p in _take(cm.batch_schedule(c, batch, 3, 2), 35)][30:]
+    assert again == ref
+
+
+def _take(it, n):
+    out = []
+    for x in it:
+        out.append(x)
+        if len(out) == n:
+            break
+    return out
+
+
+def _chat_base(make_tiny_pair, tmp_path):
+    """The tiny base with a ChatML-style chat template on its tokenizer (eos ends a turn)."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    base = tmp_path / "chat-base"
+    shutil.copytree(make_tiny_pair() / "base", base)
+    tok = AutoTokenizer.from_pretrained(str(base))
+    tok.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+                         "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    tok.save_pretrained(str(base))
+    return base, tok
+
+
+def _first_shard(work: Path):
+    from trt_redrafter.training.corpus import ShardedCorpus
+
+    root = work / "corpus" / "train"
+    m = json.loads((root / "manifest.json").read_text())
+    return ShardedCorpus(root, m["spec"], m["num_shards"]).load(0)
+
+
+def test_prompts_from_jsonl_go_through_the_chat_template(make_tiny_pair, tmp_path):
+    base, tok = _chat_base(make_tiny_pair, tmp_path)
+    rows = [{"prompt": "def add(a, b):"}, {"turns": ["import os", "second turn"]},
+            {"messages": [{"role": "user", "content": "for i in range(3):"}, {"role": "assistant", "content": "x"}]},
+            {"conversations": [{"from": "human", "value": "class A:"}]}] * 3
+    data = tmp_path / "p.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    out, work = tmp_path / "d", tmp_path / "w"
+    s = _train(base, out, "--prompts", str(data), "--work-dir", str(work), "--eval-sequences", "3")
+    # 12 rows: 3 held out, 9 left for training, of which --num-sequences 8 are used
+    assert s["data"]["source"] == f"jsonl:{data}" and s["data"]["train_sequences"] == 8
+    sh = _first_shard(work)
+    wanted = {tuple(tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True,
+                                            tokenize=False, ).encode()) for c in
+              ("def add(a, b):", "import os", "for i in range(3):", "class A:")}
+    for r in range(len(sh.length)):
+        prompt = tok.decode(sh.tokens[r, :int(sh.first[r]) + 1].tolist())
+        assert tuple(prompt.encode()) in wanted, prompt
+        answer = sh.tokens[r, int(sh.first[r]) + 1:int(sh.length[r])].tolist()
+        assert answer and (len(answer) == 12 or answer[-1] == tok.eos_token_id)  # --seq-len 12 or ends at eos
+        assert tok.eos_token_id not in answer[:-1]
+
+
+def test_magpie_prompts_are_written_by_the_base(make_tiny_pair, tmp_path, capsys):
+    base, tok = _chat_base(make_tiny_pair, tmp_path)
+    s = _train(base, tmp_path / "d", "--magpie", "--work-dir", str(tmp_path / "w"))
+    assert s["data"]["source"] == "magpie" and s["data"]["train_positions"] > 0
+    prefix = tok.apply_chat_template([{"role": "user", "content": "X"}], tokenize=False).split("X")[0]
+    sh = _first_shard(tmp_path / "w")
+    texts = {tok.decode(sh.tokens[r, :int(sh.first[r]) + 1].tolist()) for r in range(len(sh.length))}
+    assert all(t.startswith(prefix) and t.endswith("<|assistant|>") for t in texts)
+    assert len(texts) == len(sh.length)  # distinct user prompts
+    plain = make_tiny_pair() / "base"  # no chat template: refused with what to do instead
+    assert cli(["train-drafter", "--base-model", str(plain), "--output", str(tmp_path / "x"), "--magpie",
+                *FAST]) == 2
+    assert "chat template" in capsys.readouterr().err
 
 
 def test_refusals(make_tiny_pair, tmp_path, capsys):

@@ -1,10 +1,12 @@
 """Distil an Apple-format ReDrafter drafter from a frozen HF Llama base (the paper's recipe, section 3.5).
 
-1. Distillation corpus: the base model continues text windows (prompts) greedily with a KV cache (HF `generate`,
-   batched, eos ignored). On its own greedy text the base's next-token prediction at every position is the token
+1. Distillation corpus: the base answers prompts greedily with a KV cache (HF `generate`, batched). Prompts are
+   text windows (a base model: exactly --seq-len tokens, eos ignored), a user's JSONL of prompts or conversations,
+   or written by the base itself (Magpie, `prompts.py`); chat prompts go through the model's chat template and
+   answers end at eos. On its own greedy text the base's next-token prediction at every position is the token
    that follows, so teacher forcing on these sequences shows the drafter exactly what it sees at inference.
 2. One frozen base forward per sequence gives h_t (final-norm hidden state) and g_t = argmax logits_t (the base's
-   prediction of token t+1).
+   prediction of token t+1). Both go to disk in shards (`corpus.py`) that training streams back, a few at a time.
 3. Drafter (Apple semantics, like `trt_redrafter.model.drafter`): at position t, s_0 = 0 and for i = 1..T
        s_i = SiLU(rnn_w e(x_{t+i}) + rnn_u s_{i-1})     (rnn; else s_i = e(x_{t+i}) + s_{i-1})
        logits_i = lm_head(ResBlocks(input_proj?([h_t ; s_i])))     target g_{t+i}
@@ -12,6 +14,8 @@
    predicts the base's token after it; step i consumes the i-1 tokens drafted before it. Only positions whose
    x_{t+1} is base-generated (t >= prompt length - 1) enter the loss, so training matches inference exactly.
    Loss = sum over i of the mean cross-entropy of step i (Apple's `drafter_loss`).
+4. Checkpoints (drafter, optimizer, step) every --save-every steps in the work directory; --resume continues to
+   the same bytes as an uninterrupted run. Under `torchrun` each process takes its slice of every batch (DDP).
 """
 
 from __future__ import annotations
@@ -19,10 +23,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -32,11 +38,17 @@ from safetensors.torch import save_file
 from ..errors import UserError
 from ..fsutil import atomic_output_dir, write_json
 from ..log import get_logger
+from . import corpus as corpus_mod
 from . import data as data_mod
+from . import prompts as prompt_mod
 
 log = get_logger(__name__)
 
 MODEL_TYPE = "recurrent_drafting_drafter"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# --exit-dim auto: the drafter's vocabulary head, read once per drafting step, costs at most this share of the
+# base's weights per decoding step (draft_len * exit_dim * V <= budget * base parameters)
+DRAFT_HEAD_BUDGET = 0.25
 
 
 @dataclass
@@ -44,7 +56,7 @@ class DrafterTrainConfig:
     draft_len: int = 4  # T: drafter steps trained (match --draft-len-per-beam at inference)
     num_layers: int = 1  # ResBlocks
     rnn: bool = True
-    exit_dim: int = 0  # 0: 2*H (no input_proj, Apple's recipe)
+    exit_dim: int = 0  # 0: auto (`_exit_dim`: 2*H, Apple's recipe, unless its head is too big next to the base's)
     steps: int = 600
     lr: float = 2e-3
     warmup: int = 30
@@ -58,6 +70,14 @@ class DrafterTrainConfig:
     gen_batch_size: int = 64
     seed: int = 0
     data: Optional[str] = None  # None/'stdlib', a directory of text files or one text file
+    prompts: Optional[str] = None  # a JSONL of prompts or conversations (chat template applied)
+    magpie: bool = False  # the base writes its own user prompts from its chat template's user-turn prefix
+    work_dir: Optional[str] = None  # corpus shards + checkpoint (default: OUTPUT.work)
+    save_every: int = 100  # checkpoint every this many steps
+    resume: bool = False
+    stop_after: int = 0  # end this run after this many steps (a checkpoint; continue with resume)
+    shards_in_memory: int = 4  # corpus shards loaded at once while training
+    dtype: str = "float32"  # of the written weights
     device: str = "auto"
     threads: int = 0  # 0: leave torch's default
     log_every: int = 25
@@ -68,6 +88,15 @@ class DrafterTrainConfig:
             v = getattr(self, n)
             if not isinstance(v, int) or v <= 0:
                 raise UserError(f"--{n.replace('_', '-')}: expected a positive integer, got {v!r}.")
+        for n in ("save_every", "shards_in_memory"):
+            if not isinstance(getattr(self, n), int) or getattr(self, n) <= 0:
+                raise UserError(f"--{n.replace('_', '-')}: expected a positive integer, got {getattr(self, n)!r}.")
+        if self.stop_after < 0:
+            raise UserError(f"--stop-after: expected a step count >= 0, got {self.stop_after}.")
+        if sum(bool(x) for x in (self.data, self.prompts, self.magpie)) > 1:
+            raise UserError("pass one data source: --data (text windows), --prompts (JSONL) or --magpie.")
+        if self.dtype not in DTYPES:
+            raise UserError(f"--dtype: expected one of {', '.join(DTYPES)}, got {self.dtype!r}.")
         if self.num_layers < 0 or self.exit_dim < 0:
             raise UserError("--num-layers and --exit-dim must be >= 0.")
         if self.prompt_min > self.prompt_max:
@@ -126,16 +155,6 @@ class Drafter(nn.Module):
         return torch.stack(out, dim=1)
 
 
-@dataclass
-class Corpus:
-    """Base-generated sequences, right-padded: tokens/targets [N, n], hidden [N, n, H], positions [P, 2]."""
-
-    tokens: torch.Tensor  # x, long
-    targets: torch.Tensor  # g_t = argmax of the base at t (prediction of token t+1); -100 past the row's end
-    hidden: torch.Tensor  # h_t, final-norm hidden states (float32)
-    positions: torch.Tensor  # (row, t) pairs usable as drafting positions: x_{t+1} was generated by the base
-
-
 def _load_base(path: Path, device: torch.device):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -161,53 +180,99 @@ def _prompt_stream(tokenizer, files: list[Path], max_files: int = 48) -> torch.T
     return data_mod.token_stream(tokenizer, files)
 
 
-@torch.no_grad()
-def build_corpus(model, bos: int, stream: torch.Tensor, n: int, cfg: DrafterTrainConfig, g: torch.Generator,
-                 device: torch.device, desc: str) -> Corpus:
-    """Greedy continuations of `n` prompts (one prompt length per generation batch, so no padding)."""
-    from tqdm.auto import tqdm
+@dataclass
+class _Source:
+    """One split's prompts: `prompts_for(shard)` and how answers end."""
 
-    if len(stream) <= cfg.prompt_max + 1:
-        raise UserError(f"the text holds only {len(stream)} tokens; need more than {cfg.prompt_max + 1} for prompts.")
-    V = model.config.vocab_size
-    width = cfg.prompt_max + 1 + cfg.seq_len
-    tokens = torch.zeros(n, width, dtype=torch.long)
-    targets = torch.full((n, width), -100, dtype=torch.long)
-    hidden = torch.zeros(n, width, model.config.hidden_size, dtype=torch.float32)
-    positions = []
-    bar = tqdm(total=n, desc=desc, unit="seq", leave=False)
-    for lo in range(0, n, cfg.gen_batch_size):
-        b = min(cfg.gen_batch_size, n - lo)
-        plen = int(torch.randint(cfg.prompt_min, cfg.prompt_max + 1, (1,), generator=g))
-        starts = torch.randint(0, len(stream) - plen, (b,), generator=g).tolist()
-        prompt = torch.stack([torch.cat([torch.tensor([bos]), stream[s:s + plen]]) for s in starts]).to(device)
-        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=cfg.seq_len,
-                             min_new_tokens=cfg.seq_len, do_sample=False, eos_token_id=None, pad_token_id=0)
-        L = out.shape[1]  # plen + 1 + seq_len
-        hs = model.model(input_ids=out).last_hidden_state  # [b, L, H], final norm applied
-        gt = model.lm_head(hs)[..., :V].argmax(-1)  # [b, L]
-        tokens[lo:lo + b, :L] = out.cpu()
-        targets[lo:lo + b, :L] = gt.cpu()
-        hidden[lo:lo + b, :L] = hs.float().cpu()
-        p0 = plen  # last prompt position (bos at 0): x_{p0+1} is the first generated token
-        for r in range(lo, lo + b):
-            positions += [(r, t) for t in range(p0, L - 1)]
-        bar.update(b)
-    bar.close()
-    return Corpus(tokens, targets, hidden, torch.tensor(positions, dtype=torch.long))
+    name: str
+    num_sequences: int
+    prompts_for: Callable[[int], list[list[int]]]
+    stop_ids: Optional[list[int]]  # None: exactly seq_len tokens (text windows)
 
 
-def _batch(corpus: Corpus, idx: torch.Tensor, T: int, embed: torch.Tensor, device: torch.device):
-    """(h [B, H], embs [B, T, H], targets [B, T]) for drafting positions `idx` into corpus.positions."""
-    rows, t = corpus.positions[idx, 0], corpus.positions[idx, 1]  # [B]
-    width = corpus.tokens.shape[1]
-    cols = t[:, None] + torch.arange(1, T + 1)[None, :]  # [B, T]: t+1 .. t+T
-    ok = cols < width
-    cols_c = cols.clamp(max=width - 1)
-    x = corpus.tokens[rows[:, None], cols_c]  # consumed tokens x_{t+i}
-    y = corpus.targets[rows[:, None], cols_c].masked_fill(~ok, -100)  # g_{t+i}; -100 past the row's end
-    h = corpus.hidden[rows, t]
-    return h.to(device), embed[x.to(device)], y.to(device)
+def _sources(cfg: DrafterTrainConfig, model, tokenizer, bos: int, device: torch.device) -> tuple[_Source, _Source]:
+    """(training, held-out) prompt sources for the configured kind of data."""
+    gbs = cfg.gen_batch_size
+
+    def rows(n: int, i: int) -> range:
+        return range(i * gbs, min(n, (i + 1) * gbs))
+
+    if cfg.prompts or cfg.magpie:
+        stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else None
+        if stop is None:
+            raise UserError("the base's tokenizer names no eos token, so its chat answers would never end; set "
+                            "eos_token in its tokenizer_config.json.")
+        if cfg.prompts:
+            train, held = prompt_mod.split_held_out(prompt_mod.read_jsonl(cfg.prompts), cfg.eval_sequences, cfg.seed)
+            train = train[:cfg.num_sequences]
+
+            def from_list(convs):
+                return lambda i: [prompt_mod.chat_ids(tokenizer, convs[j]) for j in rows(len(convs), i)]
+            return (_Source(f"jsonl:{cfg.prompts}", len(train), from_list(train), stop),
+                    _Source(f"jsonl:{cfg.prompts}:held-out", len(held), from_list(held), stop))
+
+        def magpie(n: int, salt: int):
+            def prompts_for(i: int) -> list[list[int]]:
+                users = prompt_mod.magpie_user_prompts(model, tokenizer, len(rows(n, i)),
+                                                       (cfg.seed * 1000 + i) * 2 + salt, device)
+                return [prompt_mod.chat_ids(tokenizer, [{"role": "user", "content": u}]) for u in users]
+            return prompts_for
+        return (_Source("magpie", cfg.num_sequences, magpie(cfg.num_sequences, 0), stop),
+                _Source("magpie:held-out", cfg.eval_sequences, magpie(cfg.eval_sequences, 1), stop))
+
+    train_files, held_files = data_mod.text_files(cfg.data)
+
+    def windows(files, n: int, salt: int):
+        stream = _prompt_stream(tokenizer, files)
+        if len(stream) <= cfg.prompt_max + 1:
+            raise UserError(f"the text holds only {len(stream)} tokens; need more than {cfg.prompt_max + 1} for "
+                            f"prompts.")
+
+        def prompts_for(i: int) -> list[list[int]]:  # one window length per shard: no padding
+            g = torch.Generator().manual_seed((cfg.seed * 100003 + i) * 2 + salt)
+            plen = int(torch.randint(cfg.prompt_min, cfg.prompt_max + 1, (1,), generator=g))
+            starts = torch.randint(0, len(stream) - plen, (len(rows(n, i)),), generator=g).tolist()
+            return [[bos] + stream[s:s + plen].tolist() for s in starts]
+        return prompts_for
+
+    src = cfg.data or "stdlib"
+    return (_Source(f"text:{src}", cfg.num_sequences, windows(train_files, cfg.num_sequences, 0), None),
+            _Source(f"text:{src}:held-out", cfg.eval_sequences, windows(held_files, cfg.eval_sequences, 1), None))
+
+
+def _corpus_spec(cfg: DrafterTrainConfig, base_model: Path, source: _Source) -> dict:
+    spec = {"base_model": str(base_model.resolve()), "source": source.name, "sequences": source.num_sequences,
+            "seq_len": cfg.seq_len, "gen_batch_size": cfg.gen_batch_size, "seed": cfg.seed,
+            "stop_at_eos": source.stop_ids is not None}
+    if not (cfg.prompts or cfg.magpie):
+        spec["prompt_len"] = [cfg.prompt_min, cfg.prompt_max]
+    return spec
+
+
+def _open_corpus(root: Path, spec: dict, n: int, cfg: DrafterTrainConfig, force: bool) -> corpus_mod.ShardedCorpus:
+    shards = max(1, math.ceil(n / cfg.gen_batch_size))
+    try:
+        return corpus_mod.ShardedCorpus(root, spec, shards)
+    except UserError:
+        if not force:
+            raise
+        shutil.rmtree(root)
+        return corpus_mod.ShardedCorpus(root, spec, shards)
+
+
+def _exit_dim(cfg: DrafterTrainConfig, H: int, V: int, base_params: int) -> int:
+    """--exit-dim 0 (auto): 2H (no input projection, Apple's recipe) when the drafter's vocabulary head, read
+    once per drafting step, stays within DRAFT_HEAD_BUDGET of the base's weights per decoding step; else the widest
+    power of two that does (at least 64), behind an input projection."""
+    if cfg.exit_dim:
+        return cfg.exit_dim
+    budget = DRAFT_HEAD_BUDGET * base_params / (cfg.draft_len * V)
+    if 2 * H <= budget:
+        return 2 * H
+    e = 64
+    while e * 2 <= budget and e * 2 < 2 * H:
+        e *= 2
+    return e
 
 
 def _loss_and_hits(drafter: Drafter, h, embs, y):
@@ -220,16 +285,16 @@ def _loss_and_hits(drafter: Drafter, h, embs, y):
 
 
 @torch.no_grad()
-def evaluate(drafter: Drafter, corpus: Corpus, T: int, embed: torch.Tensor, device: torch.device,
-             batch: int = 2048) -> dict:
-    """Per-step top-1 accuracy (teacher-forced consumed tokens) and the chained rate (steps 1..i all right)."""
+def evaluate(drafter: Drafter, corpus: corpus_mod.ShardedCorpus, T: int, embed: torch.Tensor,
+             device: torch.device, batch: int = 2048) -> dict:
+    """Per-step top-1 accuracy (teacher-forced consumed tokens) and the chained rate (steps 1..i all right),
+    streamed one shard at a time."""
     hits, chain, valid, loss_sum, nb = torch.zeros(T), torch.zeros(T), torch.zeros(T), 0.0, 0
-    for lo in range(0, len(corpus.positions), batch):
-        idx = torch.arange(lo, min(lo + batch, len(corpus.positions)))
-        h, e, y = _batch(corpus, idx, T, embed, device)
+    for loaded, pos in corpus_mod.eval_batches(corpus, batch):
+        h, e, y = corpus_mod.gather(loaded, pos, T, embed, device)
         loss, hit, ok = _loss_and_hits(drafter, h, e, y)
-        loss_sum += float(loss) * len(idx)
-        nb += len(idx)
+        loss_sum += float(loss) * len(pos)
+        nb += len(pos)
         full = ok.all(dim=1)  # positions with all T targets, for the chained rate
         hits += hit.sum(0).float().cpu()
         valid += ok.sum(0).float().cpu()
@@ -262,10 +327,57 @@ def drafter_config_json(d: Drafter) -> dict:
             "torch_dtype": "float32"}
 
 
+def _dist_env(device: torch.device) -> tuple[int, int, torch.device]:
+    """(rank, world, device) under torchrun (WORLD_SIZE > 1: one process group, gloo on CPU, nccl on CUDA)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1, device
+    import torch.distributed as dist
+
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return dist.get_rank(), world, device
+
+
+def _barrier(world: int) -> None:
+    if world > 1:
+        import torch.distributed as dist
+        dist.barrier()
+
+
+def _build_split(corpus: corpus_mod.ShardedCorpus, source: _Source, model, cfg, pad_id, device, rank, world,
+                 desc, progress) -> None:
+    written = corpus_mod.build(corpus, source.prompts_for, model, cfg.seq_len, source.stop_ids, pad_id, device,
+                               rank, world, desc, progress)
+    if world > 1:
+        _barrier(world)
+        if rank == 0:
+            corpus.record(written)
+            corpus.count_unrecorded()
+        _barrier(world)
+        corpus.refresh()
+
+
+def _train_spec(cfg: DrafterTrainConfig, exit_dim: int, world: int) -> dict:
+    keys = ("draft_len", "num_layers", "rnn", "steps", "lr", "warmup", "weight_decay", "batch_size", "seed",
+            "shards_in_memory")
+    return {**{k: getattr(cfg, k) for k in keys}, "exit_dim": exit_dim, "world_size": world}
+
+
+def _save_checkpoint(path: Path, state: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
 def train_drafter(base_model: str | Path, output: str | Path, cfg: DrafterTrainConfig | None = None,
                   force: bool = False, progress: bool = True) -> dict:
     """Distil a drafter for `base_model` and write it (Apple format + training.json) to `output`. Returns the
-    training summary written to training.json."""
+    training summary written to training.json (or, when `cfg.stop_after` ends the run early, the checkpoint's
+    step under "stopped_at")."""
     from tqdm.auto import tqdm
 
     cfg = cfg or DrafterTrainConfig()
@@ -276,57 +388,107 @@ def train_drafter(base_model: str | Path, output: str | Path, cfg: DrafterTrainC
                         f"another path.")
     if not base_model.is_dir():
         raise UserError(f"base model directory {base_model} does not exist.")
+    work = Path(cfg.work_dir) if cfg.work_dir else output.with_name(output.name + ".work")
+    ckpt_path = work / "checkpoint.pt"
+    if cfg.resume and not ckpt_path.is_file():
+        raise UserError(f"--resume: {ckpt_path} does not exist; start without --resume (or pass the --work-dir of "
+                        f"the interrupted run).")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    device = _device(cfg.device)
+    rank, world, device = _dist_env(_device(cfg.device))
+    if cfg.batch_size % world:
+        raise UserError(f"--batch-size {cfg.batch_size} does not divide among {world} processes; pick a multiple "
+                        f"of {world}.")
     t_start = time.time()
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.seed)
         model, tokenizer = _load_base(base_model, device)
         H, V = model.config.hidden_size, model.config.vocab_size
+        base_params = sum(p.numel() for p in model.parameters())
         bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else model.config.bos_token_id
-        if bos is None:
+        if bos is None and not (cfg.prompts or cfg.magpie):
             raise UserError(f"{base_model}: neither the tokenizer nor config.json names a bos token.")
-        train_files, held_files = data_mod.text_files(cfg.data)
-        g = torch.Generator().manual_seed(cfg.seed)
-        train_corpus = build_corpus(model, bos, _prompt_stream(tokenizer, train_files), cfg.num_sequences, cfg, g,
-                                    device, "distillation corpus")
-        eval_corpus = build_corpus(model, bos, _prompt_stream(tokenizer, held_files), cfg.eval_sequences, cfg, g,
-                                   device, "held-out corpus")
+        pad_id = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if t is not None))
+        train_src, held_src = _sources(cfg, model, tokenizer, bos, device)
+        train_corpus = _open_corpus(work / "corpus" / "train", _corpus_spec(cfg, base_model, train_src),
+                                    train_src.num_sequences, cfg, force)
+        eval_corpus = _open_corpus(work / "corpus" / "held-out", _corpus_spec(cfg, base_model, held_src),
+                                   held_src.num_sequences, cfg, force)
+        reused = train_corpus.complete and eval_corpus.complete
+        _build_split(train_corpus, train_src, model, cfg, pad_id, device, rank, world, "distillation corpus",
+                     progress)
+        _build_split(eval_corpus, held_src, model, cfg, pad_id, device, rank, world, "held-out corpus", progress)
         gen_s = time.time() - t_start
         embed = model.get_input_embeddings().weight.detach().float()  # [V, H], frozen
         out_head = model.get_output_embeddings().weight.detach().float()  # [V, H]
         del model
 
-        exit_dim = cfg.exit_dim or 2 * H
+        exit_dim = _exit_dim(cfg, H, V, base_params)
+        torch.manual_seed(cfg.seed)  # the drafter's initialisation does not depend on how the corpus was made
         drafter = Drafter(H, V, exit_dim, cfg.num_layers, cfg.rnn).to(device)
         if exit_dim == 2 * H:  # warm start: the h half of the output head reads like the base's lm_head
             with torch.no_grad():
                 drafter.lm_head[-1].weight[:, :H].copy_(out_head[:V])
         opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-        probe_idx = torch.randperm(len(train_corpus.positions), generator=g)[:cfg.batch_size]
-        probe = _batch(train_corpus, probe_idx, cfg.draft_len, embed, device)
+        probe_loaded = [train_corpus.load(0)]
+        probe_pos = probe_loaded[0].positions()[:cfg.batch_size]
+        probe = corpus_mod.gather(probe_loaded, torch.cat([torch.zeros(len(probe_pos), 1, dtype=torch.long),
+                                                           probe_pos], 1), cfg.draft_len, embed, device)
+        spec = _train_spec(cfg, exit_dim, world)
+        start, losses, train_s = 0, [], 0.0
         with torch.no_grad():
             probe_start = float(_loss_and_hits(drafter, *probe)[0])
-        losses = []
+        if cfg.resume:
+            state = torch.load(ckpt_path, map_location=device, weights_only=False)
+            if state["spec"] != spec:
+                diff = {k: (state["spec"].get(k), v) for k, v in spec.items() if state["spec"].get(k) != v}
+                raise UserError(f"--resume: {ckpt_path} was written with other settings "
+                                f"({', '.join(f'{k}: {a!r} then, {b!r} now' for k, (a, b) in diff.items())}); "
+                                f"resume with the same ones.")
+            drafter.load_state_dict(state["drafter"])
+            opt.load_state_dict(state["optimizer"])
+            start, losses, probe_start, train_s = (state["step"], state["losses"], state["probe_loss_start"],
+                                                   state["train_seconds"])
+            log.info("resuming from %s at step %d", ckpt_path, start)
+        model_ddp = drafter
+        if world > 1:
+            from torch.nn.parallel import DistributedDataParallel
+            model_ddp = DistributedDataParallel(drafter)
+        end = min(cfg.steps, cfg.stop_after) if cfg.stop_after else cfg.steps
         t_train = time.time()
-        bar = tqdm(range(cfg.steps), desc="train-drafter", unit="step", disable=not progress)
-        for step in bar:
+        bar = tqdm(total=cfg.steps, initial=start, desc="train-drafter", unit="step",
+                   disable=not progress or rank != 0)
+        schedule = corpus_mod.batch_schedule(train_corpus, cfg.batch_size, cfg.seed, cfg.shards_in_memory, start)
+        for step, loaded, pos in schedule:
+            if step >= end:
+                break
             for group in opt.param_groups:
                 group["lr"] = _lr(step, cfg)
-            idx = torch.randint(0, len(train_corpus.positions), (cfg.batch_size,), generator=g)
-            loss, hit, ok = _loss_and_hits(drafter, *_batch(train_corpus, idx, cfg.draft_len, embed, device))
+            h, e, y = corpus_mod.gather(loaded, pos[rank::world], cfg.draft_len, embed, device)
+            loss, hit, ok = _loss_and_hits(model_ddp, h, e, y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
             opt.step()
             losses.append(loss.item())
+            bar.update(1)
             if step % cfg.log_every == 0 or step == cfg.steps - 1:
                 acc = (hit.sum(0).float() / ok.sum(0).clamp(min=1)).tolist()
                 bar.set_postfix(loss=f"{losses[-1]:.3f}", top1="/".join(f"{a:.2f}" for a in acc))
                 log.info("step %d loss %.4f top1 %s", step, losses[-1], " ".join(f"{a:.3f}" for a in acc))
+            done = step + 1
+            if rank == 0 and (done % cfg.save_every == 0 or done == end):
+                _save_checkpoint(ckpt_path, {"step": done, "spec": spec, "drafter": drafter.state_dict(),
+                                             "optimizer": opt.state_dict(), "losses": losses,
+                                             "probe_loss_start": probe_start,
+                                             "train_seconds": train_s + time.time() - t_train})
         bar.close()
-        train_s = time.time() - t_train
+        train_s += time.time() - t_train
+        _barrier(world)
+        if end < cfg.steps:
+            log.info("stopped after step %d; continue with --resume", end)
+            return {"stopped_at": end, "checkpoint": str(ckpt_path)}
+        if rank != 0:
+            return {}
         drafter.eval()
         with torch.no_grad():
             probe_end = float(_loss_and_hits(drafter, *probe)[0])
@@ -336,19 +498,22 @@ def train_drafter(base_model: str | Path, output: str | Path, cfg: DrafterTrainC
     summary = {
         "base_model": str(base_model), "config": dataclasses.asdict(cfg),
         "drafter": drafter_config_json(drafter),
-        "data": {"source": cfg.data or "stdlib", "train_sequences": cfg.num_sequences,
-                 "train_positions": len(train_corpus.positions), "held_out_sequences": cfg.eval_sequences,
-                 "held_out_positions": len(eval_corpus.positions),
-                 "held_out_modules": list(data_mod.HELD_OUT_MODULES) if cfg.data in (None, "", "stdlib") else None},
-        "device": device.type, "corpus_seconds": round(gen_s, 1), "train_seconds": round(train_s, 1),
+        "data": {"source": train_src.name, "train_sequences": train_src.num_sequences,
+                 "train_positions": train_corpus.total_positions, "held_out_sequences": held_src.num_sequences,
+                 "held_out_positions": eval_corpus.total_positions, "corpus_reused": reused,
+                 "held_out_modules": (list(data_mod.HELD_OUT_MODULES)
+                                      if train_src.name == "text:stdlib" else None)},
+        "device": device.type, "processes": world, "corpus_seconds": round(gen_s, 1),
+        "train_seconds": round(train_s, 1),
         "first_loss": round(losses[0], 4), "final_loss": round(sum(tail) / len(tail), 4),
         "probe_loss_start": round(probe_start, 4), "probe_loss_end": round(probe_end, 4),
         "held_out": held,
     }
-    tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in drafter.state_dict().items()}
+    tensors = {k: v.detach().to("cpu", DTYPES[cfg.dtype]).contiguous() for k, v in drafter.state_dict().items()}
+    cfg_json = {**drafter_config_json(drafter), "torch_dtype": cfg.dtype}
     with atomic_output_dir(output, force=force, what="drafter output") as tmp:
         with open(tmp / "config.json", "w") as f:
-            json.dump(drafter_config_json(drafter), f, indent=2)
+            json.dump(cfg_json, f, indent=2)
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         write_json(tmp / "training.json", summary)
     log.info("wrote drafter %s: held-out top-1 per step %s", output, held["top1"])
