@@ -10,8 +10,8 @@ from . import __version__
 from .errors import EXIT_USER_ERROR, UserError
 
 # subcommand -> module under trt_redrafter.commands exposing `register(subparsers)`
-COMMANDS = ("convert", "make_tiny", "build_engine", "run", "train_drafter", "make_repo", "serve", "generate",
-            "bench", "gate")
+COMMANDS = ("convert", "make_tiny", "import_gguf", "build_engine", "run", "train_drafter", "make_repo", "serve",
+            "generate", "bench", "gate")
 
 
 def _parser() -> argparse.ArgumentParser:
