@@ -33,6 +33,7 @@ import torch
 
 from trt_redrafter.bench import schedule
 from trt_redrafter.config import PROPOSERS, RuntimeConfig, SamplingConfig
+from trt_redrafter.errors import UserError
 from trt_redrafter.runtime.distributed import init_dist, shutdown_dist
 from trt_redrafter.runtime.engine import PHASES, Engine
 from trt_redrafter.runtime.engine_config import load_engine_config
@@ -44,23 +45,22 @@ BUILTIN_PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:
                    "The quick brown fox"]
 
 
-def load_prompts(path: Path | None, n: int, chat_template: str = "auto") -> list[str]:
-    """The first n prompts of an MT-Bench / {"prompt"} JSONL file (the harness's reader), else a few built-in ones."""
+def load_prompts(path: Path | None, n: int, chat_template: str, tok) -> list[schedule.Prompt]:
+    """The first n prompts of an MT-Bench / {"prompt"} JSONL file (the harness's reader, templated as it decides
+    with this tokenizer), else a few built-in raw ones."""
     if path is None or not path.is_file():
-        return BUILTIN_PROMPTS[:n]
-    return schedule.load_prompts(path, chat_template)[:n]
+        return [schedule.Prompt(p) for p in BUILTIN_PROMPTS[:n]]
+    return schedule.load_prompts(path, chat_template, tok)[:n]
 
 
-def encode_prompts(tok, args) -> list[list[int]]:
-    """Token ids of the prompts: `--chat-template tokenizer` applies the tokenizer's own chat template to each first
-    turn; the others are the harness's (auto: Vicuna v1.1 for MT-Bench rows)."""
-    if args.chat_template != "tokenizer":
-        return [tok.encode(p) for p in load_prompts(args.prompts, args.num_prompts, args.chat_template)]
-    if not tok.chat_template:
-        raise SystemExit("--chat-template tokenizer: this engine's tokenizer has no chat template")
-    return [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True,
-                                    return_dict=False)
-            for p in load_prompts(args.prompts, args.num_prompts, "none")]
+def encode_prompts(tok, args) -> tuple[list[list[int]], str]:
+    """Token ids of the prompts, as the served preprocessing model would make them, and the chat template applied
+    (`--chat-template` as the bench's; auto: MT-Bench first turns in the tokenizer's template, else Vicuna v1.1)."""
+    try:
+        prompts = load_prompts(args.prompts, args.num_prompts, args.chat_template, tok)
+    except UserError as e:
+        raise SystemExit(f"error: {e}") from e
+    return [p.ids(tok) for p in prompts], schedule.applied_template(prompts)
 
 
 def hf_baselines(hf_dir: str, prompts: list[list[int]], max_tokens: int, repeats: int, lookup_tokens: int,
@@ -101,8 +101,9 @@ def main() -> int:
     ap.add_argument("--engine", required=True)
     ap.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS)
     ap.add_argument("--num-prompts", type=int, default=8)
-    ap.add_argument("--chat-template", default="auto", choices=(*schedule.CHAT_TEMPLATES, "tokenizer"),
-                    help="auto: Vicuna v1.1 for MT-Bench rows; tokenizer: the tokenizer's own chat template")
+    ap.add_argument("--chat-template", default="auto", choices=schedule.CHAT_TEMPLATES,
+                    help="auto: MT-Bench rows in the tokenizer's chat template, else Vicuna v1.1; tokenizer / vicuna "
+                         "/ none: that for every row")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--batch-size", default="1", help="comma-separated batch sizes (requests decoded together)")
@@ -135,7 +136,8 @@ def main() -> int:
 
     tok = AutoTokenizer.from_pretrained(str(Path(args.engine) / "tokenizer"))
     max_in = engine.build.max_input_len
-    prompts = [ids[-max_in:] for ids in encode_prompts(tok, args)]
+    prompt_ids, chat_template = encode_prompts(tok, args)
+    prompts = [ids[-max_in:] for ids in prompt_ids]
     max_tokens = min(args.max_tokens, engine.build.max_seq_len - max(map(len, prompts)))
     params = SamplingConfig(max_tokens=max_tokens)
 
@@ -206,6 +208,7 @@ def main() -> int:
         "engine": str(args.engine), "tp": ecfg.tp_size, "dtype": str(engine.dtype).removeprefix("torch."),
         "num_beams": engine.redrafter.num_beams, "draft_len_per_beam": engine.redrafter.draft_len_per_beam,
         "proposer": ecfg.proposer.to_dict(), "prompts": len(prompts), "max_tokens": max_tokens,
+        "chat_template": chat_template,
         "repeats": args.repeats, "rows": rows, "hf": hf, "phases_ms": phases, "runtime": runtime.to_dict(),
         "compile": engine.compiler.mode, "kernels": engine.kernels, "engine_load_s": load_s,
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),

@@ -113,3 +113,20 @@ class OracleProposer:
                 beams[oracle, d] = (beams[oracle, d] + 1) % self.vocab
             rows.append(beams)
         return torch.stack(rows)
+
+
+# Llama 2's chat template in miniature: it writes the BOS text itself, as Llama 2's and Llama 3's do, so encoding its
+# output with special tokens would put a second BOS in front (trt_redrafter/chat.py).
+LLAMA2_STYLE_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} "
+                         "[/INST]{% else %} {{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}")
+
+
+def write_chat_tokenizer(src: Path, dst: Path, template: str = LLAMA2_STYLE_TEMPLATE) -> Path:
+    """A copy of the tokenizer in `src` (a tiny pair's base/, an engine's tokenizer/) with a chat template set."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(src))
+    assert not tok.chat_template, f"{src} already has a chat template"
+    tok.chat_template = template
+    tok.save_pretrained(str(dst))
+    return dst

@@ -9,7 +9,7 @@ import pytest
 
 from trt_redrafter.bench.harness import BenchConfig, combine_repeats, point_order, Target
 from trt_redrafter.bench.metrics import RequestRecord, distribution, median_of_points, percentile, summarize
-from trt_redrafter.bench.schedule import load_prompts, pick_prompts, poisson_offsets, vicuna_prompt
+from trt_redrafter.bench.schedule import Prompt, load_prompts, pick_prompts, poisson_offsets, vicuna_prompt
 from trt_redrafter.errors import UserError
 
 
@@ -102,11 +102,12 @@ def test_prompts_mt_bench_and_prompt_rows(tmp_path):
     f = tmp_path / "q.jsonl"
     f.write_text('{"question_id": 81, "category": "writing", "turns": ["Hi there", "second turn"]}\n\n'
                  '{"prompt": "def f():"}\n')
-    assert load_prompts(f) == [vicuna_prompt("Hi there"), "def f():"]
+    # no tokenizer known: Vicuna v1.1 (a tokenizer's own template: tests/test_chat_template.py)
+    assert load_prompts(f) == [Prompt(vicuna_prompt("Hi there"), "vicuna"), Prompt("def f():")]
     assert vicuna_prompt("Q").startswith("A chat between a curious user") and vicuna_prompt("Q").endswith(
         "USER: Q ASSISTANT:")
-    assert load_prompts(f, "none") == ["Hi there", "def f():"]
-    assert load_prompts(f, "vicuna")[1] == vicuna_prompt("def f():")
+    assert load_prompts(f, "none") == [Prompt("Hi there"), Prompt("def f():")]
+    assert load_prompts(f, "vicuna")[1] == Prompt(vicuna_prompt("def f():"), "vicuna")
     picked = pick_prompts(["a", "b", "c"], 7, seed=1)
     assert picked == pick_prompts(["a", "b", "c"], 7, seed=1) and sorted(set(picked)) == ["a", "b", "c"]
     bad = tmp_path / "bad.jsonl"

@@ -63,6 +63,7 @@ def test_bench_end_to_end(tmp_path, capsys):
     assert summary["errors"] == 0
     doc = json.loads((out / "results.json").read_text())
     assert doc["prompts"]["dropped_too_long"] == 1 and doc["git"]["sha"] and doc["machine"]["cpu_count"]
+    assert doc["config"]["chat_template"] == "none"  # what was applied: auto leaves {"prompt"} rows raw
     assert {(p["tp"], p["mode"]) for p in doc["points"]} == {(1, m) for m in ("ar", "redrafter", "ngram", "mixed")}
     assert [s["mode"] for s in doc["speedups"]] == ["redrafter", "ngram", "mixed"]
     for p in doc["points"]:

@@ -92,6 +92,23 @@ def test_tensorrtllm_variant_is_filled_from_the_engine_config(trtllm_engine, tmp
     assert "preceding_output_ids" not in ens and "PRECEDING_TOKENS" not in ens
 
 
+@pytest.mark.parametrize("which", ["engine", "trtllm_engine"])
+def test_apply_chat_template_reaches_preprocessing(which, request, tmp_path):
+    """The optional `apply_chat_template` input (generate --chat, bench): declared by the ensemble and by
+    preprocessing, mapped from one to the other, with the template code copied beside preprocessing's model.py."""
+    repo = tmp_path / "repo"
+    make_repo(request.getfixturevalue(which), repo)
+    ens = (repo / "ensemble" / "config.pbtxt").read_text()
+    pre = (repo / "preprocessing" / "config.pbtxt").read_text()
+    assert re.search(r'name: "apply_chat_template"\s+data_type: TYPE_BOOL\s+dims: \[ 1 \] optional: true', ens)
+    assert re.search(r'name: "APPLY_CHAT_TEMPLATE" data_type: TYPE_BOOL dims: \[ 1 \] optional: true', pre)
+    assert 'input_map  { key: "APPLY_CHAT_TEMPLATE" value: "apply_chat_template" }' in ens
+    assert io_names(pre, "input") == {"QUERY", "BAD_WORDS_DICT", "STOP_WORDS_DICT", "END_ID", "PAD_ID",
+                                      "RETURN_PERF_METRICS", "APPLY_CHAT_TEMPLATE"}
+    assert '"APPLY_CHAT_TEMPLATE"' in (repo / "preprocessing" / "1" / "model.py").read_text()
+    assert (repo / "preprocessing" / "1" / "trt_redrafter" / "chat.py").is_file()
+
+
 def test_engine_variants_declare_the_same_tensors():
     torch_cfg = (TEMPLATES / "tensorrt_llm" / "config.pbtxt").read_text()
     trt_cfg = (TEMPLATES / "tensorrt_llm" / "config.tensorrtllm.pbtxt").read_text()

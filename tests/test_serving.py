@@ -1,11 +1,13 @@
 """Serving through a real tritonserver (CPU): streaming parity with offline generation, in-flight batching of
-32 concurrent streams, cancellation, malformed requests, Prometheus metrics, TP=2 == TP=1, clean shutdown.
+32 concurrent streams, cancellation, malformed requests, Prometheus metrics, TP=2 == TP=1, clean shutdown, and the
+preprocessing model's chat template (`generate --chat`).
 
 The server is nvidia-pytriton's bundled tritonserver (or a system one), started by `serving.launcher`.
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 import threading
 import time
@@ -14,7 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine_utils import build_tiny_engines, load_engine
+from engine_utils import build_tiny_engines, load_engine, write_chat_tokenizer
+from trt_redrafter.chat import chat_prompt_ids
+from trt_redrafter.cli import main as cli
 from trt_redrafter.config import SamplingConfig
 from trt_redrafter.errors import UserError
 from trt_redrafter.runtime.distributed import free_port
@@ -24,8 +28,9 @@ from trt_redrafter.serving.engine_model import parse_inputs
 from trt_redrafter.serving.metrics import scrape, sum_metric
 from trt_redrafter.config import RuntimeConfig
 from trt_redrafter.serving.repo import make_repo
-from trt_redrafter.serving.text import REPLACEMENT, TextCodec
+from trt_redrafter.serving.text import REPLACEMENT, TextCodec, load_tokenizer
 
+CHAT_TOKENIZER = "chat-tokenizer"  # beside the repositories (the `engines` fixture)
 PROMPTS = ["The quick brown fox", "Hello world, this is", "import os", "def main():", "a b c d e f g",
            "Once upon a time", "x", "Serving ReDrafter with Triton"]
 
@@ -79,11 +84,14 @@ def engines(tmp_path_factory):
     _, engines = build_tiny_engines(root, seed=11, num_beams=2, draft_len=2, tps=(1, 2), max_batch_size=8,
                                     max_seq_len=160)
     repos = {}
+    # the TP1 server's tokenizer has a chat template (the TP2 one has none); plain text encodes the same with both
+    chat_tokenizer = write_chat_tokenizer(engines[1] / "tokenizer", root / CHAT_TOKENIZER)
     for tp, engine_dir in engines.items():
         repos[tp] = root / f"repo-tp{tp}"
         # eager: these tests check the protocol, and compiling costs ~a minute per server start on 2 cores (the
         # CI perf smoke serves compiled engines)
-        make_repo(engine_dir, repos[tp], runtime=RuntimeConfig(compile="off"))
+        make_repo(engine_dir, repos[tp], tokenizer_dir=chat_tokenizer if tp == 1 else None,
+                  runtime=RuntimeConfig(compile="off"))
     return engines, repos
 
 
@@ -125,8 +133,8 @@ def offline(engines):
     engine = load_engine(engines[0][1])
     codec = TextCodec(engines[0][1] / "tokenizer")
 
-    def run(prompts: list[str], max_tokens: list[int]) -> list[list[int]]:
-        res = generate(engine, [codec.encode(p) for p in prompts],
+    def run(prompts: list[str | list[int]], max_tokens: list[int]) -> list[list[int]]:
+        res = generate(engine, [p if isinstance(p, list) else codec.encode(p) for p in prompts],
                        [SamplingConfig(max_tokens=n) for n in max_tokens], stop_ids=(codec.end_id,))
         return [r.output_ids for r in res]
 
@@ -279,6 +287,39 @@ def test_malformed_requests_get_clear_errors(server, offline):
 
     assert g.InferenceServerClient(server.grpc_url).is_server_ready()
     assert _gen(server, PROMPTS[2], 10).output_ids == offline(PROMPTS[2:3], [10])[0]
+
+
+@pytest.mark.server
+def test_preprocessing_applies_the_chat_template_when_asked(engines, server, offline, codec, capsys):
+    """Through the real tritonserver, whose tokenizer has a Llama-2-style template (BOS written by the template):
+    the preprocessing model's INPUT_ID with and without APPLY_CHAT_TEMPLATE, then `generate --chat` end to end."""
+    import tritonclient.grpc as grpcclient
+
+    from trt_redrafter.serving.client import _tensor
+
+    chat_tok = load_tokenizer(engines[1][1].parent / CHAT_TOKENIZER)
+    prompt = PROMPTS[0]
+    want = chat_prompt_ids(chat_tok, prompt)
+    assert want[0] == chat_tok.bos_token_id and want[1] != chat_tok.bos_token_id
+
+    def preprocess(flag) -> list[int]:
+        inputs = [_tensor("QUERY", np.array([[prompt.encode()]], dtype=object))]
+        if flag is not None:
+            inputs.append(_tensor("APPLY_CHAT_TEMPLATE", np.array([[flag]], bool)))
+        c = grpcclient.InferenceServerClient(server.grpc_url)
+        try:
+            return c.infer("preprocessing", inputs).as_numpy("INPUT_ID").reshape(-1).tolist()
+        finally:
+            c.close()
+
+    assert preprocess(True) == want
+    assert preprocess(False) == preprocess(None) == codec.encode(prompt)  # clients that do not ask: unchanged
+    assert cli(["generate", "--url", server.grpc_url, "--prompt", prompt, "--chat", "--max-tokens", "12",
+                "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    chat_out, plain_out = offline([want, prompt], [12, 12])
+    assert doc["error"] is None and doc["output_ids"] == chat_out
+    assert chat_out != plain_out  # the template changed what the engine saw
 
 
 @pytest.mark.server

@@ -26,7 +26,7 @@ from ..config import ConfigBase, _bad, _f, _positive
 from ..errors import UserError
 from ..log import get_logger
 from .metrics import RequestRecord, median, median_of_points, summarize
-from .schedule import CHAT_TEMPLATES, load_prompts, pick_prompts, poisson_offsets
+from .schedule import CHAT_TEMPLATES, Prompt, applied_template, load_prompts, pick_prompts, poisson_offsets
 
 logger = get_logger(__name__)
 
@@ -42,7 +42,9 @@ class BenchConfig(ConfigBase):
 
     dataset: str = _f(DEFAULT_DATASET, help="JSONL prompts: MT-Bench question.jsonl or {\"prompt\": ...} rows")
     chat_template: str = _f("auto", choices=CHAT_TEMPLATES,
-                            help="auto: Vicuna v1.1 for MT-Bench rows, none for {\"prompt\"} rows")
+                            help="auto: MT-Bench rows in the model's chat template (the tokenizer's, else Vicuna "
+                                 "v1.1), {\"prompt\"} rows raw; tokenizer / vicuna / none: that for every row. "
+                                 "Results record the template applied (auto resolved)")
     qps: str = _f("1", help="comma-separated offered loads, requests/s (Poisson arrivals); 'inf' = all at once")
     modes: str = _f("ar,redrafter", help="comma-separated decoding modes to measure: ar, redrafter, ngram, mixed "
                                          "(the last three: speculative, with that proposer)")
@@ -100,17 +102,18 @@ def point_key(tp: int, qps: float, mode: str) -> str:
 
 
 # ---- one point ---------------------------------------------------------------------------------------------------
-def run_point(target: Target, prompts: list[str], offsets: list[float], cfg: BenchConfig,
+def run_point(target: Target, prompts: list[Prompt], offsets: list[float], cfg: BenchConfig,
               progress: Optional[Callable[[], None]] = None) -> list[RequestRecord]:
     """Send prompts[i] at offsets[i] (the first cfg.warmup are warm-up) and wait for all of them."""
     from ..serving.client import GenerationRequest, generate_one
 
     records = [RequestRecord(i, off, 0.0, warmup=i < cfg.warmup) for i, off in enumerate(offsets)]
 
-    def one(rec: RequestRecord, prompt: str, t0: float) -> None:
-        req = GenerationRequest(prompt=prompt, max_tokens=cfg.max_tokens, temperature=cfg.temperature or None,
-                                seed=cfg.seed if cfg.temperature else None, end_id=-1 if cfg.ignore_eos else None,
-                                decoding_mode=target.decoding_mode, proposer=target.proposer)
+    def one(rec: RequestRecord, prompt: Prompt, t0: float) -> None:
+        req = GenerationRequest(prompt=prompt.text, apply_chat_template=prompt.chat, max_tokens=cfg.max_tokens,
+                                temperature=cfg.temperature or None, seed=cfg.seed if cfg.temperature else None,
+                                end_id=-1 if cfg.ignore_eos else None, decoding_mode=target.decoding_mode,
+                                proposer=target.proposer)
         try:
             out = generate_one(target.url, req, timeout=cfg.timeout_s)
         except Exception as e:  # an unreachable server is an error of this request, counted, not a crash
@@ -206,12 +209,18 @@ def point_order(targets: list[Target], repeat: int) -> list[Target]:
     return out
 
 
-def run_sweep(targets: list[Target], cfg: BenchConfig, show_progress: bool = True) -> dict:
-    """Every repeat x QPS x target; returns {"runs": [per repeat, per point], "points": medians, "speedups": ...}."""
+def run_sweep(targets: list[Target], cfg: BenchConfig, show_progress: bool = True,
+              tokenizer_dir: Optional[str] = None) -> dict:
+    """Every repeat x QPS x target; returns {"runs": [per repeat, per point], "points": medians, "speedups": ...}.
+
+    The chat template is decided with the engines' tokenizer, or `tokenizer_dir` for a server given by URL
+    (`sweep_tokenizer`); "prompts" records the one applied.
+    """
     from tqdm import tqdm
 
-    prompts_all = load_prompts(cfg.dataset, cfg.chat_template)
-    prompts_all, dropped = fit_prompts(prompts_all, [t.engine_dir for t in targets if t.engine_dir], cfg.max_tokens)
+    engine_dirs = [t.engine_dir for t in targets if t.engine_dir]
+    prompts_all = load_prompts(cfg.dataset, cfg.chat_template, sweep_tokenizer(engine_dirs, tokenizer_dir))
+    prompts_all, dropped = fit_prompts(prompts_all, engine_dirs, cfg.max_tokens)
     n = cfg.warmup + cfg.num_requests
     runs = []
     for r in range(cfg.repeats):
@@ -227,22 +236,43 @@ def run_sweep(targets: list[Target], cfg: BenchConfig, show_progress: bool = Tru
                             _fmt(m["tokens_per_step"]), m["errors"])
                 runs.append({"repeat": r, "qps": qps, "tp": t.tp, "mode": t.mode, "metrics": m,
                              "requests": [rec.to_dict() for rec in records]})
-    digest = hashlib.sha256("\x00".join(prompts_all).encode()).hexdigest()
-    return {"prompts": {"available": len(prompts_all), "dropped_too_long": dropped, "sha256": digest}, "runs": runs,
-            **combine_repeats(runs)}
+    prompts = {"available": len(prompts_all), "dropped_too_long": dropped, "sha256": prompts_digest(prompts_all),
+               "chat_template": applied_template(prompts_all)}
+    return {"prompts": prompts, "runs": runs, **combine_repeats(runs)}
 
 
-def fit_prompts(prompts: list[str], engine_dirs: list[str], max_tokens: int) -> tuple[list[str], int]:
+def sweep_tokenizer(engine_dirs: list[str], tokenizer_dir: Optional[str] = None):
+    """The tokenizer that decides the chat template: `tokenizer_dir`, else the served engines' (which must agree on
+    their chat template, as every target gets the same prompts); None when neither is known (--url alone)."""
+    from ..serving.text import load_tokenizer
+
+    if tokenizer_dir:
+        return load_tokenizer(tokenizer_dir)
+    toks = {d: load_tokenizer(Path(d) / "tokenizer") for d in dict.fromkeys(engine_dirs)}
+    templates = {getattr(t, "chat_template", None) or None for t in toks.values()}
+    if len(templates) > 1:
+        raise UserError(f"the engines' tokenizers ({', '.join(f'{d}/tokenizer' for d in toks)}) have different chat "
+                        f"templates, so their requests would get different prompts; benchmark engines of one model.")
+    return next(iter(toks.values()), None)
+
+
+def prompts_digest(prompts: list[Prompt]) -> str:
+    """sha256 of the prompt set; a prompt the server templates is marked, so it never hashes like its raw text."""
+    texts = (("\x01chat\x01" if p.chat else "") + p.text for p in prompts)
+    return hashlib.sha256("\x00".join(texts).encode()).hexdigest()
+
+
+def fit_prompts(prompts: list[Prompt], engine_dirs: list[str], max_tokens: int) -> tuple[list[Prompt], int]:
     """Drop prompts that some engine cannot take (prompt > max_input_len, or prompt + max_tokens > max_seq_len),
     tokenized as its preprocessing model does. Without engine dirs (--url) nothing is dropped."""
     from ..runtime.engine_config import load_engine_config
-    from ..serving.text import TextCodec
+    from ..serving.text import load_tokenizer
 
     keep = list(prompts)
     for d in dict.fromkeys(engine_dirs):
         b = load_engine_config(d).build
-        codec = TextCodec(Path(d) / "tokenizer")
-        keep = [p for p in keep if (n := len(codec.encode(p))) <= b.max_input_len and n + max_tokens <= b.max_seq_len]
+        tok = load_tokenizer(Path(d) / "tokenizer")
+        keep = [p for p in keep if (n := len(p.ids(tok))) <= b.max_input_len and n + max_tokens <= b.max_seq_len]
     dropped = len(prompts) - len(keep)
     if not keep:
         raise UserError(f"no prompt fits the engines (max_input_len / max_seq_len with max_tokens={max_tokens}); "

@@ -7,31 +7,73 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import dataclass
 from pathlib import Path
 
+from ..chat import TOKENIZER, VICUNA, chat_template_for, encode_prompt, has_chat_template, vicuna_prompt
 from ..errors import UserError
 
-# FastChat's "vicuna_v1.1" conversation template (the one Vicuna and the ReDrafter paper's MT-Bench runs use).
-VICUNA_SYSTEM = ("A chat between a curious user and an artificial intelligence assistant. The assistant gives "
-                 "helpful, detailed, and polite answers to the user's questions.")
-CHAT_TEMPLATES = ("auto", "vicuna", "none")
+# auto: MT-Bench rows get the model's template (the tokenizer's, else Vicuna v1.1), {"prompt"} rows stay raw;
+# tokenizer / vicuna / none: that template for every row
+CHAT_TEMPLATES = ("auto", TOKENIZER, VICUNA, "none")
 
 
-def vicuna_prompt(user: str) -> str:
-    return f"{VICUNA_SYSTEM} USER: {user} ASSISTANT:"
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt as a client sends it, and the chat template that prompts it.
 
-
-def load_prompts(path: str | Path, chat_template: str = "auto") -> list[str]:
-    """Prompts of a JSONL file: MT-Bench `question.jsonl` rows (first turn) or the project's {"prompt": ...} rows.
-
-    `auto` wraps MT-Bench questions in the Vicuna v1.1 template and leaves {"prompt": ...} rows as they are;
-    `vicuna` / `none` force one or the other for every row.
+    The tokenizer's template is applied where the tokenizer lives, in the server's preprocessing (the request's
+    `apply_chat_template` input), so its BOS is tokenized as `apply_chat_template` does; Vicuna v1.1 is plain text
+    and is applied here, so a stock TensorRT-LLM ensemble, which has no such input, still gets the paper's prompts.
     """
+
+    text: str  # text_input: the user message (template "tokenizer") or the whole prompt
+    template: str = "none"  # "tokenizer" (applied by the server), "vicuna" (already in text) or "none"
+
+    @property
+    def chat(self) -> bool:
+        """Sent with `apply_chat_template`: the server prompts `text` in the model's chat template."""
+        return self.template == TOKENIZER
+
+    def ids(self, tokenizer) -> list[int]:
+        """Token ids as the preprocessing model makes them."""
+        return encode_prompt(tokenizer, self.text, self.chat)
+
+
+def resolve_chat_template(chat_template: str, tokenizer=None) -> str:
+    """The template `chat_template` gives chat rows: `auto` resolved with the model's tokenizer (None: not known, as
+    for a server given by URL alone, so Vicuna v1.1, as before chat templates were read)."""
     if chat_template not in CHAT_TEMPLATES:
         raise UserError(f"--chat-template must be one of {', '.join(CHAT_TEMPLATES)}, got {chat_template!r}.")
+    if chat_template == TOKENIZER:
+        if tokenizer is None:
+            raise UserError("--chat-template tokenizer needs the served model's tokenizer; pass engine dirs, or "
+                            "--tokenizer DIR with --url.")
+        if not has_chat_template(tokenizer):
+            raise UserError(f"--chat-template tokenizer: the tokenizer {getattr(tokenizer, 'name_or_path', '')!r} "
+                            f"has no chat template; use auto (Vicuna v1.1 for it) or vicuna.")
+    if chat_template == "auto":
+        return VICUNA if tokenizer is None else chat_template_for(tokenizer)
+    return chat_template
+
+
+def applied_template(prompts: list[Prompt]) -> str:
+    """The chat template the prompts were given ("none" when no row was templated): what results record, and
+    what the gate compares between runs."""
+    return next((p.template for p in prompts if p.template != "none"), "none")
+
+
+def load_prompts(path: str | Path, chat_template: str = "auto", tokenizer=None) -> list[Prompt]:
+    """Prompts of a JSONL file: MT-Bench `question.jsonl` rows (first turn) or the project's {"prompt": ...} rows.
+
+    `auto` prompts MT-Bench questions in the model's chat template (the tokenizer's if it has one, else Vicuna v1.1;
+    `resolve_chat_template`) and leaves {"prompt": ...} rows as they are; `tokenizer` / `vicuna` / `none` force
+    one template, or none, for every row.
+    """
     path = Path(path)
     if not path.is_file():
         raise UserError(f"dataset {path} does not exist; pass a JSONL file of MT-Bench questions or {{\"prompt\": ...}}.")
+    template = resolve_chat_template(chat_template, tokenizer)
     prompts = []
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
@@ -42,18 +84,25 @@ def load_prompts(path: str | Path, chat_template: str = "auto") -> list[str]:
             except json.JSONDecodeError as e:
                 raise UserError(f"{path}:{lineno} is not JSON ({e.msg}).") from e
             if isinstance(row, dict) and isinstance(row.get("turns"), list) and row["turns"]:
-                text, chat = str(row["turns"][0]), chat_template in ("auto", "vicuna")
+                text, chat = str(row["turns"][0]), True
             elif isinstance(row, dict) and isinstance(row.get("prompt"), str):
-                text, chat = row["prompt"], chat_template == "vicuna"
+                text, chat = row["prompt"], chat_template != "auto"
             else:
                 raise UserError(f"{path}:{lineno} has neither 'turns' (MT-Bench) nor a string 'prompt'.")
-            prompts.append(vicuna_prompt(text) if chat else text)
+            prompts.append(chat_prompt(text, template) if chat else Prompt(text))
     if not prompts:
         raise UserError(f"dataset {path} holds no prompts.")
     return prompts
 
 
-def pick_prompts(prompts: list[str], n: int, seed: int) -> list[str]:
+def chat_prompt(user: str, template: str) -> Prompt:
+    """`user` as one user message under `template` (tokenizer | vicuna | none)."""
+    if template == VICUNA:
+        return Prompt(vicuna_prompt(user), VICUNA)
+    return Prompt(user, template)
+
+
+def pick_prompts(prompts: list, n: int, seed: int) -> list:
     """n prompts: the dataset shuffled with `seed`, repeated as often as needed."""
     order = list(range(len(prompts)))
     random.Random(seed).shuffle(order)

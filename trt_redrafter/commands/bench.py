@@ -23,6 +23,8 @@ def register(sub) -> None:
     src.add_argument("--redrafter-engine", action="append", default=[],
                      help="ReDrafter engine dir (repeatable, one per TP)")
     p.add_argument("--tp", type=int, default=1, help="with --url: the served engine's TP size (a label)")
+    p.add_argument("--tokenizer", help="with --url: the served model's tokenizer directory, which decides the chat "
+                                       "template (without it, auto applies Vicuna v1.1); engine dirs bring theirs")
     p.add_argument("--output", default="out/bench", help="directory for results.json, results.md and the plots")
     p.add_argument("--config", help="YAML file with a `bench:` section; flags override it")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots (no matplotlib needed)")
@@ -68,13 +70,15 @@ def run(args: argparse.Namespace) -> int:
     given = [bool(args.url), bool(args.engines), bool(args.ar_engine or args.redrafter_engine)]
     if sum(given) != 1:
         raise UserError("give exactly one of --url, --engines, or --ar-engine/--redrafter-engine.")
+    if args.tokenizer and not args.url:
+        raise UserError("--tokenizer goes with --url; engine dirs are benchmarked with their own tokenizer.")
     if args.url:
         host, port = parse_host_port(args.url, 8001)
         # redrafter is the engine's default: send decoding_mode only for AR, so a TensorRT-LLM ensemble (which
         # has no such input) can still be measured with --modes redrafter
         targets = [Target(args.tp, m, f"{host}:{port}", "ar" if m == "ar" else None, None,
                           m if m in ("ngram", "mixed") else None) for m in modes]
-        doc_sweep = run_sweep(targets, cfg, show_progress=not args.no_progress)
+        doc_sweep = run_sweep(targets, cfg, show_progress=not args.no_progress, tokenizer_dir=args.tokenizer)
         engines = {}
     else:
         if args.engines:
@@ -93,7 +97,9 @@ def run(args: argparse.Namespace) -> int:
             engines = engines_info(targets)
     import dataclasses
 
-    doc = make_document(dataclasses.asdict(cfg), doc_sweep, engines, command=["trt-redrafter", *args.argv])
+    # the template applied, auto resolved: the gate compares it between runs
+    config = {**dataclasses.asdict(cfg), "chat_template": doc_sweep["prompts"]["chat_template"]}
+    doc = make_document(config, doc_sweep, engines, command=["trt-redrafter", *args.argv])
     if not args.url:
         doc["runtime"] = runtime.to_dict()
     files = write_outputs(doc, args.output, plots=not args.no_plots)

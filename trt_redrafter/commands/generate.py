@@ -13,6 +13,9 @@ def register(sub) -> None:
                                    "text as it arrives (with --stream) or once complete.")
     p.add_argument("--url", default="127.0.0.1:8001", help="the server's gRPC HOST:PORT")
     p.add_argument("--prompt", required=True)
+    p.add_argument("--chat", action="store_true",
+                   help="send the prompt as one user message: the server prompts it in the model's chat template "
+                        "(the tokenizer's, else Vicuna v1.1); needs a repository made by make-repo")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float)
     p.add_argument("--top-k", type=int)
@@ -33,9 +36,9 @@ def run(args: argparse.Namespace) -> int:
     from ..serving.launcher import parse_host_port
 
     host, port = parse_host_port(args.url, 8001)
-    req = GenerationRequest(prompt=args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_k=args.top_k, top_p=args.top_p, seed=args.seed, end_id=args.end_id,
-                            stop_words=tuple(args.stop_word), stream=args.stream)
+    req = GenerationRequest(prompt=args.prompt, apply_chat_template=args.chat, max_tokens=args.max_tokens,
+                            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                            end_id=args.end_id, stop_words=tuple(args.stop_word), stream=args.stream)
     live = args.stream and not args.json
 
     def on_chunk(chunk):

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ..chat import encode_prompt
 from ..config import PROPOSERS, RuntimeConfig, SamplingConfig
 from ..errors import UserError
 from ..log import rank0_print
@@ -21,6 +22,9 @@ def register(sub) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", nargs="+", help="prompt text(s); needs a tokenizer")
     src.add_argument("--prompt-ids", nargs="+", help="prompt(s) as comma-separated token ids, e.g. 1,450,4996")
+    p.add_argument("--chat", action="store_true",
+                   help="each --prompt is one user message, prompted in the model's chat template (the tokenizer's, "
+                        "else FastChat's Vicuna v1.1)")
     p.add_argument("--mode", choices=("redrafter", "ar"), default="redrafter",
                    help="redrafter: speculative (drafts from --proposer); ar: one token per step")
     p.add_argument("--proposer", choices=PROPOSERS,
@@ -108,13 +112,16 @@ def _cuda(device: str) -> bool:
 
 
 def load_prompts(args) -> tuple[object, list[list[int]]]:
-    """(tokenizer or None, prompt token ids) from --prompt texts or --prompt-ids."""
+    """(tokenizer or None, prompt token ids) from --prompt texts (with --chat: each one user message in the
+    model's chat template) or --prompt-ids."""
+    if args.chat and args.prompt is None:
+        raise UserError("--chat templates --prompt texts; --prompt-ids are decoded as given, so drop one of them.")
     tokenizer = _load_tokenizer(args)
     if args.prompt is None:
         return tokenizer, _parse_ids(args.prompt_ids)
     if tokenizer is None:
         raise UserError(f"--prompt needs a tokenizer but {args.engine} has none; pass --tokenizer DIR or use --prompt-ids.")
-    return tokenizer, [tokenizer.encode(t) for t in args.prompt]
+    return tokenizer, [encode_prompt(tokenizer, t, chat=args.chat) for t in args.prompt]
 
 
 def resolve_end_id(args, tokenizer) -> int | None:

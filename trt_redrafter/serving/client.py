@@ -24,6 +24,7 @@ STATS = ("acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens")
 @dataclass
 class GenerationRequest:
     prompt: str = ""
+    apply_chat_template: bool = False  # ensemble only: the prompt is one user message, templated by the server
     max_tokens: int = 64
     temperature: Optional[float] = None
     top_k: Optional[int] = None
@@ -121,6 +122,8 @@ def build_inputs(req: GenerationRequest, model: str = ENSEMBLE_MODEL, stop: bool
             inputs.append(_tensor(key, np.array([[value.encode()]], dtype=object)))
     if req.stop_words and not engine:
         inputs.append(_tensor("stop_words", np.array([[w.encode() for w in req.stop_words]], dtype=object)))
+    if req.apply_chat_template and not engine:  # sent only when asked: stock TensorRT-LLM ensembles lack the input
+        inputs.append(_tensor("apply_chat_template", np.array([[True]], bool)))
     if stop:
         inputs.append(_tensor("stop", np.array([[True]], bool)))
     return inputs

@@ -37,7 +37,7 @@ TEXT_MODELS = ("ensemble", "preprocessing", "postprocessing")
 # The text models' own code, copied beside their model.py: a repository then loads in a stock tritonserver (NGC's
 # -trtllm-python-py3 container has transformers and numpy, not trt-redrafter) without any PYTHONPATH.
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
-TEXT_MODULES = ("__init__.py", "errors.py", "serving/__init__.py", "serving/text.py")
+TEXT_MODULES = ("__init__.py", "errors.py", "chat.py", "serving/__init__.py", "serving/text.py")
 
 # torch only: a per-request `decoding_mode` ("redrafter" | "ar"; the same engine decodes either way) and `proposer`
 # ("redrafter" | "ngram" | "mixed"; what drafts the request's trees, default the engine's)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..chat import encode_prompt
 from ..errors import UserError
 
 REPLACEMENT = "\ufffd"  # what an incomplete UTF-8 sequence decodes to
@@ -43,9 +44,11 @@ class TextCodec:
         pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
         return -1 if pad is None else int(pad)
 
-    def encode(self, text: str) -> list[int]:
-        """The prompt's ids, special tokens included, exactly as `trt-redrafter run --prompt` encodes it."""
-        return self.tok.encode(text)
+    def encode(self, text: str, chat: bool = False) -> list[int]:
+        """The prompt's ids exactly as `trt-redrafter run --prompt` encodes it: plain text with special tokens, or
+        with chat=True (`run --chat`, the `apply_chat_template` input) one user message in the model's chat
+        template (trt_redrafter/chat.py decides which)."""
+        return encode_prompt(self.tok, text, chat)
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=self.skip_special_tokens, clean_up_tokenization_spaces=False)

@@ -12,23 +12,12 @@ from pathlib import Path
 
 import torch
 
+from ..chat import chat_ids  # noqa: F401  (the template decision, shared with run/bench/serving)
 from ..errors import UserError
-from ..bench.schedule import vicuna_prompt
 
 MAGPIE_MARK = "\x00MAGPIE-USER-TURN\x00"
 MAGPIE_MAX_TOKENS = 96  # user prompts are cut here
 MAGPIE_TOP_P = 0.95
-
-
-def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """The conversation as the model sees it before answering: its own chat template (generation prompt added),
-    or FastChat's Vicuna v1.1 for a tokenizer without one."""
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-    users = [m["content"] for m in messages if m.get("role") == "user"]
-    ids = tokenizer(vicuna_prompt(users[-1]))["input_ids"]
-    return ids
 
 
 def _conversation(row, where: str) -> list[dict]:

@@ -43,7 +43,8 @@ class TritonPythonModel:
                 raise UserError(f"send one text_input per request, got {len(texts)}.")
             if not texts[0]:
                 raise UserError("text_input is empty; send a non-empty prompt.")
-            ids = np.array([self.codec.encode(texts[0])], dtype=np.int32)
+            chat = bool(_flag(request, "APPLY_CHAT_TEMPLATE", False).item())
+            ids = np.array([self.codec.encode(texts[0], chat=chat)], dtype=np.int32)
             words = {}
             for name, out in (("BAD_WORDS_DICT", "BAD_WORDS_IDS"), ("STOP_WORDS_DICT", "STOP_WORDS_IDS")):
                 t = pb_utils.get_input_tensor_by_name(request, name)
