@@ -35,6 +35,9 @@ class AttentionMeta:
     ctx_len: torch.Tensor  # [bs] long: committed KV entries before this step
     tree_mask: torch.Tensor  # [bs, T, T] bool: new token p may see new token q
     block_size: int
+    # prompt steps only: each request's prompt length, for the rows dynamic-NTK RoPE rotates differently
+    # (`rope.RotaryEmbedding.prompt_rows`); None in decode steps, which rotate with the table rows alone
+    prompt_len: Optional[torch.Tensor] = None  # [bs] long
     # torch path only: the keys each request may read, [bs, S] with S = nblk * block_size, and who sees what
     kv_slots: Optional[torch.Tensor] = None  # [bs, S] long
     visible: Optional[torch.Tensor] = None  # [bs, 1, T, S] bool

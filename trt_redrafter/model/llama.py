@@ -27,6 +27,8 @@ from .tp import Dist
 
 # (q [bs, T, nh, D], k_cache, v_cache [slots, kvh, D], meta, scale) -> [bs, T, nh, D]
 AttentionImpl = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMeta, float], torch.Tensor]
+# what every layer rotates with: (row of each new token [N] long, cos [rows, D], sin [rows, D])
+RopeRows = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -87,12 +89,13 @@ class Attention(nn.Module):
         self.scale = head_size ** -0.5
 
     def forward(self, x: torch.Tensor, layer: int, meta: AttentionMeta, kv: tuple[list[torch.Tensor], list[torch.Tensor]],
-                rope: RotaryEmbedding, impl: AttentionImpl, ops) -> torch.Tensor:
+                rope: RopeRows, impl: AttentionImpl, ops) -> torch.Tensor:
         bs, T = meta.positions.shape
         N = bs * T
         k_cache, v_cache = kv[0][layer], kv[1][layer]  # [slots, nkv, D]
-        q = ops.rope_write_kv(F.linear(x, self.qkv), meta.positions.reshape(N), rope.cos, rope.sin, self.nh,
-                              self.nkv, k_cache, v_cache, meta.write_slots.reshape(N))  # [N, nh, D]
+        rows, cos, sin = rope
+        q = ops.rope_write_kv(F.linear(x, self.qkv), rows, cos, sin, self.nh, self.nkv, k_cache, v_cache,
+                              meta.write_slots.reshape(N))  # [N, nh, D]
         out = impl(q.view(bs, T, self.nh, self.D), k_cache, v_cache, meta, self.scale)  # [bs, T, nh, D]
         return self.dist.all_reduce(F.linear(out.reshape(N, self.nh * self.D), self.dense))
 
@@ -114,8 +117,8 @@ class DecoderLayer(nn.Module):
         self.ln1, self.ln2 = _frozen(ln1), _frozen(ln2)
         self.attn, self.mlp, self.eps = attn, mlp, eps
 
-    def forward(self, residual: torch.Tensor, h: torch.Tensor, layer: int, meta: AttentionMeta, kv, rope, impl,
-                ops, next_norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, residual: torch.Tensor, h: torch.Tensor, layer: int, meta: AttentionMeta, kv,
+                rope: RopeRows, impl, ops, next_norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h = ln1(residual) on entry -> (residual after attention and MLP, next_norm(residual)): each residual add
         is fused with the norm that follows it (same roundings as add-then-norm)."""
         residual, h = ops.add_rms_norm(residual, self.attn(h, layer, meta, kv, rope, impl, ops), self.ln2, self.eps)
@@ -175,6 +178,15 @@ class LlamaRank(nn.Module):
         local = F.linear(hidden, self.lm_head)  # [..., Vp/tp]
         return self.dist.all_gather(local, dim=-1)[..., :self.vocab_size]
 
+    def rope_rows(self, meta: AttentionMeta) -> RopeRows:
+        """What the layers rotate this step's tokens with: the table rows at their positions, or in a prompt step of
+        a dynamic-NTK model the per-token rows `RotaryEmbedding.prompt_rows` computes (built once per step)."""
+        positions = meta.positions.reshape(-1)  # [N]
+        if meta.prompt_len is not None and self.rope.dynamic:
+            cos, sin = self.rope.prompt_rows(meta.positions, meta.prompt_len)  # [N, D] each
+            return torch.arange(positions.shape[0], device=positions.device), cos, sin
+        return positions, self.rope.cos, self.rope.sin
+
     # ---- forward ----------------------------------------------------------------------------------------
     def forward(self, ids: torch.Tensor, meta: AttentionMeta, kv: tuple[list[torch.Tensor], list[torch.Tensor]]
                 ) -> torch.Tensor:
@@ -184,8 +196,9 @@ class LlamaRank(nn.Module):
         if self.attention_impl is torch_tree_attention:
             meta = meta.for_torch()
         eps = self.cfg.norm_epsilon
+        rope = self.rope_rows(meta)
         residual, h = self.ops.add_rms_norm(self.embed(ids.reshape(bs * T)), None, self.layers[0].ln1, eps)  # [N, H]
         for li, layer in enumerate(self.layers):
             nxt = self.layers[li + 1].ln1 if li + 1 < len(self.layers) else self.ln_f
-            residual, h = layer(residual, h, li, meta, kv, self.rope, self.attention_impl, self.ops, nxt)
+            residual, h = layer(residual, h, li, meta, kv, rope, self.attention_impl, self.ops, nxt)
         return h.view(bs, T, -1)

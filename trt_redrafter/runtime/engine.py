@@ -464,7 +464,8 @@ class Engine:
             ids[i, :len(t)] = torch.tensor(t)
         slots = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=dev)
         rule = self._rule(seqs)
-        h = self.steps.prefill(slots, ids.to(dev), lengths.to(dev), rule)
+        prompt_len = torch.tensor([len(s.prompt) for s in seqs], dtype=torch.long)  # < lengths after a preemption
+        h = self.steps.prefill(slots, ids.to(dev), lengths.to(dev), rule, prompt_len.to(dev))
         rd = [i for i, s in enumerate(seqs) if s.mode == "redrafter" and self._drafts_on_device([s.proposer])]
         tree_len = [0] * len(seqs)
         if rd:

@@ -101,11 +101,13 @@ class DecodeStep:
 
     # ---- phases ----------------------------------------------------------------------------------------
     def verify(self, slots: torch.Tensor, key_blocks: torch.Tensor, tokens: torch.Tensor, offsets: torch.Tensor,
-               mask: torch.Tensor, with_logits: bool = True) -> Verified:
+               mask: torch.Tensor, with_logits: bool = True, prompt_len: Optional[torch.Tensor] = None) -> Verified:
         """Base model over [bs, T] new tokens at positions ctx_len + offsets (tree attention).
 
         key_blocks [nblk]: its length is how many KV blocks per request the torch attention reads (a multiple of
         the block size covering every request's ctx_len + T); the Triton kernel reads exactly what it needs.
+        prompt_len [bs] (prompt steps only): each request's prompt length, which dynamic-NTK RoPE rotates its prompt
+        tokens with (`AttentionMeta.prompt_len`).
         """
         st = self.state
         ctx = st.ctx_len[slots]  # [bs]
@@ -116,7 +118,7 @@ class DecodeStep:
         bsz = self.cache.block_size
         write_slots = full.gather(1, write_pos // bsz) * bsz + write_pos % bsz  # [bs, T]
         meta = AttentionMeta(positions=ctx[:, None] + offsets, write_slots=write_slots, block_table=table,
-                             ctx_len=ctx, tree_mask=mask, block_size=bsz)
+                             ctx_len=ctx, tree_mask=mask, block_size=bsz, prompt_len=prompt_len)
         hidden = self.model(tokens, meta, (self.cache.k, self.cache.v))  # [bs, T, H]
         return Verified(hidden=hidden, logits=self.model.logits(hidden) if with_logits else hidden[..., :0])
 
@@ -250,9 +252,13 @@ class DecodeStep:
         st.advance(slots, st.ctx_len[slots] + 1, nxt[:, 0])
         return torch.cat([nxt, torch.ones_like(nxt), torch.ones_like(nxt)], dim=1)
 
-    def prefill(self, slots: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor, rule: str) -> torch.Tensor:
+    def prefill(self, slots: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor, rule: str,
+                prompt_len: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Prompt step for [bs] new requests: ids [bs, T] right-padded, lengths [bs] -> hidden of the last prompt
-        token [bs, H]; sets ctx_len and the first true token (drawn at position `lengths`)."""
+        token [bs, H]; sets ctx_len and the first true token (drawn at position `lengths`).
+
+        prompt_len [bs]: how many of each row's tokens are its prompt (default: all of them); fewer when a preempted
+        request recomputes its prompt and output (dynamic-NTK RoPE rotates the two differently, see rope.py)."""
         st = self.state
         bs, T = ids.shape
         dev = ids.device
@@ -263,7 +269,8 @@ class DecodeStep:
         mask = (causal[None] & valid[:, None, :] & valid[:, :, None]) | torch.eye(T, dtype=torch.bool, device=dev)
         nblk = -(-T // self.cache.block_size)
         key_blocks = torch.arange(nblk, device=dev)
-        v = self.verify(slots, key_blocks, ids, ar[None, :].expand(bs, T), mask, with_logits=False)
+        v = self.verify(slots, key_blocks, ids, ar[None, :].expand(bs, T), mask, with_logits=False,
+                        prompt_len=lengths if prompt_len is None else prompt_len)
         rows = torch.arange(bs, device=dev)
         last = lengths - 1
         h = v.hidden[rows, last]  # [bs, H]
