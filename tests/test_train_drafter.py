@@ -290,3 +290,31 @@ def test_torchrun_two_processes_train_like_one(make_tiny_pair, tmp_path):
     # half batch) 7e-3 (0.5%)
     assert moved < 3e-3, moved
     assert abs(two["held_out"]["loss"] - one["held_out"]["loss"]) < 0.002 * one["held_out"]["loss"]
+
+
+def test_corpus_hidden_states_and_targets_are_the_bases_own(make_tiny_pair):
+    """The hidden states captured during generation (ragged, left-padded prompts, rows ending at eos) equal one
+    full forward of each row alone, and each target is the base's argmax there."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from trt_redrafter.training.corpus import generate_shard
+
+    model = AutoModelForCausalLM.from_pretrained(str(make_tiny_pair() / "base"), dtype=torch.float32).eval()
+    prompts = [[1, 50, 60, 70, 80, 90], [1, 33], [1, 200, 201, 202]]
+    for stop in (None, [int(model.config.eos_token_id or 2), 65, 97]):
+        sh = generate_shard(model, prompts, 10, stop, 0, torch.device("cpu"))
+        for r, p in enumerate(prompts):
+            n = int(sh.length[r])
+            assert sh.tokens[r, :len(p)].tolist() == p and int(sh.first[r]) == len(p) - 1
+            with torch.no_grad():
+                hs = model.model(input_ids=sh.tokens[r:r + 1, :n]).last_hidden_state[0]
+                g = model.lm_head(hs).argmax(-1)
+            torch.testing.assert_close(sh.hidden[r, :n - 1], hs[:n - 1], atol=1e-5, rtol=1e-5)
+            assert sh.targets[r, len(p) - 1:n - 1].tolist() == g[len(p) - 1:n - 1].tolist()
+            assert int(sh.targets[r, n - 1]) == -100
+            if stop is None:
+                assert n == len(p) + 10
+            else:
+                ans = sh.tokens[r, len(p):n].tolist()
+                assert n == len(p) + 10 or ans[-1] in stop and not set(ans[:-1]) & set(stop)

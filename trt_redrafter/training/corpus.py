@@ -4,8 +4,8 @@ Generation writes one safetensors shard per generation batch into `DIR/shard-NNN
 temporary name and renamed, so a shard is whole or absent) and lists it in `DIR/manifest.json`. A shard holds
 
     tokens  int32   [b, W]     the row: prompt (bos / chat template included) then the base's greedy answer
-    targets int32   [b, W]     g_t = argmax of the base at t (its prediction of token t+1); -100 past the row's end
-    hidden  float32 [b, W, H]  h_t, the base's final-norm hidden state
+    targets int32   [b, W]     g_t = argmax of the base at t (greedy: token t+1); -100 at the row's last token and past
+    hidden  float32 [b, W, H]  h_t, the base's final-norm hidden state (zeros at the row's last token and past)
     first   int32   [b]        the first drafting position (the last prompt token: x_{t+1} is base-generated)
     length  int32   [b]        tokens in the row
 
@@ -204,9 +204,12 @@ def eval_batches(corpus: ShardedCorpus, batch: int) -> Iterator[tuple[list[Shard
 @torch.no_grad()
 def generate_shard(model, prompts: list[list[int]], max_new: int, stop_ids: Optional[list[int]], pad_id: int,
                    device: torch.device) -> Shard:
-    """The base's greedy answers to `prompts` (left-padded into one batch) and its hidden states and argmaxes.
+    """The base's greedy answers to `prompts` (left-padded into one batch), with its final-norm hidden states and
+    its argmaxes, both taken from the generation itself (a hook on the final norm): no second forward pass, and
+    each hidden state is the one auto-regressive decoding computes (with a KV cache, as the engine does).
 
-    `stop_ids` None: exactly `max_new` tokens (eos ignored); else a row ends after its first stop token.
+    `stop_ids` None: exactly `max_new` tokens (eos ignored); else a row ends after its first stop token. The
+    target at a row's last token (the prediction after it) is not known and is left out (-100).
     """
     b, plen = len(prompts), max(len(p) for p in prompts)
     ids = torch.full((b, plen), pad_id, dtype=torch.long)
@@ -216,31 +219,34 @@ def generate_shard(model, prompts: list[list[int]], max_new: int, stop_ids: Opti
         mask[r, plen - len(p):] = 1
     ids, mask = ids.to(device), mask.to(device)
     kw = dict(min_new_tokens=max_new, eos_token_id=None) if stop_ids is None else dict(eos_token_id=stop_ids)
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False, pad_token_id=pad_id, **kw)
-    gen = out[:, plen:]
+    steps: list[torch.Tensor] = []
+    hook = model.model.norm.register_forward_hook(lambda _m, _i, out: steps.append(out.float().cpu()))
+    try:
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False, pad_token_id=pad_id,
+                             **kw)
+    finally:
+        hook.remove()
+    gen = out[:, plen:].cpu()
+    hidden_all = torch.cat(steps, dim=1)  # [b, plen + n_gen - 1, H]: every position but the last token's
+    if hidden_all.shape[1] != out.shape[1] - 1:
+        raise RuntimeError(f"captured {hidden_all.shape[1]} hidden states for {out.shape[1]} tokens")
     lengths = []
     for r, p in enumerate(prompts):
         n = gen.shape[1]
         if stop_ids is not None:
-            hit = torch.isin(gen[r], torch.tensor(stop_ids, device=gen.device)).nonzero()
+            hit = torch.isin(gen[r], torch.tensor(stop_ids)).nonzero()
             n = int(hit[0]) + 1 if len(hit) else n
         lengths.append(len(p) + n)
-    full_mask = torch.cat([mask, torch.ones_like(gen)], 1)
-    for r in range(b):  # nothing after a row's end is attended to by the row itself (it is never read)
-        full_mask[r, plen + lengths[r] - len(prompts[r]):] = 0
-    position_ids = (full_mask.cumsum(-1) - 1).clamp(min=0)
-    hs = model.model(input_ids=out, attention_mask=full_mask, position_ids=position_ids).last_hidden_state
-    V = model.config.vocab_size
-    gt = model.lm_head(hs)[..., :V].argmax(-1)
     W = max(lengths)
     tokens = torch.full((b, W), pad_id, dtype=torch.long)
     targets = torch.full((b, W), -100, dtype=torch.long)
-    hidden = torch.zeros(b, W, hs.shape[-1], dtype=torch.float32)
+    hidden = torch.zeros(b, W, hidden_all.shape[-1], dtype=torch.float32)
+    out = out.cpu()
     for r, p in enumerate(prompts):
         lo, n = plen - len(p), lengths[r]
-        tokens[r, :n] = out[r, lo:lo + n].cpu()
-        targets[r, :n] = gt[r, lo:lo + n].cpu()
-        hidden[r, :n] = hs[r, lo:lo + n].float().cpu()
+        tokens[r, :n] = out[r, lo:lo + n]
+        targets[r, :n - 1] = out[r, lo + 1:lo + n]  # greedy: the base's argmax at t is token t+1
+        hidden[r, :n - 1] = hidden_all[r, lo:lo + n - 1]
     first = torch.tensor([len(p) - 1 for p in prompts])
     return Shard(tokens, targets, hidden, first, torch.tensor(lengths))
 
