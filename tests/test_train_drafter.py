@@ -318,3 +318,19 @@ def test_corpus_hidden_states_and_targets_are_the_bases_own(make_tiny_pair):
             else:
                 ans = sh.tokens[r, len(p):n].tolist()
                 assert n == len(p) + 10 or ans[-1] in stop and not set(ans[:-1]) & set(stop)
+
+
+def test_the_corpus_grows_and_shrinks_reusing_its_shards(make_tiny_pair, tmp_path):
+    base = make_tiny_pair() / "base"
+    work = tmp_path / "w"
+    shard = str(work / "corpus" / "train" / "shard-{:05d}.safetensors")
+    small = ("--gen-batch-size", "2", "--batch-size", "32")
+    _train(base, tmp_path / "a", "--work-dir", work, "--num-sequences", "5", *small)  # shards of 2, 2 and 1
+    made = {i: (shard.format(i), Path(shard.format(i)).stat().st_mtime_ns) for i in range(3)}
+    s = _train(base, tmp_path / "b", "--work-dir", work, "--num-sequences", "8", *small)
+    assert Path(made[0][0]).stat().st_mtime_ns == made[0][1] and Path(made[1][0]).stat().st_mtime_ns == made[1][1]
+    assert Path(made[2][0]).stat().st_mtime_ns != made[2][1]  # the partial last shard is made again, whole
+    assert len(load_file(made[2][0])["length"]) == 2 and s["data"]["train_sequences"] == 8
+    fresh = _train(base, tmp_path / "c", "--work-dir", tmp_path / "w2", "--num-sequences", "8", *small)
+    assert (tmp_path / "b" / "model.safetensors").read_bytes() == (tmp_path / "c" / "model.safetensors").read_bytes()
+    assert fresh["held_out"] == s["held_out"]

@@ -54,33 +54,46 @@ def num_positions(first: list[int], length: list[int]) -> int:
 
 
 class ShardedCorpus:
-    """A corpus directory: `spec` (what made it; a different spec is refused) and the shards written so far."""
+    """A corpus directory: `spec` (what made it; a different spec is refused) and the shards written so far.
 
-    def __init__(self, root: str | Path, spec: dict, num_shards: int):
+    Shard i's prompts depend only on the spec and i, so a corpus grows or shrinks with the number of sequences: the
+    shards it already has are reused (one whose row count no longer fits, e.g. a formerly last partial shard, is
+    made again)."""
+
+    def __init__(self, root: str | Path, spec: dict, num_shards: int, rows: Optional[list[int]] = None):
         self.root, self.spec, self.num_shards = Path(root), spec, num_shards
+        self.expected_rows = rows
         self.root.mkdir(parents=True, exist_ok=True)
         path = self.root / MANIFEST
+        self.counts, self.rows = {}, {}
         if path.is_file():
             have = json.loads(path.read_text())
-            if have.get("spec") != spec or have.get("num_shards") != num_shards:
+            if have.get("spec") != spec:
                 raise UserError(f"{self.root} holds a corpus made with other settings ({_diff(have.get('spec'), spec)}"
                                 f"); pass another --work-dir, or --force to regenerate it.")
-            self.counts = {int(k): int(v) for k, v in have.get("positions", {}).items()}
-        else:
-            self.counts = {}
-            self._write_manifest()
+            self._read(have)
+        self._write_manifest()
 
     def shard_path(self, i: int) -> Path:
         return self.root / f"shard-{i:05d}.safetensors"
 
     def done(self, i: int) -> bool:
-        return self.shard_path(i).is_file()
+        if not self.shard_path(i).is_file():
+            return False
+        want = self.expected_rows[i] if self.expected_rows else None
+        return want is None or self.rows.get(i, want) == want
+
+    def _read(self, have: dict) -> None:
+        self.counts = {int(k): int(v) for k, v in have.get("positions", {}).items()}
+        self.rows = {int(k): int(v) for k, v in have.get("rows", {}).items()}
 
     @property
     def complete(self) -> bool:
         return all(self.done(i) for i in range(self.num_shards))
 
     def write(self, i: int, shard: Shard) -> None:
+        self.counts.pop(i, None)
+        self.rows.pop(i, None)
         tmp = self.shard_path(i).with_suffix(".tmp")
         save_file({"tokens": shard.tokens.to(torch.int32).contiguous(),
                    "targets": shard.targets.to(torch.int32).contiguous(),
@@ -89,9 +102,10 @@ class ShardedCorpus:
                    "length": shard.length.to(torch.int32).contiguous()}, str(tmp))
         os.replace(tmp, self.shard_path(i))
 
-    def record(self, counts: dict[int, int]) -> None:
+    def record(self, counts: dict[int, int], rows: Optional[dict[int, int]] = None) -> None:
         """Add finished shards to the manifest (one writer: rank 0 after every rank wrote its shards)."""
         self.counts.update(counts)
+        self.rows.update(rows or {})
         self._write_manifest()
 
     def count_unrecorded(self) -> None:
@@ -99,21 +113,21 @@ class ShardedCorpus:
         interruption) and record them."""
         from safetensors import safe_open
 
-        new = {}
+        new, rows = {}, {}
         for i in range(self.num_shards):
-            if self.done(i) and i not in self.counts:
+            if self.shard_path(i).is_file() and (i not in self.counts or i not in self.rows):
                 with safe_open(str(self.shard_path(i)), "pt") as f:
-                    new[i] = num_positions(f.get_tensor("first").tolist(), f.get_tensor("length").tolist())
+                    first, length = f.get_tensor("first").tolist(), f.get_tensor("length").tolist()
+                new[i], rows[i] = num_positions(first, length), len(length)
         if new:
-            self.record(new)
+            self.record(new, rows)
 
     def load(self, i: int) -> Shard:
         t = load_file(str(self.shard_path(i)))
         return Shard(t["tokens"].long(), t["targets"].long(), t["hidden"], t["first"].long(), t["length"].long())
 
     def refresh(self) -> None:
-        have = json.loads((self.root / MANIFEST).read_text())
-        self.counts = {int(k): int(v) for k, v in have.get("positions", {}).items()}
+        self._read(json.loads((self.root / MANIFEST).read_text()))
 
     @property
     def total_positions(self) -> int:
@@ -122,7 +136,8 @@ class ShardedCorpus:
     def _write_manifest(self) -> None:
         tmp = self.root / (MANIFEST + ".tmp")
         tmp.write_text(json.dumps({"format": FORMAT, "spec": self.spec, "num_shards": self.num_shards,
-                                   "positions": {str(k): v for k, v in sorted(self.counts.items())}}, indent=2))
+                                   "positions": {str(k): v for k, v in sorted(self.counts.items())},
+                                   "rows": {str(k): v for k, v in sorted(self.rows.items())}}, indent=2))
         os.replace(tmp, self.root / MANIFEST)
 
 
@@ -264,7 +279,7 @@ def build(corpus: ShardedCorpus, prompts_for: Callable[[int], list[list[int]]], 
         corpus.write(i, shard)
         written[i] = num_positions(shard.first.tolist(), shard.length.tolist())
         if world == 1:
-            corpus.record({i: written[i]})
+            corpus.record({i: written[i]}, {i: len(shard.length)})
     if world == 1:
         corpus.count_unrecorded()
     return written

@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -241,23 +242,26 @@ def _sources(cfg: DrafterTrainConfig, model, tokenizer, bos: int, device: torch.
 
 
 def _corpus_spec(cfg: DrafterTrainConfig, base_model: Path, source: _Source) -> dict:
-    spec = {"base_model": str(base_model.resolve()), "source": source.name, "sequences": source.num_sequences,
-            "seq_len": cfg.seq_len, "gen_batch_size": cfg.gen_batch_size, "seed": cfg.seed,
+    spec = {"base_model": str(base_model.resolve()), "source": source.name, "seq_len": cfg.seq_len, "gen_batch_size": cfg.gen_batch_size, "seed": cfg.seed,
             "stop_at_eos": source.stop_ids is not None}
     if not (cfg.prompts or cfg.magpie):
         spec["prompt_len"] = [cfg.prompt_min, cfg.prompt_max]
+    if cfg.prompts:  # the held-out split (and so every shard) depends on the file and the held-out count
+        spec["prompts_sha256"] = hashlib.sha256(Path(cfg.prompts).read_bytes()).hexdigest()
+        spec["eval_sequences"] = cfg.eval_sequences
     return spec
 
 
 def _open_corpus(root: Path, spec: dict, n: int, cfg: DrafterTrainConfig, force: bool) -> corpus_mod.ShardedCorpus:
     shards = max(1, math.ceil(n / cfg.gen_batch_size))
+    rows = [min(cfg.gen_batch_size, n - i * cfg.gen_batch_size) for i in range(shards)]
     try:
-        return corpus_mod.ShardedCorpus(root, spec, shards)
+        return corpus_mod.ShardedCorpus(root, spec, shards, rows)
     except UserError:
         if not force:
             raise
         shutil.rmtree(root)
-        return corpus_mod.ShardedCorpus(root, spec, shards)
+        return corpus_mod.ShardedCorpus(root, spec, shards, rows)
 
 
 def _exit_dim(cfg: DrafterTrainConfig, H: int, V: int, base_params: int) -> int:
