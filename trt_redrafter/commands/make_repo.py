@@ -7,7 +7,7 @@ import argparse
 
 def register(sub) -> None:
     p = sub.add_parser("make-repo", help="write a Triton model repository for an engine",
-                       description="Fill the triton_repo/ templates (ensemble -> preprocessing -> engine -> "
+                       description="Fill the Triton templates (ensemble -> preprocessing -> engine -> "
                                    "postprocessing, TensorRT-LLM's tensor names) from the engine's config.json.")
     p.add_argument("--engine", required=True, help="engine directory made by build-engine")
     p.add_argument("--output", required=True, help="model repository to write")

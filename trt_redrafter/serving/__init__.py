@@ -1,6 +1,6 @@
 """Serving through a real Triton Inference Server (see docs/serving.md).
 
-    repo.py          make-repo: fill triton_repo/ templates from an engine's config.json
+    repo.py          make-repo: fill the triton_repo/ templates (package data) from an engine's config.json
     engine_model.py  the torch engine model's logic (the Triton model.py is a thin adapter over it)
     text.py          tokenization for the pre/postprocessing models, incremental detokenization
     metrics.py       the engine model's Prometheus metrics; a /metrics scraper for tests and load tests

@@ -1,7 +1,7 @@
 """The torch engine behind Triton's `tensorrt_llm` model: Triton requests in, streamed responses out.
 
-`triton_repo/tensorrt_llm/1/model.py` is a thin adapter: it turns each Triton request into a dict of numpy
-inputs plus a `ResponseSink` and calls `EngineModel.submit`; everything else happens here, testable without
+`trt_redrafter/triton_repo/tensorrt_llm/1/model.py` is a thin adapter: it turns each Triton request into a dict of
+numpy inputs plus a `ResponseSink` and calls `EngineModel.submit`; everything else happens here, testable without
 Triton. Flow:
 
     execute() -> submit()   parse the inputs, queue the request on the in-flight Scheduler, return at once

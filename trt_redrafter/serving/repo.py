@@ -1,4 +1,5 @@
-"""`make-repo`: a Triton model repository from `triton_repo/` templates and an engine's `config.json`.
+"""`make-repo`: a Triton model repository from the templates in `trt_redrafter/triton_repo/` (package data) and an
+engine's `config.json`.
 
 Templates use `${name}` placeholders (TensorRT-LLM's fill_template.py syntax). Unlike fill_template's
 `safe_substitute`, a placeholder left unfilled is an error naming the file, never a literal that the server
@@ -29,14 +30,16 @@ from . import ENGINE_MODEL
 
 logger = get_logger(__name__)
 
-TEMPLATES = Path(__file__).resolve().parents[2] / "triton_repo"
 REPO_BACKENDS = ("torch", "tensorrtllm")
 ENGINE_BACKEND_FOR = {"torch": "torch", "tensorrtllm": "trtllm"}  # repo backend -> engine backend it serves
 PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 TEXT_MODELS = ("ensemble", "preprocessing", "postprocessing")
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]
+# Package data (pyproject.toml [tool.setuptools.package-data]), so an installed wheel makes repositories too. Not a
+# Python package: it has no __init__.py, and its `1/` directories are not importable names.
+TEMPLATES = PACKAGE_ROOT / "triton_repo"
 # The text models' own code, copied beside their model.py: a repository then loads in a stock tritonserver (NGC's
 # -trtllm-python-py3 container has transformers and numpy, not trt-redrafter) without any PYTHONPATH.
-PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 TEXT_MODULES = ("__init__.py", "errors.py", "chat.py", "serving/__init__.py", "serving/text.py")
 
 # torch only: a per-request `decoding_mode` ("redrafter" | "ar"; the same engine decodes either way) and `proposer`
@@ -115,8 +118,9 @@ def resolve_spec(engine_dir: str | Path, tokenizer_dir: str | Path | None = None
 def template_files(backend: str, templates: Path = TEMPLATES) -> dict[str, Path]:
     """Repository-relative path -> template file, for one backend."""
     if not (templates / "ensemble" / "config.pbtxt").is_file():
-        raise UserError(f"the Triton templates are missing from {templates}; reinstall trt-redrafter from its "
-                        f"source tree (pip install -e .).")
+        raise UserError(f"the Triton templates are missing from {templates}; this trt-redrafter was installed "
+                        f"without its package data: reinstall it (pip install trt-redrafter, or pip install -e . "
+                        f"from a checkout).")
     files = {}
     for model in TEXT_MODELS:
         for p in sorted((templates / model).rglob("*")):
