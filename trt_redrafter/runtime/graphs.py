@@ -72,6 +72,19 @@ def _arguments_only(entries) -> list[bool]:
     return [e.name == "" or root(e.name) not in ("self", "G") for e in entries]
 
 
+def _own_code(fn: Callable) -> Callable:
+    """`fn` with a code object of its own. Dynamo keeps compiled graphs per code object, and `_arguments_only` drops
+    the guards on `self`: without this, a second engine in the same process (other shapes, other tensors) would
+    run the first engine's graphs for the same method."""
+    import types
+
+    func, owner = (fn.__func__, fn.__self__) if isinstance(fn, types.MethodType) else (fn, None)
+    own = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__,
+                             func.__closure__)
+    own.__kwdefaults__, own.__qualname__ = func.__kwdefaults__, func.__qualname__
+    return types.MethodType(own, owner) if owner is not None else own
+
+
 class Unit:
     """One step function under one compile mode; see the module docstring. `fn` takes tensors and hashable static
     values (variants: a new value compiles / captures a new graph)."""
@@ -85,7 +98,7 @@ class Unit:
         self.compiled = fn
         if mode in ("inductor", "inductor+cudagraphs"):
             _configure_dynamo()
-            self.compiled = torch.compile(fn, dynamic=None, fullgraph=False,
+            self.compiled = torch.compile(_own_code(fn), dynamic=None, fullgraph=False,
                                           options={"guard_filter_fn": _arguments_only})
         self.pool = pool
         self.graphs: dict[Any, tuple[torch.cuda.CUDAGraph, list[torch.Tensor], Any]] = {}
