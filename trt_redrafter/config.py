@@ -34,12 +34,14 @@ AcceptanceRule = Literal["greedy", "exact", "apple"]  # see decoding/acceptance.
 DrafterSemantics = Literal["apple", "trtllm-0.13"]  # see model/drafter.py
 CompileMode = Literal["auto", "off", "inductor", "cudagraphs", "inductor+cudagraphs"]
 KernelChoice = Literal["auto", "triton", "torch"]
+LinearChoice = Literal["auto", "torch", "onednn"]  # see model/linear.py
 ProposerName = Literal["redrafter", "ngram", "mixed"]  # what fills a speculative request's draft tree
 DECODING_MODES: tuple[str, ...] = get_args(DecodingMode)
 ACCEPTANCE_RULES: tuple[str, ...] = get_args(AcceptanceRule)
 DRAFTER_SEMANTICS: tuple[str, ...] = get_args(DrafterSemantics)
 COMPILE_MODES: tuple[str, ...] = get_args(CompileMode)
 KERNEL_CHOICES: tuple[str, ...] = get_args(KernelChoice)
+LINEAR_CHOICES: tuple[str, ...] = get_args(LinearChoice)
 PROPOSERS: tuple[str, ...] = get_args(ProposerName)
 NGRAM_WHEN = ("auto", "always", "matched", "adaptive")  # ProposerConfig.ngram_when
 
@@ -426,6 +428,12 @@ class RuntimeConfig(ConfigBase):
                                    "one-shot `run` on the CPU)", choices=COMPILE_MODES)
     kernels: str = _f("auto", help="custom Triton kernels (trt_redrafter.plugins) on CUDA: auto uses them when "
                                    "triton imports; torch keeps the PyTorch path", choices=KERNEL_CHOICES)
+    linear: str = _f("auto", help="the model's and drafter's linear layers: onednn (CPU: weights prepacked once at "
+                                  "load, one oneDNN GEMM per layer, a token's logits the same whatever else shares the "
+                                  "GEMM; other roundings than F.linear, so bf16 tokens may differ from torch's), torch "
+                                  "(F.linear); auto: onednn on a CPU whose oneDNN computes the engine's dtype natively "
+                                  "(float32; bfloat16 with AVX512), torch elsewhere and on CUDA (model/linear.py)",
+                     choices=LINEAR_CHOICES)
     threads: int = _f(0, help="torch CPU threads in this process (0: torch's default)")
     profile_phases: bool = _f(False, help="time each phase of every step (verify/accept/rewind/draft/pack); the "
                                           "phases then run as separate graphs, so steps are a little slower")
@@ -434,7 +442,7 @@ class RuntimeConfig(ConfigBase):
         s = self.SECTION
         for name, allowed in (("device", ("auto", "cpu", "cuda")), ("dtype", DTYPES + ("",)),
                               ("drafter_semantics", DRAFTER_SEMANTICS + ("",)), ("compile", COMPILE_MODES),
-                              ("kernels", KERNEL_CHOICES)):
+                              ("kernels", KERNEL_CHOICES), ("linear", LINEAR_CHOICES)):
             if getattr(self, name) not in allowed:
                 raise _bad(s, name, f"one of {', '.join(a for a in allowed if a)}", getattr(self, name))
         if self.kv_cache_tokens < 0:

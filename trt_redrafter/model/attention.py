@@ -65,16 +65,27 @@ class AttentionMeta:
         return self
 
 
+# Extra query rows (copies of the first) every torch attention call carries. The CPU SDPA kernel multiplies a
+# block of queries by the keys in one GEMM, and with 1-3 query rows that GEMM reduces in another order than with 4 or
+# more (fp32: every row's bits; bf16 with grouped-query attention: now and then), so an AR step's token would get
+# other bits than the same token at the root of a draft tree. With the copies every call has >= 4 rows; appended
+# always rather than "up to 4" so that a compiled step need not branch on the tree width.
+PAD_QUERY_ROWS = 3
+
+
 def torch_tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMeta,
                          scale: float) -> torch.Tensor:
     """q [bs, T, nh, D]; caches [num_slots, kvh, D] (this step's K/V already written) -> out [bs, T, nh, D]."""
     assert meta.kv_slots is not None and meta.visible is not None, "call meta.for_torch() first"
-    nh, nkv = q.shape[2], k_cache.shape[1]
+    T, nh, nkv = q.shape[1], q.shape[2], k_cache.shape[1]
     keys = k_cache[meta.kv_slots].transpose(1, 2)  # [bs, nkv, S, D]
     vals = v_cache[meta.kv_slots].transpose(1, 2)
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, vals, attn_mask=meta.visible, scale=scale,
-                                         enable_gqa=nh != nkv)  # [bs, nh, T, D]
-    return out.transpose(1, 2)
+    qt = q.transpose(1, 2)  # [bs, nh, T, D]
+    qt = torch.cat([qt, qt[:, :, :1].expand(-1, -1, PAD_QUERY_ROWS, -1)], dim=2)  # [bs, nh, T + pad, D]
+    visible = torch.cat([meta.visible, meta.visible[:, :, :1].expand(-1, -1, PAD_QUERY_ROWS, -1)], dim=2)
+    out = F.scaled_dot_product_attention(qt, keys, vals, attn_mask=visible, scale=scale,
+                                         enable_gqa=nh != nkv)  # [bs, nh, T + pad, D]
+    return out[:, :, :T].transpose(1, 2)
 
 
 def causal_mask(n: int) -> torch.Tensor:

@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config import DRAFTER_SEMANTICS, DrafterConfig
+from .linear import Linear
 from .tp import Dist
 
 SEMANTICS = DRAFTER_SEMANTICS
@@ -31,29 +32,30 @@ SEMANTICS = DRAFTER_SEMANTICS
 
 class DrafterRank(nn.Module):
     def __init__(self, cfg: DrafterConfig, tensors: dict[str, torch.Tensor], dist: Dist, dtype: torch.dtype,
-                 semantics: str = "apple"):
+                 semantics: str = "apple", linear: str = "torch"):
+        """`linear`: the linear layers' implementation, "torch" or "onednn" (`linear.resolve_linear`)."""
         super().__init__()
         assert semantics in SEMANTICS, semantics
         self.cfg, self.dist, self.dtype, self.semantics = cfg, dist, dtype, semantics
         dev = dist.device
 
-        def take(name: str) -> nn.Parameter:
-            return nn.Parameter(tensors[f"drafter.{name}"].to(device=dev, dtype=dtype).contiguous(),
-                                requires_grad=False)
+        def take(name: str) -> torch.Tensor:
+            return tensors[f"drafter.{name}"].to(device=dev, dtype=dtype).contiguous()
 
-        self.input_proj = nn.ParameterList([take("input_proj.weight"), take("input_proj.bias")]) \
-            if cfg.has_input_proj else None
-        self.layers = nn.ModuleList(nn.ParameterList([take(f"layers.{j}.linear.weight"),
-                                                      take(f"layers.{j}.linear.bias")])
-                                    for j in range(cfg.num_draft_layers))
-        self.lm_head = take("lm_head.weight")  # [V/tp, exit_dim]
-        self.rnn = nn.ParameterList([take("rnn_w.weight"), take("rnn_u.weight"), take("rnn_u.bias")]) \
-            if cfg.rnn else None
+        def lin(name: str, bias: bool = True) -> Linear:
+            return Linear(take(f"{name}.weight"), take(f"{name}.bias") if bias else None, impl=linear)
+
+        self.input_proj = lin("input_proj") if cfg.has_input_proj else None  # [exit_dim/tp, 2H]
+        # ResBlocks [exit_dim/tp, exit_dim] with bias
+        self.layers = nn.ModuleList(lin(f"layers.{j}.linear") for j in range(cfg.num_draft_layers))
+        self.lm_head = lin("lm_head", bias=False)  # [V/tp, exit_dim]
+        # s' = f(rnn_w e + rnn_u s): rnn_w [H/tp, H], rnn_u [H/tp, H] with bias
+        self.rnn = nn.ModuleList([lin("rnn_w", bias=False), lin("rnn_u")]) if cfg.rnn else None
         self.vocab_size = cfg.vocab_size
 
-    def _col(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    def _col(self, x: torch.Tensor, linear: Linear) -> torch.Tensor:
         """Column-parallel linear with gathered output."""
-        return self.dist.all_gather(F.linear(x, w, b), dim=-1)
+        return self.dist.all_gather(linear(x), dim=-1)
 
     # ---- the protocol `decoding.beam_search` drives ---------------------------------------------------------
     def init_state(self, n: int) -> torch.Tensor:
@@ -63,17 +65,17 @@ class DrafterRank(nn.Module):
         """emb, state: [n, H] -> next state [n, H]."""
         if self.rnn is None:
             return emb + state
-        w, u, ub = self.rnn
+        w, u = self.rnn
         we = self._col(emb, w)
         if self.semantics == "trtllm-0.13":
-            return we if step == 0 else we + self._col(state, u, ub)
-        return F.silu(we + self._col(state, u, ub))
+            return we if step == 0 else we + self._col(state, u)
+        return F.silu(we + self._col(state, u))
 
     def logits(self, h: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
         """h, state: [n, H] -> float32 logits [n, V]."""
         x = torch.cat([h.to(self.dtype), state], dim=-1)  # [n, 2H]
         if self.input_proj is not None:
-            x = self._col(x, self.input_proj[0], self.input_proj[1])  # [n, exit_dim]
-        for w, b in self.layers:
-            x = x + F.silu(self._col(x, w, b))
+            x = self._col(x, self.input_proj)  # [n, exit_dim]
+        for layer in self.layers:
+            x = x + F.silu(self._col(x, layer))
         return self._col(x, self.lm_head).float()[:, :self.vocab_size]

@@ -9,7 +9,8 @@ TP layout (TensorRT-LLM's, so rank files load without re-sharding):
 nkv_r = nkv/tp k/v heads per rank, or 1 (duplicated) when nkv < tp.
 
 A step feeds [bs, T] tokens (static shapes; see `attention.AttentionMeta`); the model computes on the flat
-[bs*T, H] rows and knows nothing about requests, trees or sampling.
+[bs*T, H] rows and knows nothing about requests, trees or sampling. Every matmul is a `linear.Linear`: `F.linear`,
+or on the CPU a oneDNN GEMM over weights prepacked at load (RuntimeConfig.linear).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 from ..config import ModelConfig
 from ..rope import RotaryEmbedding
 from .attention import AttentionMeta, torch_tree_attention
+from .linear import Linear
 from .tp import Dist
 
 # (q [bs, T, nh, D], k_cache, v_cache [slots, kvh, D], meta, scale) -> [bs, T, nh, D]
@@ -81,10 +83,11 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin:
 
 
 class Attention(nn.Module):
-    def __init__(self, qkv: torch.Tensor, dense: torch.Tensor, nh: int, nkv: int, head_size: int, dist: Dist):
+    def __init__(self, qkv: torch.Tensor, dense: torch.Tensor, nh: int, nkv: int, head_size: int, dist: Dist,
+                 linear: str = "torch"):
         super().__init__()
-        self.qkv = _frozen(qkv)  # [(nh + 2 nkv) D, H]
-        self.dense = _frozen(dense)  # [H, nh D]
+        self.qkv = Linear(qkv, impl=linear)  # [(nh + 2 nkv) D, H]
+        self.dense = Linear(dense, impl=linear)  # [H, nh D]
         self.nh, self.nkv, self.D, self.dist = nh, nkv, head_size, dist
         self.scale = head_size ** -0.5
 
@@ -94,21 +97,21 @@ class Attention(nn.Module):
         N = bs * T
         k_cache, v_cache = kv[0][layer], kv[1][layer]  # [slots, nkv, D]
         rows, cos, sin = rope
-        q = ops.rope_write_kv(F.linear(x, self.qkv), rows, cos, sin, self.nh, self.nkv, k_cache, v_cache,
+        q = ops.rope_write_kv(self.qkv(x), rows, cos, sin, self.nh, self.nkv, k_cache, v_cache,
                               meta.write_slots.reshape(N))  # [N, nh, D]
         out = impl(q.view(bs, T, self.nh, self.D), k_cache, v_cache, meta, self.scale)  # [bs, T, nh, D]
-        return self.dist.all_reduce(F.linear(out.reshape(N, self.nh * self.D), self.dense))
+        return self.dist.all_reduce(self.dense(out.reshape(N, self.nh * self.D)))
 
 
 class MLP(nn.Module):
-    def __init__(self, fc_gate: torch.Tensor, proj: torch.Tensor, dist: Dist):
+    def __init__(self, fc_gate: torch.Tensor, proj: torch.Tensor, dist: Dist, linear: str = "torch"):
         super().__init__()
-        self.fc_gate = _frozen(fc_gate)  # [2 I/tp, H]: gate_proj rows, then up_proj rows (one matmul)
-        self.proj = _frozen(proj)  # [H, I/tp]
+        self.fc_gate = Linear(fc_gate, impl=linear)  # [2 I/tp, H]: gate_proj rows, then up_proj rows (one matmul)
+        self.proj = Linear(proj, impl=linear)  # [H, I/tp]
         self.dist = dist
 
     def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
-        return self.dist.all_reduce(F.linear(ops.silu_mul(F.linear(x, self.fc_gate)), self.proj))
+        return self.dist.all_reduce(self.proj(ops.silu_mul(self.fc_gate(x))))
 
 
 class DecoderLayer(nn.Module):
@@ -126,10 +129,12 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaRank(nn.Module):
-    """Inference-only Llama shard. `forward` maps [bs, T] tokens to final-norm hidden states [bs, T, H]."""
+    """Inference-only Llama shard. `forward` maps [bs, T] tokens to final-norm hidden states [bs, T, H].
+
+    `linear`: the linear layers' implementation, "torch" or "onednn" (`linear.resolve_linear`)."""
 
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], dist: Dist, dtype: torch.dtype,
-                 max_seq_len: int):
+                 max_seq_len: int, linear: str = "torch"):
         super().__init__()
         tp = dist.world_size
         self.cfg, self.dist, self.dtype = cfg, dist, dtype
@@ -153,14 +158,15 @@ class LlamaRank(nn.Module):
             fc_gate = torch.cat([take(p + "mlp.fc.weight"), take(p + "mlp.gate.weight")], dim=0)
             layers.append(DecoderLayer(
                 take(p + "input_layernorm.weight"),
-                Attention(qkv, take(p + "attention.dense.weight"), self.nh, self.nkv, self.D, dist),
+                Attention(qkv, take(p + "attention.dense.weight"), self.nh, self.nkv, self.D, dist, linear),
                 take(p + "post_layernorm.weight"),
-                MLP(fc_gate, take(p + "mlp.proj.weight"), dist),
+                MLP(fc_gate, take(p + "mlp.proj.weight"), dist, linear),
                 cfg.norm_epsilon))
         self.layers = nn.ModuleList(layers)
         self.ln_f = _frozen(take("transformer.ln_f.weight"))
         lm = tensors.get("lm_head.weight")
-        self.lm_head = _frozen(take("lm_head.weight")) if lm is not None else self.embedding  # [Vp/tp, H]
+        # tied: the embedding Parameter itself, or (onednn) a packed copy beside the lookup table
+        self.lm_head = Linear(take("lm_head.weight") if lm is not None else self.embedding, impl=linear)  # [Vp/tp, H]
         self.rope = RotaryEmbedding(self.D, cfg.rotary_base, cfg.rotary_scaling, cfg.max_position_embeddings,
                                     max(max_seq_len, cfg.max_position_embeddings) + 1, device=dev, dtype=dtype)
         self.attention_impl: AttentionImpl = torch_tree_attention
@@ -175,7 +181,7 @@ class LlamaRank(nn.Module):
 
         Hugging Face computes logits in the model dtype too (then upcasts), so argmax here is argmax there.
         """
-        local = F.linear(hidden, self.lm_head)  # [..., Vp/tp]
+        local = self.lm_head(hidden)  # [..., Vp/tp]
         return self.dist.all_gather(local, dim=-1)[..., :self.vocab_size]
 
     def rope_rows(self, meta: AttentionMeta) -> RopeRows:

@@ -37,6 +37,7 @@ from ..config import DECODING_MODES, PROPOSERS, BuildConfig, RuntimeConfig, Samp
 from ..errors import UserError
 from ..log import get_logger
 from ..model.drafter import DrafterRank
+from ..model.linear import resolve_linear
 from ..model.llama import LlamaRank
 from .distributed import Dist
 from .engine_config import EngineConfig, load_engine_config
@@ -117,10 +118,14 @@ class Engine:
         self.build: BuildConfig = cfg.build
         self.dtype = torch_dtype(runtime.dtype or self.build.dtype or info.model.dtype)
         per_seq = self.build.max_seq_len + rd.max_tree_tokens  # a full request plus one draft tree
-        self.model = LlamaRank(info.model, tensors, dist, self.dtype, per_seq)
+        self.linear = resolve_linear(runtime.linear, dist.device, self.dtype)  # "torch" | "onednn"
+        t0 = time.perf_counter()
+        self.model = LlamaRank(info.model, tensors, dist, self.dtype, per_seq, self.linear)
         semantics = runtime.drafter_semantics or self.build.drafter_semantics
-        self.drafter = DrafterRank(info.drafter, tensors, dist, self.dtype, semantics) \
+        self.drafter = DrafterRank(info.drafter, tensors, dist, self.dtype, semantics, self.linear) \
             if info.drafter is not None else None
+        logger.info("model loaded in %.1fs (%s, linear layers: %s)", time.perf_counter() - t0, self.dtype,
+                    self.linear)
         del tensors
         self.vocab_size = info.model.vocab_size
 

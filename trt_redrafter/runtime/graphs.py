@@ -98,8 +98,13 @@ class Unit:
         self.compiled = fn
         if mode in ("inductor", "inductor+cudagraphs"):
             _configure_dynamo()
-            self.compiled = torch.compile(_own_code(fn), dynamic=None, fullgraph=False,
-                                          options={"guard_filter_fn": _arguments_only})
+            options = {"guard_filter_fn": _arguments_only}
+            if device.type == "cpu":
+                # round bf16/fp16 intermediates where eager does: inductor otherwise keeps a fused kernel's values
+                # in fp32, so a token's bits depend on how the step's graph was fused, which differs between the
+                # AR and the tree graphs (greedy bf16 ReDrafter then left AR; with this, compiled == eager)
+                options["emulate_precision_casts"] = True
+            self.compiled = torch.compile(_own_code(fn), dynamic=None, fullgraph=False, options=options)
         self.pool = pool
         self.graphs: dict[Any, tuple[torch.cuda.CUDAGraph, list[torch.Tensor], Any]] = {}
 

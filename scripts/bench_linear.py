@@ -1,0 +1,98 @@
+#!/usr/bin/env python3
+"""A/B of the linear layers' implementations (RuntimeConfig.linear) on real engines, in one process: the base model's
+verify step over T = 1 (an AR step) and T > 1 tokens (a draft tree, causal chain) after a real prompt, each engine
+timed in turn round after round, so a loaded machine slows every variant alike. Eager steps (`--compile off`): two
+compiled engines of different layouts cannot share one process (their step graphs guard only on their arguments).
+
+    python scripts/bench_linear.py --engine /tmp/sm-eng-bfloat16 --engine /tmp/sm-eng-float32 --linear torch,onednn \
+        --tokens 1,2,4,8,16,26 --threads 2
+
+Prints per engine and T the median and minimum step time over rounds and the cost relative to that engine's T = 1,
+with the load average; the last stdout line is one JSON document.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from trt_redrafter.config import RuntimeConfig, SamplingConfig
+from trt_redrafter.runtime.distributed import Dist
+from trt_redrafter.runtime.engine import Engine
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engine", action="append", required=True, help="engine directory (repeatable)")
+    ap.add_argument("--linear", default="torch,onednn", help="comma-separated RuntimeConfig.linear values")
+    ap.add_argument("--tokens", default="1,2,4,8,16,26", help="comma-separated tokens per verify step (T)")
+    ap.add_argument("--prompt-len", type=int, default=256, help="committed context before the timed steps")
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--calls", type=int, default=5, help="timed calls per (engine, T) per round")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    Ts = [int(t) for t in args.tokens.split(",")]
+
+    variants = {}
+    for path in args.engine:
+        for impl in args.linear.split(","):
+            t0 = time.perf_counter()
+            engine = Engine(path, Dist(0, 1, torch.device("cpu")), RuntimeConfig(device="cpu", compile="off",
+                                                                               linear=impl, threads=args.threads))
+            load_s = time.perf_counter() - t0
+            g = torch.Generator().manual_seed(0)
+            prompt = torch.randint(100, engine.vocab_size, (args.prompt_len,), generator=g).tolist()
+            seq = engine.new_sequence(prompt, SamplingConfig(max_tokens=64), mode="ar")
+            engine.step([seq])  # the prompt: KV for prompt_len positions
+            engine.cache.reserve(seq.seq_id, seq.ctx_len + max(Ts))
+            engine.cache.sync()
+            variants[f"{os.path.basename(path.rstrip('/'))}/{engine.linear}"] = (engine, seq, load_s)
+
+    def verify(engine, seq, T: int):
+        slots = torch.tensor([seq.slot])
+        tokens = torch.randint(100, engine.vocab_size, (1, T), generator=torch.Generator().manual_seed(T))
+        offsets = torch.arange(T)[None]
+        mask = torch.ones(T, T, dtype=torch.bool).tril()[None]
+        nblk = -(-(seq.ctx_len + T) // engine.cache.block_size)
+        key_blocks = torch.arange(nblk)
+        return lambda: engine.steps.verify(slots, key_blocks, tokens, offsets, mask).logits.argmax(-1)
+
+    calls = {(name, T): verify(e, s, T) for name, (e, s, _) in variants.items() for T in Ts}
+    times: dict[tuple, list[float]] = {k: [] for k in calls}
+    with torch.inference_mode():
+        for fn in calls.values():
+            fn()
+        for _ in range(args.rounds):
+            for key, fn in calls.items():
+                t0 = time.perf_counter()
+                for _ in range(args.calls):
+                    fn()
+                times[key].append(1e3 * (time.perf_counter() - t0) / args.calls)
+
+    rows = []
+    for name, (_, _, load_s) in variants.items():
+        ar = statistics.median(times[name, 1]) if 1 in Ts else None
+        for T in Ts:
+            med, best = statistics.median(times[name, T]), min(times[name, T])
+            rows.append({"engine": name, "T": T, "median_ms": med, "min_ms": best,
+                         "cost_vs_T1": med / ar if ar else None, "load_s": load_s})
+    print("| engine/linear | T | median ms | min ms | cost vs T=1 |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        cost = f"{r['cost_vs_T1']:.2f}" if r["cost_vs_T1"] else "-"
+        print(f"| {r['engine']} | {r['T']} | {r['median_ms']:.2f} | {r['min_ms']:.2f} | {cost} |")
+    load = os.getloadavg()
+    print(f"{args.threads} thread(s), eager, {args.rounds} rounds x {args.calls} calls, load average "
+          f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} CPUs")
+    print(json.dumps({"rows": rows, "threads": args.threads, "loadavg": load, "rounds": args.rounds}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

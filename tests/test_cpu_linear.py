@@ -1,0 +1,236 @@
+"""The oneDNN linear path (model/linear.py, RuntimeConfig.linear): the prepacked GEMM against `F.linear`, a row's bits
+independent of how many rows share the GEMM, the op under torch.compile, and on tiny engines greedy ReDrafter == AR
+with it (bf16 and fp32, eager and compiled) and AR with it == AR with `F.linear`.
+
+The engines' MLP is 1536 wide, so the down-projection has K = 1536: there oneDNN's one-row kernel rounds differently
+from its many-row one, which is what `linear.MIN_ROWS` padding is for.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine_utils import OracleProposer, build_tiny_engines, greedy, load_engine, random_prompts
+from trt_redrafter.config import RuntimeConfig
+from trt_redrafter.errors import UserError
+from trt_redrafter.model import linear as lin
+from trt_redrafter.model.attention import AttentionMeta, causal_mask
+from trt_redrafter.runtime.generate import generate
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+SHAPES = [(960, 576), (576, 1536), (200, 64)]  # (out, in): SmolLM2's qkv and down-projection, a tiny one
+ROW_COUNTS = list(range(1, 21)) + [26, 32, 52, 64]  # AR (bs), and trees of up to 26 tokens for 1-2 requests
+MAX_NEW = 24
+PROMPT_LENS = [5, 11, 3, 8, 14]  # more prompts than max_batch_size=4: batches of 4 and of 1
+
+
+def _need(dtype: torch.dtype) -> None:
+    if not lin.onednn_available(dtype):
+        pytest.skip(f"no native oneDNN {dtype} GEMM in this PyTorch build / on this CPU")
+
+
+@pytest.fixture
+def threads(request):
+    n = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(n)
+
+
+# ---- the op ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("shape", SHAPES)
+def test_prepacked_linear_matches_f_linear(dtype, shape):
+    dt = DTYPES[dtype]
+    _need(dt)
+    g = torch.Generator().manual_seed(0)
+    w = (0.05 * torch.randn(shape, generator=g)).to(dt)
+    b = torch.randn(shape[0], generator=g).to(dt)
+    tol = dict(rtol=1e-5, atol=1e-5) if dt == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
+    for bias in (None, b):
+        packed, plain = lin.Linear(w.clone(), bias, impl="onednn"), lin.Linear(w.clone(), bias, impl="torch")
+        assert packed.weight is None and plain.packed is None
+        for lead in [(1,), (3,), (17,), (2, 5)]:  # one row (padded), a few, a batch of trees ([bs, T, in])
+            x = torch.randn(*lead, shape[1], generator=g).to(dt)
+            y = packed(x)
+            assert y.shape == (*lead, shape[0]) and y.dtype == dt
+            ref = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+            torch.testing.assert_close(y.float(), ref, **tol)
+            torch.testing.assert_close(y, plain(x), **tol)
+
+
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("shape", SHAPES)
+def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(dtype, shape, threads):
+    """Row i of a GEMM over M rows is bitwise row i of one over 64 rows, for every M (1 included: padded), and a row
+    alone or in any window of 5 equals itself in the big GEMM: an AR step's token and a tree step's get one value."""
+    dt = DTYPES[dtype]
+    _need(dt)
+    g = torch.Generator().manual_seed(1)
+    w = (0.05 * torch.randn(shape, generator=g)).to(dt)
+    layer = lin.Linear(w, impl="onednn")
+    X = torch.randn(64, shape[1], generator=g).to(dt)
+    full = layer(X)
+    assert [M for M in ROW_COUNTS if not torch.equal(layer(X[:M]), full[:M])] == []
+    assert [i for i in range(64) if not torch.equal(layer(X[i:i + 1])[0], full[i])] == []
+    assert [i for i in range(0, 59, 3) if not torch.equal(layer(X[i:i + 5]), full[i:i + 5])] == []
+
+
+@pytest.mark.slow
+def test_compiled_op_equals_eager_for_every_row_count():
+    """Dynamo traces `trt_redrafter::onednn_linear` into one graph (fullgraph) with a dynamic row count; inductor
+    calls it as an external kernel around its own fused code: same bits as eager."""
+    _need(torch.bfloat16)
+    g = torch.Generator().manual_seed(2)
+    up = lin.Linear((0.05 * torch.randn(1536, 64, generator=g)).bfloat16(), impl="onednn")
+    down = lin.Linear((0.05 * torch.randn(64, 1536, generator=g)).bfloat16(),
+                      torch.randn(64, generator=g).bfloat16(), impl="onednn")
+
+    def mlp(x):
+        return down(F.silu(up(x))) + x
+
+    compiled = torch.compile(mlp, fullgraph=True)
+    with torch.inference_mode():
+        for M in (1, 3, 17):
+            x = torch.randn(M, 64, generator=g).bfloat16()
+            if M > 1:
+                torch._dynamo.mark_dynamic(x, 0)
+            assert torch.equal(compiled(x), mlp(x)), M
+
+
+def test_resolve_linear():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert lin.resolve_linear("torch", cpu, torch.float32) == "torch"
+    assert lin.resolve_linear("auto", cuda, torch.bfloat16) == "torch"
+    with pytest.raises(UserError, match="--linear onednn runs on the CPU"):
+        lin.resolve_linear("onednn", cuda, torch.float32)
+    for dt in DTYPES.values():
+        assert lin.resolve_linear("auto", cpu, dt) == ("onednn" if lin.onednn_available(dt) else "torch")
+    if not lin.onednn_available(torch.float16):
+        with pytest.raises(UserError, match="no native oneDNN torch.float16 GEMM"):
+            lin.resolve_linear("onednn", cpu, torch.float16)
+    with pytest.raises(UserError, match=r"runtime.linear: expected one of auto, torch, onednn, got 'mkl'"):
+        RuntimeConfig.from_dict({"linear": "mkl"})
+
+
+# ---- engines ---------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module", params=sorted(DTYPES))
+def tiny(request, tmp_path_factory):
+    _need(DTYPES[request.param])
+    _, engines = build_tiny_engines(tmp_path_factory.mktemp(f"linear-{request.param}"), seed=41, num_beams=4,
+                                    draft_len=3, dtype=request.param, kv_block_size=16, num_heads=4, num_kv_heads=2,
+                                    intermediate_size=1536)
+    engine_dir = engines[1]
+    prompts = random_prompts(384, PROMPT_LENS, seed=41)
+    ar = {impl: [r.output_ids for r in generate(load_engine(engine_dir, linear=impl), prompts, greedy(MAX_NEW), "ar")]
+          for impl in ("onednn", "torch")}
+    return dict(dtype=request.param, engine_dir=engine_dir, prompts=prompts, ar=ar)
+
+
+def test_engine_records_its_linear_choice(tiny):
+    assert load_engine(tiny["engine_dir"]).linear == "onednn"  # auto, on a CPU with the dtype's oneDNN GEMM
+    assert load_engine(tiny["engine_dir"], linear="torch").linear == "torch"
+
+
+@pytest.mark.parametrize("corrupt_every", [None, 0, 2])
+def test_greedy_redrafter_equals_ar_with_onednn(tiny, corrupt_every):
+    """The engine's own drafter (None), and an oracle drafter forcing long (0) and partial (2) acceptances, so that
+    accepted tokens' K/V and logits come from tree steps of up to 13 tokens, AR's from one-row steps."""
+    ar = tiny["ar"]["onednn"]
+    proposer = None if corrupt_every is None else \
+        OracleProposer(tiny["engine_dir"], dict(enumerate(ar)), corrupt_every=corrupt_every)
+    engine = load_engine(tiny["engine_dir"], proposer, linear="onednn")
+    res = generate(engine, tiny["prompts"], greedy(MAX_NEW), mode="redrafter")
+    assert [r.output_ids for r in res] == ar
+    if corrupt_every == 0:
+        assert min(r.tokens_per_step for r in res) > 1.5
+
+
+def test_onednn_ar_matches_torch_ar(tiny):
+    """fp32: the same tokens. Both dtypes: the first AR step's logits within the dtype's rounding."""
+    if tiny["dtype"] == "float32":
+        assert tiny["ar"]["onednn"] == tiny["ar"]["torch"]
+    logits = {}
+    for impl in ("onednn", "torch"):
+        engine = load_engine(tiny["engine_dir"], linear=impl)
+        seq = engine.new_sequence(tiny["prompts"][1], greedy(4))
+        engine.step([seq])  # prompt
+        logits[impl] = _ar_step_logits(engine, seq)
+    tol = dict(rtol=1e-4, atol=1e-4) if tiny["dtype"] == "float32" else dict(rtol=0.05, atol=0.05)
+    torch.testing.assert_close(logits["onednn"], logits["torch"], **tol)
+
+
+def test_hidden_states_do_not_depend_on_tokens_per_step(tiny):
+    """The heart of ReDrafter == AR, below the tokens: 16 tokens fed one per step and all in one step (a chain) give
+    every token bitwise the same final hidden state. Needs the linear layers' padding (linear.MIN_ROWS) and the
+    attention's (attention.PAD_QUERY_ROWS: the CPU SDPA kernel rounds 1-3 query rows otherwise than 4 or more)."""
+    model = load_engine(tiny["engine_dir"], linear="onednn").model
+    differ = 0
+    for seed in range(12):
+        g = torch.Generator().manual_seed(seed)
+        prompt, chain = torch.randint(3, 384, (1, 6), generator=g), torch.randint(3, 384, (1, 16), generator=g)
+        kv = _fresh_kv(model)
+        _forward(model, kv, prompt, 0)
+        together = _forward(model, kv, chain, 6)[0]  # [16, H]
+        kv = _fresh_kv(model)
+        _forward(model, kv, prompt, 0)
+        alone = torch.cat([_forward(model, kv, chain[:, t:t + 1], 6 + t)[0] for t in range(16)])
+        differ += sum(not torch.equal(a, b) for a, b in zip(alone, together))
+    assert differ == 0
+
+
+def _ar_step_logits(engine, seq) -> torch.Tensor:
+    captured = {}
+    orig = engine.model.logits
+
+    def spy(hidden):
+        out = orig(hidden)
+        captured["logits"] = out.reshape(-1, out.shape[-1])[0].float().clone()
+        return out
+
+    engine.model.logits = spy
+    try:
+        seq.mode = "ar"
+        engine.step([seq])
+    finally:
+        engine.model.logits = orig
+    return captured["logits"]
+
+
+KV_SLOTS, BLOCK = 128, 16
+
+
+def _fresh_kv(model):
+    shape = (KV_SLOTS, model.nkv, model.D)
+    return ([torch.zeros(shape, dtype=model.dtype) for _ in model.layers],
+            [torch.zeros(shape, dtype=model.dtype) for _ in model.layers])
+
+
+@torch.inference_mode()
+def _forward(model, kv, ids: torch.Tensor, ctx: int) -> torch.Tensor:
+    """ids [1, T], causal among themselves, after `ctx` committed positions (one request, slots = positions)."""
+    T = ids.shape[1]
+    pos = ctx + torch.arange(T)[None]  # [1, T]
+    meta = AttentionMeta(positions=pos, write_slots=pos.clone(), block_table=torch.arange(KV_SLOTS // BLOCK)[None],
+                         ctx_len=torch.tensor([ctx]), tree_mask=causal_mask(T)[None], block_size=BLOCK)
+    return model(ids, meta, kv)  # [1, T, H]
+
+
+# ---- compiled --------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_compiled_greedy_redrafter_equals_ar_with_onednn(tiny):
+    """inductor (the CPU default) around the onednn op: ReDrafter with an oracle drafter (long and partial
+    acceptances) == compiled AR == eager AR. bf16 needs the step compiled with eager's roundings (graphs.Unit:
+    emulate_precision_casts); without them the bf16 case fails (compiled tokens leave eager's, and on another tiny
+    pair ReDrafter's left AR's)."""
+    torch._dynamo.reset()  # another module's compiled engine: the step's graphs guard only on their arguments
+    ar = tiny["ar"]["onednn"]
+    engine = load_engine(tiny["engine_dir"], OracleProposer(tiny["engine_dir"], dict(enumerate(ar)), corrupt_every=2),
+                         compile="inductor", linear="onednn")
+    res = generate(engine, tiny["prompts"], greedy(MAX_NEW), "redrafter")  # first: the oracle keys by request id
+    assert [r.output_ids for r in res] == ar
+    assert sum(r.accepted_draft_tokens for r in res) > 0
+    assert [r.output_ids for r in generate(engine, tiny["prompts"], greedy(MAX_NEW), "ar")] == ar
