@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Offline engine benchmark: AR vs each proposer (ReDrafter, N-gram, mixed) on the same engine, same prompts, same
 run, at one or more batch sizes; optionally Hugging Face `generate` (greedy, and prompt-lookup decoding) on the
-same weights, prompts and threads.
+same weights, prompts and threads, and llama.cpp (`--llama-cpp GGUF`, llama-cpp-python) at the weight types asked.
 
 For each repeat and batch size, the prompts are decoded greedily in every mode (the mode order rotating from one
 repeat to the next), `--batch-size` requests at a time. Reports, per batch size and mode, the median over repeats
@@ -10,11 +10,14 @@ the step cost relative to an AR step, tokens/step, acceptance, the host proposer
 the step, the speedup over AR, and whether the greedy output equals AR's; then a phase breakdown of one ReDrafter
 request. With `--hf-model DIR` (the base's HF directory) HF `generate` runs at batch 1 on the same prompts: its
 TPOT is (time for max_tokens - time for 1 token) / (max_tokens - 1), medians as above. The last stdout line is one
-JSON document. Threads, compile mode and the machine's load average are recorded with the numbers.
+JSON document. Threads, compile mode and the machine's load average are recorded with the numbers. With
+`--llama-cpp GGUF` (`pip install trt-redrafter[llama-cpp]`, which builds llama.cpp from source) llama.cpp decodes the
+same token ids greedily at batch 1 on the same threads, once per `--llama-cpp-types` weight type (the GGUF re-typed
+by llama.cpp's own quantizer, cached beside it), timed as HF is; its outputs are compared with the engine's AR ones.
 
     python scripts/bench_engine.py --engine ENGINE_DIR [--prompts ../shared/data/mt_bench_questions.jsonl]
         [--num-prompts 8] [--max-tokens 64] [--repeats 5] [--batch-size 1,8] [--modes ar,redrafter,ngram,mixed]
-        [--hf-model HF_DIR] [--threads 1] [--compile auto]
+        [--hf-model HF_DIR] [--llama-cpp GGUF --llama-cpp-types f32,bf16,q4_1] [--threads 1] [--compile auto]
 With TP > 1 run it under `mpirun -n TP` (rank 0 prints; --hf-model is then ignored).
 """
 
@@ -96,6 +99,83 @@ def hf_baselines(hf_dir: str, prompts: list[list[int]], max_tokens: int, repeats
     return out
 
 
+LLAMA_CPP_TYPES = {"f32": "LLAMA_FTYPE_ALL_F32", "f16": "LLAMA_FTYPE_MOSTLY_F16", "bf16": "LLAMA_FTYPE_MOSTLY_BF16",
+                   "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_1": "LLAMA_FTYPE_MOSTLY_Q4_1"}
+
+
+def llama_cpp_file(gguf: Path, kind: str, threads: int) -> Path:
+    """`gguf` re-typed to `kind` with llama.cpp's own quantizer (cached beside it as STEM.KIND.gguf; written under a
+    temporary name). A Q4_1 source re-typed to f32 holds exactly its dequantized weights."""
+    import ctypes
+
+    import llama_cpp
+
+    from gguf import GGUFReader
+
+    field = GGUFReader(gguf).fields.get("general.file_type")
+    if field is not None and int(field.parts[field.data[0]][0]) == getattr(llama_cpp, LLAMA_CPP_TYPES[kind]):
+        return gguf  # already of that type: the file itself, not a re-quantization of it
+    out = gguf.with_name(f"{gguf.stem}.{kind}.gguf")
+    if out.is_file():
+        return out
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, LLAMA_CPP_TYPES[kind])
+    params.allow_requantize = True
+    params.nthread = threads
+    tmp, log = out.with_suffix(".part"), out.with_suffix(".log")
+    print(f"llama.cpp: writing {out} (its quantizer's log: {log})", file=sys.stderr)
+    with open(log, "w") as f:  # the quantizer prints a line per tensor on fd 2
+        saved = os.dup(2)
+        os.dup2(f.fileno(), 2)
+        try:
+            rc = llama_cpp.llama_model_quantize(str(gguf).encode(), str(tmp).encode(), ctypes.byref(params))
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+    if rc != 0:
+        raise SystemExit(f"llama.cpp could not write {kind} from {gguf} (see {log})")
+    tmp.replace(out)
+    return out
+
+
+def llama_cpp_baselines(gguf: Path, kinds: list[str], prompts: list[list[int]], max_tokens: int, repeats: int,
+                        threads: int, reference: list[list[int]] | None) -> dict:
+    """llama.cpp (llama-cpp-python) at batch 1 on the same token ids and threads, greedy (top_k 1, no repetition
+    penalty, eos ignored): median TPOT as for HF, per weight type, and how many outputs equal `reference`."""
+    from llama_cpp import Llama
+
+    out = {}
+    for kind in kinds:
+        path = llama_cpp_file(gguf, kind, threads)
+        llm = Llama(model_path=str(path), n_ctx=max(map(len, prompts)) + max_tokens + 8, n_threads=threads,
+                    n_threads_batch=threads, n_batch=512, verbose=False)
+
+        def gen(ids: list[int], n: int) -> tuple[float, list[int]]:
+            toks = []
+            t0 = time.perf_counter()
+            for t in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
+                toks.append(t)
+                if len(toks) == n:
+                    break
+            return time.perf_counter() - t0, toks
+
+        gen(prompts[0], 4)  # warm-up
+        reps, outputs = [], []
+        for _ in range(repeats):
+            tpots, outputs = [], []
+            for ids in prompts:
+                t_full, toks = gen(ids, max_tokens)
+                t_one, _ = gen(ids, 1)
+                tpots.append(1e3 * (t_full - t_one) / (max_tokens - 1))
+                outputs.append(toks)
+            reps.append(statistics.median(tpots))
+        same = sum(a == b for a, b in zip(outputs, reference)) if reference else None
+        out[f"llama.cpp_{kind}"] = {"ms_per_token": statistics.median(reps), "file": str(path),
+                                    "greedy_outputs_equal": same == len(prompts) if reference else None,
+                                    "outputs_equal_to_ar": f"{same}/{len(prompts)}" if reference else None}
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine", required=True)
@@ -112,6 +192,11 @@ def main() -> int:
     ap.add_argument("--hf-model", help="the base's Hugging Face directory: also time HF generate (batch 1)")
     ap.add_argument("--hf-lookup-tokens", type=int, default=10,
                     help="prompt_lookup_num_tokens of HF prompt-lookup decoding (HF's documented value: 10)")
+    ap.add_argument("--llama-cpp", type=Path, metavar="GGUF",
+                    help="the base as a GGUF file: also time llama.cpp (llama-cpp-python, batch 1, same threads)")
+    ap.add_argument("--llama-cpp-types", default="f32,bf16,q4_1",
+                    help=f"comma-separated weight types for llama.cpp, re-typed from --llama-cpp by its quantizer "
+                         f"({', '.join(LLAMA_CPP_TYPES)})")
     RuntimeConfig.add_cli_args(ap)
     args = ap.parse_args()
     runtime = RuntimeConfig.from_sources(None, args)
@@ -191,6 +276,18 @@ def main() -> int:
         for name, h in hf.items():
             h["speedup"] = ar1 / h["ms_per_token"] if ar1 else None
             print(f"batch 1: {name} {h['ms_per_token']:.3f} ms/token", file=sys.stderr)
+    if args.llama_cpp and ecfg.tp_size == 1:
+        kinds = [k.strip() for k in args.llama_cpp_types.split(",") if k.strip()]
+        if any(k not in LLAMA_CPP_TYPES for k in kinds):
+            ap.error(f"--llama-cpp-types: choose from {', '.join(LLAMA_CPP_TYPES)}")
+        peers = llama_cpp_baselines(args.llama_cpp, kinds, prompts, max_tokens, args.repeats,
+                                    torch.get_num_threads(),
+                                    [r.output_ids for r in last["ar"]] if 1 in batches else None)
+        ar1 = next((r["ms_per_token"] for r in rows if r["batch_size"] == 1 and r["mode"] == "ar"), None)
+        for name, h in peers.items():
+            h["speedup"] = ar1 / h["ms_per_token"] if ar1 else None
+            print(f"batch 1: {name} {h['ms_per_token']:.3f} ms/token", file=sys.stderr)
+        hf.update(peers)
 
     phases = {}
     if ecfg.has_drafter:
@@ -227,7 +324,7 @@ def main() -> int:
               f"{r['propose_ms_per_step']:.3f} ({100 * r['propose_share']:.1f}%) | {r['greedy_outputs_equal']} |")
     for name, h in hf.items():
         print(f"| 1 | {name} | {h['ms_per_token']:.3f} | {h['speedup']:.2f}x | - | - | - | - | - | "
-              f"{h['greedy_outputs_equal']} |")
+              f"{h.get('outputs_equal_to_ar') or h['greedy_outputs_equal']} |")
     if phases:
         total = sum(phases.values()) or 1.0
         print("ReDrafter step phases (batch 1, each phase timed alone): " + ", ".join(
