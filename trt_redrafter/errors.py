@@ -18,3 +18,7 @@ def require(cond: bool, message: str) -> None:
     """Raise `UserError(message)` unless `cond` holds."""
     if not cond:
         raise UserError(message)
+
+
+class ServerBusy(UserError):
+    """A request refused at admission because `max_queue_size` requests are already waiting (retry later)."""

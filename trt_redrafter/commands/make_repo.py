@@ -15,6 +15,13 @@ def register(sub) -> None:
     p.add_argument("--backend", choices=("torch", "tensorrtllm"),
                    help="engine model: torch (Python backend) or TensorRT-LLM's tensorrtllm backend "
                         "(default: the engine's backend)")
+    p.add_argument("--decoupled", choices=("true", "false"), default="true",
+                   help="the engine model's transaction policy (TensorRT-LLM's decoupled_mode): true streams "
+                        "(gRPC stream clients, generate_stream); false answers each request once, which unary gRPC "
+                        "ModelInfer and HTTP infer need (default: true)")
+    p.add_argument("--max-queue-size", type=int, default=0,
+                   help="requests that may wait beyond the running batch; more are refused at once with a "
+                        "'server busy' error (TensorRT-LLM's max_queue_size; default 0: no limit)")
     p.add_argument("--force", action="store_true", help="replace an existing --output")
     from ..config import RuntimeConfig
 
@@ -28,7 +35,8 @@ def run(args: argparse.Namespace) -> int:
     from ..serving.repo import make_repo
 
     runtime = RuntimeConfig.from_sources(None, args)
-    spec = make_repo(args.engine, args.output, args.tokenizer, args.backend, args.force, runtime=runtime)
-    print(f"model repository written to {args.output} ({spec.backend} backend); serve it with "
-          f"`trt-redrafter serve --repo {args.output}`")
+    spec = make_repo(args.engine, args.output, args.tokenizer, args.backend, args.force, runtime=runtime,
+                     decoupled=args.decoupled == "true", max_queue_size=args.max_queue_size)
+    print(f"model repository written to {args.output} ({spec.backend} backend, decoupled {args.decoupled}); serve "
+          f"it with `trt-redrafter serve --repo {args.output}`")
     return 0

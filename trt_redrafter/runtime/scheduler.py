@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from ..config import SamplingConfig
-from ..errors import UserError
+from ..errors import ServerBusy, UserError
 from ..log import get_logger
 from .distributed import COLLECTIVE_TIMEOUT_S
 from .engine import Engine
@@ -100,8 +100,13 @@ class SchedulerMetrics:
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, max_num_tokens: int | None = None):
+    def __init__(self, engine: Engine, max_num_tokens: int | None = None, max_queue_size: int = 0):
+        """max_queue_size: requests that may wait for a batch slot (not counting running ones) before `submit`
+        refuses more with `ServerBusy` (TensorRT-LLM's `max_queue_size`); 0 = no limit."""
+        if max_queue_size < 0:
+            raise UserError(f"max_queue_size must be >= 0 (0: no limit), got {max_queue_size}.")
         self.engine = engine
+        self.max_queue_size = max_queue_size
         self.max_batch_size = engine.build.max_batch_size
         self.max_num_tokens = max_num_tokens or engine.build.resolved_max_num_tokens(engine.redrafter)
         self._lock = threading.Condition()
@@ -127,6 +132,9 @@ class Scheduler:
                             f"{self.engine.cache.block_size} tokens); ask for fewer tokens or rebuild the engine with a larger "
                             f"--max-tokens-in-paged-kv-cache.")
         with self._lock:
+            if self.max_queue_size and len(self._waiting) >= self.max_queue_size:
+                raise ServerBusy(f"server busy: {len(self._waiting)} requests are already waiting for a batch slot "
+                                 f"(max_queue_size={self.max_queue_size}); retry later.")
             if req.request_id in self._by_id:
                 raise ValueError(f"request id {req.request_id!r} is already in flight")
             self._by_id[req.request_id] = req

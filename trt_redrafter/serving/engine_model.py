@@ -30,7 +30,7 @@ from typing import Callable, Optional, Protocol
 import numpy as np
 
 from ..config import PROPOSERS, SamplingConfig
-from ..errors import UserError
+from ..errors import ServerBusy, UserError
 from ..log import get_logger
 from . import DRAIN_REQUEST_ID
 from .text import list_to_words
@@ -183,7 +183,12 @@ class EngineModel:
     """Rank 0 of a served engine: the Engine, its Scheduler thread, and the Triton-facing request bookkeeping."""
 
     def __init__(self, engine_dir: str, tp_size: int, metrics_family: Optional[Callable] = None,
-                 model_name: str = "tensorrt_llm", runtime_json: str = ""):
+                 model_name: str = "tensorrt_llm", runtime_json: str = "", decoupled: bool = True,
+                 max_queue_size: int = 0):
+        """decoupled: the model's transaction policy. Decoupled, a request may stream (many responses, the last
+        flagged final); otherwise every request gets exactly one response (streaming is refused at once), which is
+        what unary gRPC ModelInfer and HTTP infer need. max_queue_size: requests waiting beyond the running batch
+        before new ones are refused as busy (0: no limit)."""
         from ..config import RuntimeConfig
         from ..runtime.distributed import free_port, init_dist_tcp
         from ..runtime.engine import Engine
@@ -199,7 +204,8 @@ class EngineModel:
             self.followers = launch_followers(engine_dir, tp_size, port, runtime)
         self.dist = init_dist_tcp(0, tp_size, port if tp_size > 1 else 0, runtime.device)
         self.engine = Engine(engine_dir, self.dist, runtime)
-        self.scheduler = Scheduler(self.engine).start()
+        self.decoupled = decoupled
+        self.scheduler = Scheduler(self.engine, max_queue_size=max_queue_size).start()
         self.metrics = None
         if metrics_family is not None:
             from .metrics import ServingMetrics
@@ -221,10 +227,14 @@ class EngineModel:
 
         if is_stop_request(inputs):
             self.stop_request(triton_id)
-            sink.send(None, None, final=True)
+            sink.send(None if self.decoupled else {}, None, final=True)
             return
         try:
             p = parse_inputs(inputs)
+            if p.streaming and not self.decoupled:
+                raise UserError("streaming needs a decoupled model, and this repository's tensorrt_llm model is not "
+                                "decoupled; send streaming=false, or make the repository with `make-repo "
+                                "--decoupled true`.")
             rid = f"{triton_id}#{next(self._ids)}"
             state = _Open(triton_id, sink, p.streaming)
             with self._lock:
@@ -238,7 +248,7 @@ class EngineModel:
                 raise
         except UserError as e:
             if self.metrics:
-                self.metrics.finished("rejected")
+                self.metrics.finished("busy" if isinstance(e, ServerBusy) else "rejected")
             sink.send(None, str(e), final=True)
 
     def stop_request(self, triton_id: str) -> int:
@@ -269,7 +279,10 @@ class EngineModel:
     def _respond(self, state: _Open, req, new: list[int], finished: bool) -> None:
         seq = req.seq
         if finished and seq.finish_reason == "cancelled":
-            state.sink.send(None, None, final=True)  # flags only: the ensemble ends the stream cleanly
+            if self.decoupled:
+                state.sink.send(None, None, final=True)  # flags only: the ensemble ends the stream cleanly
+            else:  # exactly one response per request
+                state.sink.send(None, "the request was cancelled before it finished.", final=True)
         elif state.streaming:
             if new or finished:
                 state.sink.send(response_tensors(new, state.sent, seq), None, final=finished)

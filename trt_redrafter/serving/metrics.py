@@ -6,7 +6,7 @@
     trt_redrafter_kv_blocks_total       gauge      paged KV-cache blocks in all
     trt_redrafter_tokens_per_step       histogram  acceptance length: tokens one generation step emitted
     trt_redrafter_mean_tokens_per_step  gauge      the same, averaged over finished requests
-    trt_redrafter_requests_total        counter    finished requests by outcome (completed|cancelled|rejected)
+    trt_redrafter_requests_total        counter    finished requests by outcome (completed|cancelled|rejected|busy)
     trt_redrafter_generated_tokens_total counter   tokens streamed to clients
 
 `ServingMetrics` takes the metric-family class as an argument (`pb_utils.MetricFamily` inside Triton, a fake in
@@ -19,7 +19,7 @@ import re
 import urllib.request
 
 PREFIX = "trt_redrafter_"
-OUTCOMES = ("completed", "cancelled", "rejected")
+OUTCOMES = ("completed", "cancelled", "rejected", "busy")  # busy: refused by max_queue_size
 
 
 class ServingMetrics:

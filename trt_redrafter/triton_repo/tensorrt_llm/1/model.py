@@ -23,7 +23,7 @@ class _Sink:
             response = pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in outputs.items()])
         else:
             response = None
-        if response is None:
+        if response is None:  # decoupled only: a final flag without a response
             self.sender.send(flags=FINAL)
         else:
             self.sender.send(response, flags=FINAL if final else 0)
@@ -34,9 +34,15 @@ class _Sink:
 
 class TritonPythonModel:
     def initialize(self, args):
-        params = {k: v["string_value"] for k, v in json.loads(args["model_config"])["parameters"].items()}
+        config = json.loads(args["model_config"])
+        params = {k: v["string_value"] for k, v in config["parameters"].items()}
+        # the admission limit is Triton's own queue-policy field, as in TensorRT-LLM's config: this model takes
+        # requests off Triton's queue at once, so the engine's scheduler enforces it on its waiting queue
+        policy = config.get("dynamic_batching", {}).get("default_queue_policy", {})
         self.model = EngineModel(params["engine_dir"], int(params["tp_size"]), pb_utils.MetricFamily,
-                                 model_name=args["model_name"], runtime_json=params.get("runtime_config", ""))
+                                 model_name=args["model_name"], runtime_json=params.get("runtime_config", ""),
+                                 decoupled=pb_utils.using_decoupled_model_transaction_policy(config),
+                                 max_queue_size=int(policy.get("max_queue_size", 0) or 0))
 
     def execute(self, requests):
         for request in requests:
@@ -46,7 +52,9 @@ class TritonPythonModel:
                 if t is not None:
                     inputs[name] = t.as_numpy()
             self.model.submit(request.request_id(), inputs, _Sink(request.get_response_sender()))
-        return None  # decoupled: responses are sent from the scheduler thread
+        # responses are sent from the scheduler thread, decoupled or not (the Python backend lets a non-decoupled
+        # model answer through the response sender, exactly one final response per request)
+        return None
 
     def finalize(self):
         self.model.close()
