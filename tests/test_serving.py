@@ -59,6 +59,7 @@ def test_parse_inputs_maps_tensorrt_llm_names():
     ({"input_ids": np.zeros((1, 0), np.int32)}, "prompt is empty"),
     ({"beam_width": np.array([[2]], np.int32)}, "beam_width=2 is not supported"),
     ({"runtime_top_k": np.array([[-1]], np.int32)}, "bad sampling parameters"),
+    ({"seed": np.array([[2**63]], np.uint64)}, r"seed: expected an integer in \[0, 2\*\*63\)"),  # crashed the step
     ({"input_ids": np.array([[1], [2]], np.int32)}, "one prompt per request"),
 ])
 def test_parse_inputs_refusals(kw, match):

@@ -1,7 +1,8 @@
 """The prompt a chat model gets for one user message: its tokenizer's chat template, else FastChat's Vicuna v1.1.
 
 The one place that decides, for `run --chat`, the preprocessing model's `apply_chat_template` input (what
-`generate --chat` sends), `bench` and scripts/bench_engine.py. A model that ships a chat template
+`generate --chat` sends), `bench`, scripts/bench_engine.py and the OpenAI frontend's /v1/chat/completions (whole
+conversations: `chat_ids`). A model that ships a chat template
 (`tokenizer.chat_template`, Hugging Face's `apply_chat_template`) is prompted the way it was tuned; Vicuna's
 tokenizer ships none, and Vicuna gets the template its MT-Bench runs (and the ReDrafter paper's) used.
 
@@ -29,6 +30,20 @@ def vicuna_prompt(user: str) -> str:
     return f"{VICUNA_SYSTEM} USER: {user} ASSISTANT:"
 
 
+def vicuna_conversation(messages: list[dict]) -> str:
+    """A whole conversation in FastChat's vicuna_v1.1 layout: the system text (a system message's, else
+    VICUNA_SYSTEM), then `USER: u` turns followed by " " and `ASSISTANT: a` turns by "</s>", ending with
+    `ASSISTANT:` for the reply. One user message gives exactly `vicuna_prompt(user)`."""
+    system = " ".join(m["content"] for m in messages if m.get("role") == "system") or VICUNA_SYSTEM
+    text = system + " "
+    for m in messages:
+        if m.get("role") == "user":
+            text += f"USER: {m['content']} "
+        elif m.get("role") == "assistant":
+            text += f"ASSISTANT: {m['content']}</s>"
+    return text + "ASSISTANT:"
+
+
 def has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
@@ -44,11 +59,10 @@ def chat_prompt_ids(tokenizer, user: str) -> list[int]:
 
 
 def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of a conversation ending with a user turn, the assistant's reply to follow (Vicuna: the last user
-    turn alone)."""
+    """Token ids of a conversation ending with a user turn, the assistant's reply to follow (Vicuna: the
+    conversation in FastChat's layout, `vicuna_conversation`)."""
     if chat_template_for(tokenizer) == VICUNA:
-        user = [m["content"] for m in messages if m.get("role") == "user"][-1]
-        return list(tokenizer.encode(vicuna_prompt(user)))
+        return list(tokenizer.encode(vicuna_conversation(messages)))
     # what a broken template raises: transformers renders chat templates with jinja2
     from jinja2 import TemplateError
 

@@ -372,6 +372,9 @@ class ProposerConfig(ConfigBase):
         return self.replace(proposer=proposer, ngram_beams=k)
 
 
+MAX_SEED = 2**63  # exclusive: a request's seed is kept in an int64 tensor
+
+
 @dataclass
 class SamplingConfig(ConfigBase):
     """Per-request decoding parameters."""
@@ -395,6 +398,8 @@ class SamplingConfig(ConfigBase):
             raise _bad(s, "top_k", "an integer >= 0", self.top_k)
         if not 0.0 < self.top_p <= 1.0:
             raise _bad(s, "top_p", "a number in (0, 1]", self.top_p)
+        if not 0 <= self.seed < MAX_SEED:  # it lives in an int64 tensor (runtime/state.py); 2**63 would overflow it
+            raise _bad(s, "seed", "an integer in [0, 2**63)", self.seed)
         if self.acceptance not in ("",) + ACCEPTANCE_RULES:
             raise _bad(s, "acceptance", "one of greedy, exact, apple", self.acceptance)
         if self.acceptance == "greedy" and self.temperature > 0:

@@ -1,8 +1,10 @@
-"""`trt-redrafter serve`: run tritonserver on a model repository until SIGINT/SIGTERM (logic: serving/launcher.py)."""
+"""`trt-redrafter serve`: run tritonserver on a model repository until SIGINT/SIGTERM, and with --openai-port an
+OpenAI-compatible API in front of it (logic: serving/launcher.py, serving/openai_api/)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import signal
 import sys
 import threading
@@ -11,11 +13,16 @@ import threading
 def register(sub) -> None:
     p = sub.add_parser("serve", help="serve a model repository with tritonserver",
                        description="Start tritonserver on a repository made by make-repo, wait until it is "
-                                   "ready, and shut it down cleanly on SIGINT or SIGTERM.")
+                                   "ready, and shut it down cleanly on SIGINT or SIGTERM. With --openai-port, also an "
+                                   "OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions) in front of it.")
     p.add_argument("--repo", required=True, help="model repository made by make-repo")
     p.add_argument("--grpc-port", type=int, default=8001)
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--openai-port", type=int, help="also serve the OpenAI-compatible API on this port (needs the "
+                                                   "serving extra's fastapi and uvicorn)")
+    p.add_argument("--openai-model-name", help="the `model` name OpenAI clients send (default: the engine "
+                                               "directory's name)")
     p.add_argument("--host", default="127.0.0.1", help="address every endpoint binds to")
     p.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for readiness")
     p.add_argument("--log-file", help="also keep tritonserver's log here (it is always echoed to stderr)")
@@ -25,21 +32,47 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..errors import UserError
-    from ..serving.launcher import TritonServer
+    from ..serving.launcher import TritonServer, require_free_ports
 
+    ports = {"--grpc-port": args.grpc_port, "--http-port": args.http_port, "--metrics-port": args.metrics_port}
+    if args.openai_port is not None:
+        ports["--openai-port"] = args.openai_port
+        _require_web_stack()
+    require_free_ports(args.host, ports)  # before a minute of model loading, not after
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     server = TritonServer(args.repo, grpc_port=args.grpc_port, http_port=args.http_port,
                           metrics_port=args.metrics_port, host=args.host, ready_timeout=args.ready_timeout,
                           log_path=args.log_file, echo=sys.stderr, verbose=args.verbose)
-    with server:
+    with server, contextlib.ExitStack() as frontends:
         print(f"serving {args.repo}: gRPC {server.grpc_url}  HTTP {server.http_url}  metrics {server.metrics_url}",
               flush=True)
+        api = None
+        if args.openai_port is not None:
+            from ..serving.openai_api.process import OpenAIFrontend
+
+            api = frontends.enter_context(OpenAIFrontend(args.repo, server.grpc_url, args.openai_port, args.host,
+                                                         args.openai_model_name, echo=sys.stderr))
+            print(f"OpenAI-compatible API: {api.url}", flush=True)
         while not stop.wait(0.5):
             if server.poll() is not None:
                 raise UserError(f"tritonserver exited with status {server.poll()}; its log ends with:\n"
                                 f"{server.log_tail()}")
+            if api is not None and api.poll() is not None:
+                raise UserError(f"the OpenAI frontend exited with status {api.poll()}; its log ends with:\n"
+                                f"{api.log_tail()}")
         print("shutting down", flush=True)
     print("stopped", flush=True)
     return 0
+
+
+def _require_web_stack() -> None:
+    from ..errors import UserError
+
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise UserError(f"--openai-port needs FastAPI and uvicorn ({e}); install the serving extra: "
+                        f"pip install 'trt-redrafter[serving]'.") from e

@@ -7,6 +7,7 @@
     follower.py      TP ranks 1..tp-1, launched by the engine model with mpirun
     launcher.py      TritonServer: start tritonserver, wait until ready, drain and shut down cleanly
     client.py        a streaming gRPC client (generate command, tests, load tests)
+    openai_api/      an OpenAI-compatible HTTP API in front of the server (serve --openai-port), its own process
 
 Triton and tritonclient are imported inside the modules that need them, so `import trt_redrafter.serving`
 works without the `serving` extra.

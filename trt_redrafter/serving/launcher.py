@@ -30,6 +30,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -89,17 +90,57 @@ def _bundled_backends(home: Path, dst: Path) -> Path:
     return dst
 
 
-def server_env(bundled: bool) -> dict[str, str]:
+def package_env() -> dict[str, str]:
+    """This environment with this checkout's trt_redrafter first on PYTHONPATH (for the processes serve starts)."""
     env = dict(os.environ)
+    pkg_root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join([pkg_root, env.get("PYTHONPATH", "")]).rstrip(":")
+    return env
+
+
+def server_env(bundled: bool) -> dict[str, str]:
+    env = package_env()  # model.py files import trt_redrafter from here too
     libdirs = [sysconfig.get_config_var("LIBDIR") or ""]
     if bundled:
         home = _pytriton_home()
         libdirs.append(str(home.parents[1] / "nvidia_pytriton.libs"))
     env["LD_LIBRARY_PATH"] = os.pathsep.join([d for d in libdirs if d] + [env.get("LD_LIBRARY_PATH", "")]).rstrip(":")
     env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
-    pkg_root = str(Path(__file__).resolve().parents[2])  # model.py files import trt_redrafter from here too
-    env["PYTHONPATH"] = os.pathsep.join([pkg_root, env.get("PYTHONPATH", "")]).rstrip(":")
     return env
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Whether binding host:port fails the way a server's listen would (SO_REUSEADDR, as servers set it)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def require_free_ports(host: str, ports: dict[str, int]) -> None:
+    """One UserError for the first flag whose port is taken (or given twice), before any server starts."""
+    seen: dict[int, str] = {}
+    for flag, port in ports.items():
+        if port in seen:
+            raise UserError(f"{seen[port]} and {flag} are both {port}; give each endpoint a port of its own.")
+        seen[port] = flag
+        if port_in_use(host, port):
+            raise UserError(f"port {port} on {host} ({flag}) is in use by another program; stop it or pass another "
+                            f"{flag}.")
+
+
+def pump_output(stream, log, echo: Optional[TextIO]) -> None:
+    """Copy a child's output, line by line, to its log file (and to `echo`) until the child closes it."""
+    with log:
+        for line in iter(stream.readline, b""):
+            log.write(line)
+            log.flush()
+            if echo is not None:
+                echo.write(line.decode(errors="replace"))
+                echo.flush()
 
 
 def _ready(url: str) -> bool:
@@ -189,7 +230,8 @@ class TritonServer:
         # own process group: whatever the server starts (stubs, mpirun followers) can be found and killed
         self.proc = subprocess.Popen(cmd, env=server_env(bundled), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      start_new_session=True)
-        self._pump = threading.Thread(target=self._pump_log, args=(log,), name="tritonserver-log", daemon=True)
+        self._pump = threading.Thread(target=pump_output, args=(self.proc.stdout, log, self._echo),
+                                      name="tritonserver-log", daemon=True)
         self._pump.start()
         try:
             self._wait_ready()
@@ -197,15 +239,6 @@ class TritonServer:
             self.stop()
             raise
         return self
-
-    def _pump_log(self, log) -> None:
-        with log:
-            for line in iter(self.proc.stdout.readline, b""):
-                log.write(line)
-                log.flush()
-                if self._echo is not None:
-                    self._echo.write(line.decode(errors="replace"))
-                    self._echo.flush()
 
     def _wait_ready(self) -> None:
         t0 = time.monotonic()
@@ -322,12 +355,13 @@ def repo_engine(repo: Path) -> tuple[str, int]:
     m = re.search(r'^\s*backend:\s*"([^"]+)"', text, re.M)
     if m is None or m.group(1) != "tensorrtllm":
         return (m.group(1) if m else ""), 1
-    path = re.search(r'key:\s*"gpt_model_path"\s*value:\s*\{\s*string_value:\s*"([^"]*)"', text)
     from ..runtime.engine_config import load_engine_config
+    from .repo import repo_parameter
 
+    path = repo_parameter(repo, ENGINE_MODEL, "gpt_model_path")
     if path is None:
         raise UserError(f"{cfg} has no gpt_model_path parameter; remake the repository with `trt-redrafter make-repo`.")
-    return "tensorrtllm", load_engine_config(path.group(1)).tp_size
+    return "tensorrtllm", load_engine_config(path).tp_size
 
 
 def require_tensorrtllm_backend(binary: Path, bundled: bool) -> Path:

@@ -103,6 +103,15 @@ def fill(text: str, values: dict[str, str], where: str) -> str:
     return PLACEHOLDER.sub(lambda m: values[m.group(1)], text)
 
 
+def repo_parameter(repo: str | Path, model: str, key: str) -> str | None:
+    """A string parameter of one model's config.pbtxt in a repository (`parameters { key: "K" value: { string_value:
+    "V" } }`), None where the model or the key is absent."""
+    cfg = Path(repo) / model / "config.pbtxt"
+    text = cfg.read_text() if cfg.is_file() else ""
+    m = re.search(r'key:\s*"' + re.escape(key) + r'"\s*value:\s*\{\s*string_value:\s*"((?:[^"\\]|\\.)*)"', text)
+    return None if m is None else re.sub(r"\\(.)", r"\1", m.group(1))
+
+
 def resolve_spec(engine_dir: str | Path, tokenizer_dir: str | Path | None = None,
                  backend: str | None = None, runtime: RuntimeConfig | None = None, decoupled: bool = True,
                  max_queue_size: int = 0) -> RepoSpec:

@@ -1,9 +1,10 @@
-"""Text <-> token ids for the pre/postprocessing models. The engine never sees text.
+"""Text <-> token ids for the pre/postprocessing models and the OpenAI frontend. The engine never sees text.
 
 Streaming detokenization: a byte-level BPE token can end in the middle of a UTF-8 character, and decoding
 tokens one response at a time would print broken characters. Each response therefore carries the tokens sent
 before it, and the new text is the suffix that decoding all of them adds to decoding the earlier ones, holding
-back a trailing incomplete character (U+FFFD) until a later token completes it.
+back a trailing incomplete character (U+FFFD) until a later token completes it. The OpenAI frontend sees every
+token itself and decodes them one at a time (`IncrementalDecoder`), with the same hold-back.
 """
 
 from __future__ import annotations
@@ -82,6 +83,44 @@ class TextCodec:
         out[1, :len(offsets)] = offsets
         return out
 
+
+class IncrementalDecoder:
+    """One output's text, token by token (the OpenAI frontend streams it). Each new token is decoded together with
+    the tokens of the previous emitted piece, for context (SentencePiece drops a leading space when a decode starts
+    at a word, and a byte-level token may need the bytes before it), and the piece it adds is emitted; a piece that
+    ends in an incomplete character waits for the next token. The pieces add up to `codec.decode(all ids)`."""
+
+    def __init__(self, codec: TextCodec):
+        self.codec = codec
+        self.ids: list[int] = []
+        self.start = 0  # ids[start:read] is the previous emitted piece: context for decoding the next tokens
+        self.read = 0  # ids[read:] are not emitted yet
+
+    def push(self, token: int) -> str:
+        self.ids.append(int(token))
+        before = self.codec.decode(self.ids[self.start:self.read])
+        after = self.codec.decode(self.ids[self.start:])
+        if after.endswith(REPLACEMENT):
+            return ""
+        self.start, self.read = self.read, len(self.ids)
+        return _added(before, after)
+
+    def flush(self) -> str:
+        """What is held back at the end of the output (it ends inside a character)."""
+        before = self.codec.decode(self.ids[self.start:self.read])
+        after = self.codec.decode(self.ids[self.start:])
+        self.start = self.read = len(self.ids)
+        return _added(before, after)
+
+
+def _added(before: str, after: str) -> str:
+    """The text `after` adds to `before`; from the first difference where decoding is not prefix-stable."""
+    if after.startswith(before):
+        return after[len(before):]
+    n = 0
+    while n < min(len(before), len(after)) and before[n] == after[n]:
+        n += 1
+    return after[n:]
 
 def list_to_words(word_list: np.ndarray) -> tuple[tuple[int, ...], ...]:
     """Inverse of `words_to_list`: [2, L] -> one id tuple per word."""

@@ -1,0 +1,464 @@
+"""The OpenAI-compatible API (`trt-redrafter serve --openai-port`, trt_redrafter/serving/openai_api/).
+
+Without a server: request checking, stop strings, incremental detokenization, the Vicuna conversation layout.
+With one (`-m server`): the real `trt-redrafter serve` CLI with tritonserver and the frontend, queried with the
+official `openai` client: completions and chat, streamed and not, greedy text == the offline AR engine's, usage
+counts, the ReDrafter statistics == the offline engine's, stop strings, sampling with a seed, errors in OpenAI's
+shape, a client that goes away cancelling its Triton request, Triton unreachable (503), ports in use, and nothing
+left running after SIGINT.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from engine_utils import build_tiny_engines, load_engine, write_chat_tokenizer
+from trt_redrafter.chat import chat_ids, vicuna_conversation, vicuna_prompt
+from trt_redrafter.cli import main as cli
+from trt_redrafter.config import MAX_SEED, RuntimeConfig, SamplingConfig
+from trt_redrafter.errors import UserError
+from trt_redrafter.runtime.distributed import free_port
+from trt_redrafter.runtime.generate import generate
+from trt_redrafter.serving.metrics import scrape, sum_metric
+from trt_redrafter.serving.openai_api.generation import Generation, StopMatcher, Step
+from trt_redrafter.serving.openai_api.protocol import APIError, parse_chat, parse_completion, parse_json_body
+from trt_redrafter.serving.repo import make_repo
+from trt_redrafter.serving.text import REPLACEMENT, IncrementalDecoder, TextCodec, load_tokenizer
+
+MODEL = "tiny-redrafter"
+PROMPTS = ["The quick brown fox", "Serving ReDrafter with Triton"]
+MAX_TOKENS = 24
+
+
+# ---- request checking (no server) --------------------------------------------------------------------------------
+def test_completion_defaults_follow_openai():
+    r = parse_completion({"model": "m", "prompt": "hi"})
+    assert (r.max_tokens, r.temperature, r.top_p, r.top_k, r.stop, r.stream) == (16, 1.0, 1.0, 0, (), False)
+    assert 0 <= r.seed < MAX_SEED and parse_completion({"model": "m", "prompt": "hi"}).seed != r.seed  # drawn
+    assert parse_completion({"model": "m", "prompt": "hi", "seed": -1}).seed == MAX_SEED - 1
+    assert parse_completion({"model": "m", "prompt": ["hi"]}).prompt == "hi"
+    assert parse_completion({"model": "m", "prompt": [[5, 6]]}).prompt == [5, 6]
+    assert parse_completion({"model": "m", "prompt": "hi", "stop": "\n"}).stop == ("\n",)
+    c = parse_chat({"model": "m", "messages": [{"role": "developer", "content": [{"type": "text", "text": "a"},
+                                                                                {"type": "text", "text": "b"}]},
+                                               {"role": "user", "content": "q"}],
+                    "max_completion_tokens": 7, "stream": True, "stream_options": {"include_usage": True}})
+    assert c.messages == [{"role": "system", "content": "ab"}, {"role": "user", "content": "q"}]
+    assert (c.max_tokens, c.stream, c.include_usage) == (7, True, True)
+    assert parse_chat({"model": "m", "messages": [{"role": "user", "content": "q"}]}).max_tokens is None
+
+
+@pytest.mark.parametrize("body, param, match", [
+    ({"prompt": "x"}, "model", "'model' is required"),
+    ({"model": "m", "prompt": "x", "temperature": 3}, "temperature", r"must be in \[0, 2\], got 3"),
+    ({"model": "m", "prompt": "x", "temperature": "hot"}, "temperature", "must be a number"),
+    ({"model": "m", "prompt": "x", "top_p": 0}, "top_p", r"must be in \(0, 1\]"),
+    ({"model": "m", "prompt": "x", "max_tokens": 0}, "max_tokens", "at least 1"),
+    ({"model": "m", "prompt": "x", "max_tokens": True}, "max_tokens", "must be an integer"),
+    ({"model": "m", "prompt": "x", "n": 2}, "n", "one output per request"),
+    ({"model": "m", "prompt": "x", "best_of": 3}, "best_of", "one output per request"),
+    ({"model": "m", "prompt": "x", "logprobs": 2}, "logprobs", "log-probabilities"),
+    ({"model": "m", "prompt": "x", "echo": True}, "echo", "not echoed"),
+    ({"model": "m", "prompt": "x", "presence_penalty": 0.5}, "presence_penalty", "no penalties"),
+    ({"model": "m", "prompt": "x", "stop": [1]}, "stop", "a string or a list of strings"),
+    ({"model": "m", "prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "only allowed"),
+    ({"model": "m", "prompt": ["a", "b"]}, "prompt", "a batch of 2 prompts"),
+    ({"model": "m", "prompt": ""}, "prompt", "empty"),
+    ({"model": "m", "prompt": "x", "decoding_mode": "medusa"}, "decoding_mode", "one of redrafter, ar"),
+])
+def test_completion_refusals_name_the_field(body, param, match):
+    with pytest.raises(APIError, match=match) as e:
+        parse_completion(body)
+    assert e.value.status == 400 and e.value.param == param
+    assert set(e.value.body()["error"]) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize("messages, param", [
+    ([], "messages"), ("hi", "messages"), ([{"role": "robot", "content": "x"}], "messages[0].role"),
+    ([{"role": "user", "content": 5}], "messages[0].content"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "messages[0].content"),
+    ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], "messages"),
+])
+def test_chat_refusals_name_the_field(messages, param):
+    with pytest.raises(APIError) as e:
+        parse_chat({"model": "m", "messages": messages})
+    assert e.value.status == 400 and e.value.param == param
+
+
+def test_malformed_json():
+    for raw in (b"{bad", b"[1]", b"\xff"):
+        with pytest.raises(APIError, match="JSON") as e:
+            parse_json_body(raw)
+        assert e.value.status == 400 and e.value.code == "invalid_json"
+
+
+# ---- stop strings, detokenization, one generation (no server) ----------------------------------------------------
+def test_stop_matcher_holds_back_what_may_start_a_stop_string():
+    m = StopMatcher(("STOP", "\n\n"))
+    assert m.push("abc ST") == "abc " and m.pending == "ST"
+    assert m.push("X") == "STX"  # not a stop string after all
+    assert m.push("de\n") == "de" and m.push("\n") == "" and m.hit  # across pieces
+    assert m.push("more") == ""
+    m = StopMatcher(("xyz", "b"))
+    assert m.push("aaxyzab") == "aa" and m.hit  # the first occurrence of any of them
+    m = StopMatcher(("END",))
+    assert m.push("the EN") == "the " and m.flush() == "EN"  # at the end of the output it is text
+    assert StopMatcher(()).push("EN") == "EN"
+
+
+@pytest.fixture(scope="module")
+def tiny_codec(tiny_pair) -> TextCodec:
+    return TextCodec(tiny_pair / "base")  # byte-level BPE: tokens may end inside a UTF-8 character
+
+
+def test_incremental_decoder_pieces_add_up_to_the_whole(tiny_codec):
+    import random
+
+    rng = random.Random(0)
+    for ids in ([rng.randrange(3, 384) for _ in range(60)], tiny_codec.encode("héllo wörld — ✓ 日本語 ok")[1:]):
+        dec = IncrementalDecoder(tiny_codec)
+        pieces = [dec.push(t) for t in ids] + [dec.flush()]
+        assert "".join(pieces) == tiny_codec.decode(ids)
+    dec = IncrementalDecoder(tiny_codec)
+    text = "日本"
+    pieces = [dec.push(t) for t in tiny_codec.encode(text)[1:]]
+    assert "".join(pieces) == text and not any(REPLACEMENT in p for p in pieces)  # never half a character
+
+
+def test_generation_cuts_at_a_stop_string_and_counts_tokens_to_it(tiny_codec):
+    ids = tiny_codec.encode("one two three four")[1:]
+    gen = Generation(tiny_codec, stops=("three",), end_id=tiny_codec.end_id)
+    n_to_stop = next(n for n in range(1, len(ids) + 1) if "three" in tiny_codec.decode(ids[:n]))
+    texts = [gen.on_step(Step(ids[:3], accepted_draft_tokens=0, draft_tokens=4)),
+             gen.on_step(Step(ids[3:], accepted_draft_tokens=2, draft_tokens=8, acceptance_rate=0.25))]
+    assert "".join(texts) == gen.text == "one two " and gen.finish_reason == "stop"
+    assert gen.completion_tokens == n_to_stop < len(ids)
+    assert gen.stats.as_dict() == {"accepted_draft_tokens": 2, "draft_tokens": 8, "acceptance_rate": 0.25,
+                                   "generation_steps": 1, "tokens_per_step": len(ids) - 3}
+    eos = Generation(tiny_codec, end_id=tiny_codec.end_id)
+    assert eos.on_step(Step(ids + [tiny_codec.end_id], final=True)) == "one two three four"
+    assert eos.finish_reason == "stop" and eos.completion_tokens == len(ids) + 1
+    length = Generation(tiny_codec, end_id=tiny_codec.end_id)
+    length.on_step(Step(ids[:2]))
+    length.finish()  # the engine's stream ended: max_tokens
+    assert length.finish_reason == "length" and length.text == tiny_codec.decode(ids[:2])
+
+
+def test_vicuna_conversation_layout():
+    assert vicuna_conversation([{"role": "user", "content": "hi"}]) == vicuna_prompt("hi")
+    assert vicuna_conversation([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "a"},
+                                {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]) \
+        == "Be brief. USER: a ASSISTANT: b</s>USER: c ASSISTANT:"
+
+
+def test_repo_parameter_reads_pbtxt_strings(tmp_path):
+    from trt_redrafter.serving.repo import repo_parameter
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.pbtxt").write_text(
+        'parameters { key: "gpt_model_path" value: { string_value: "/e/x" } }\n'
+        'parameters {\n  key: "runtime_config"\n  value: { string_value: "{\\"a\\": 1}" }\n}\n')
+    assert repo_parameter(tmp_path, "m", "gpt_model_path") == "/e/x"
+    assert repo_parameter(tmp_path, "m", "runtime_config") == '{"a": 1}'
+    assert repo_parameter(tmp_path, "m", "engine_dir") is None and repo_parameter(tmp_path, "x", "y") is None
+
+
+# ---- the real server ---------------------------------------------------------------------------------------------
+def _require_server():
+    pytest.importorskip("tritonclient.grpc", reason="tritonclient is not installed (pip install '.[serving]')")
+    for mod in ("fastapi", "uvicorn", "openai"):
+        pytest.importorskip(mod, reason=f"{mod} is not installed (pip install '.[dev,serving]')")
+    from trt_redrafter.serving.launcher import find_tritonserver
+
+    try:
+        find_tritonserver()
+    except UserError as e:
+        pytest.skip(f"no tritonserver binary: {e}")
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    """A tiny engine and its repository, whose tokenizer has a Llama-2-style chat template."""
+    _require_server()
+    root = tmp_path_factory.mktemp("openai")
+    _, engines = build_tiny_engines(root, seed=11, num_beams=2, draft_len=2, tps=(1,), max_batch_size=4,
+                                    max_seq_len=160)
+    tokenizer = write_chat_tokenizer(engines[1] / "tokenizer", root / "chat-tokenizer")
+    make_repo(engines[1], root / "repo", tokenizer_dir=tokenizer, runtime=RuntimeConfig(compile="off"))
+    return engines[1], root / "repo", tokenizer
+
+
+def _get(url: str, timeout: float = 2.0) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _processes_of(repo: Path) -> list[str]:
+    return subprocess.run(["pgrep", "-f", str(repo)], capture_output=True, text=True).stdout.split()
+
+
+@pytest.fixture(scope="module")
+def served(engine, tmp_path_factory):
+    """`trt-redrafter serve --openai-port` as a user runs it; SIGINT at the end must leave nothing behind."""
+    from trt_redrafter.serving.launcher import package_env
+
+    _, repo, _ = engine
+    ports = {k: free_port() for k in ("grpc", "http", "metrics", "openai")}
+    log = tmp_path_factory.mktemp("serve-log") / "serve.log"
+    cmd = [sys.executable, "-m", "trt_redrafter", "serve", "--repo", str(repo), "--grpc-port", str(ports["grpc"]),
+           "--http-port", str(ports["http"]), "--metrics-port", str(ports["metrics"]),
+           "--openai-port", str(ports["openai"]), "--openai-model-name", MODEL]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, env=package_env(), stdout=out, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{ports['openai']}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                if _get(f"{base}/health")[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert proc.poll() is None, f"serve exited {proc.returncode}:\n{log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"not ready in 300 s:\n{log.read_text()[-3000:]}"
+            time.sleep(0.2)
+        yield {"base": base, "ports": ports, "pid": proc.pid, "log": log}
+    finally:
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=90)
+    text = log.read_text()
+    assert rc == 0 and text.rstrip().endswith("stopped"), text[-3000:]
+    # tritonserver unloaded every model in time and neither it nor the frontend had to be killed
+    assert "Exit timeout expired" not in text and "cleaned up after" not in text, text[-3000:]
+    assert _processes_of(repo) == [], "tritonserver, its stub or the OpenAI frontend outlived serve"
+    assert not list(Path("/dev/shm").glob(f"trtrd{proc.pid}x*")), "shm regions outlived serve"
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    import openai
+
+    return openai.OpenAI(base_url=f"{served['base']}/v1", api_key="x", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def offline(engine):
+    """The same engine in process: (GenerationResult of AR, of ReDrafter) per prompt, both greedy."""
+    eng = load_engine(engine[0])
+
+    def run(prompt_ids: list[list[int]], max_tokens: int, stop_ids: tuple[int, ...]):
+        sp = SamplingConfig(max_tokens=max_tokens)
+        ar = generate(eng, prompt_ids, sp, mode="ar", stop_ids=stop_ids)
+        rd = generate(eng, prompt_ids, sp, mode="redrafter", stop_ids=stop_ids)
+        assert [r.output_ids for r in rd] == [r.output_ids for r in ar]  # greedy ReDrafter == AR
+        return list(zip(ar, rd))
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def codec(engine) -> TextCodec:
+    return TextCodec(engine[2])
+
+
+def _check(text: str, usage, finish_reason: str, stats: dict, prompt_ids: list[int], ar, rd, codec) -> None:
+    assert text == codec.decode(ar.output_ids)
+    assert (usage.prompt_tokens, usage.completion_tokens) == (len(prompt_ids), len(ar.output_ids))
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert finish_reason == ("stop" if ar.output_ids[-1] == codec.end_id else "length")
+    assert (stats["generation_steps"], stats["accepted_draft_tokens"], stats["draft_tokens"]) == \
+        (rd.steps, rd.accepted_draft_tokens, rd.draft_tokens)
+    assert stats["tokens_per_step"] == pytest.approx(rd.tokens_per_step, abs=1e-5) and stats["draft_tokens"] > 0
+
+
+@pytest.mark.server
+def test_models_and_health(served, client, engine):
+    assert [m.id for m in client.models.list()] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    assert _get(f"{served['base']}/health") == (200, {"status": "ok"})
+    from trt_redrafter.serving.openai_api.engine_client import served_model
+
+    m = served_model(engine[1])  # what the frontend read from the repository make-repo wrote
+    assert (m.name, m.engine_dir, m.tokenizer_dir, m.max_input_len, m.max_seq_len, m.backend) == \
+        (engine[0].name, engine[0], engine[2], 64, 160, "torch")
+
+
+@pytest.mark.server
+def test_completions_greedy_match_the_offline_engine(client, offline, codec):
+    prompt_ids = [codec.encode(p) for p in PROMPTS]
+    for prompt, ids, (ar, rd) in zip(PROMPTS, prompt_ids, offline(prompt_ids, MAX_TOKENS, (codec.end_id,))):
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+        _check(r.choices[0].text, r.usage, r.choices[0].finish_reason, r.redrafter, ids, ar, rd, codec)
+        chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}))
+        assert len(chunks) > 3  # one chunk per engine step, not one at the end
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert len(finish) == 1 and chunks[-1].choices == []
+        _check(text, chunks[-1].usage, finish[0], chunks[-1].redrafter, ids, ar, rd, codec)
+    r = client.completions.create(model=MODEL, prompt=prompt_ids[0], max_tokens=8, temperature=0)  # token ids
+    assert r.choices[0].text == codec.decode(offline(prompt_ids[:1], 8, (codec.end_id,))[0][0].output_ids)
+
+
+@pytest.mark.server
+def test_chat_uses_the_models_template_and_matches_offline(client, offline, codec, engine):
+    tok = load_tokenizer(engine[2])
+    messages = [{"role": "user", "content": "Name three primes."}]
+    ids = chat_ids(tok, messages)
+    assert ids[0] == tok.bos_token_id and ids != codec.encode(messages[0]["content"])  # the template applied
+    (ar, rd), = offline([ids], MAX_TOKENS, (codec.end_id,))
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+    assert r.choices[0].message.role == "assistant" and r.object == "chat.completion"
+    _check(r.choices[0].message.content, r.usage, r.choices[0].finish_reason, r.redrafter, ids, ar, rd, codec)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS,
+                                                 temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    _check(text, chunks[-1].usage, finish[0], chunks[-1].redrafter, ids, ar, rd, codec)
+    # no max_tokens: what is left of the engine's context (max_seq_len 160), ignoring EOS here to see all of it
+    r = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 160 - len(ids) and r.choices[0].finish_reason == "length"
+
+
+def _stop_case(codec, ids: list[int]) -> tuple[str, str, int]:
+    """(stop string, text before it, tokens up to the one completing it) for an output: the last two characters of
+    the text after n tokens, where they first occur there and no character is incomplete."""
+    full = codec.decode(ids)
+    for n in range(4, len(ids)):
+        head = codec.decode(ids[:n])
+        stop = head[-2:]
+        if REPLACEMENT not in head and stop.strip() and full.find(stop) == len(head) - 2:
+            return stop, head[:-2], n
+    raise AssertionError(f"no stop string candidate in {full!r}")
+
+
+@pytest.mark.server
+def test_stop_string_ends_the_text_and_cancels_the_request(served, client, offline, codec):
+    prompt = PROMPTS[1]
+    (ar, _), = offline([codec.encode(prompt)], MAX_TOKENS, ())
+    stop, before, n = _stop_case(codec, ar.output_ids)
+    m0 = scrape(f"http://127.0.0.1:{served['ports']['metrics']}/metrics")
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stop=[stop, "never-seen"],
+              extra_body={"ignore_eos": True})
+    r = client.completions.create(**kw)
+    assert (r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens) == (before, "stop", n)
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == before
+    assert chunks[-2].choices[0].finish_reason == "stop" and chunks[-1].usage.completion_tokens == n
+    m1 = _idle(served)
+    cancelled = 'trt_redrafter_requests_total{model="tensorrt_llm",outcome="cancelled"}'
+    if n < MAX_TOKENS - 3:  # both requests were still running when the stop string showed
+        assert sum_metric(m1, cancelled) == sum_metric(m0, cancelled) + 2
+
+
+@pytest.mark.server
+def test_sampling_with_a_seed_repeats(client):
+    kw = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0.9, top_p=0.95,
+              extra_body={"ignore_eos": True, "top_k": 50})
+    a, b = (client.completions.create(**kw, seed=1234).choices[0].text for _ in range(2))
+    assert a == b
+    others = {client.completions.create(**kw, seed=s).choices[0].text for s in (1, 2, 3)}
+    assert len(others | {a}) > 1  # the seed changes the samples
+
+
+@pytest.mark.server
+def test_errors_have_openai_shape_and_status(served, client):
+    import openai
+
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="gpt-4", prompt="x", max_tokens=2)
+    assert e.value.status_code == 404 and e.value.code == "model_not_found" and e.value.param == "model"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], temperature=3)
+    assert e.value.param == "temperature" and e.value.body["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError, match="one output per request"):
+        client.completions.create(model=MODEL, prompt="x", n=2)
+    with pytest.raises(openai.BadRequestError) as e:  # max_input_len is 64
+        client.completions.create(model=MODEL, prompt="word " * 100, max_tokens=2)
+    assert e.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as e:  # the engine's own check, through Triton
+        client.completions.create(model=MODEL, prompt=[100_000], max_tokens=2)
+    assert e.value.code == "engine_refused" and "outside the vocabulary" in e.value.message
+    req = urllib.request.Request(f"{served['base']}/v1/chat/completions", data=b'{"model": ', method="POST")
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=10)
+    body = json.loads(e.value.read())
+    assert e.value.code == 400 and set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["code"] == "invalid_json"
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2)
+    assert r.usage.completion_tokens == 2  # and it keeps serving
+
+
+def _idle(served, timeout: float = 5.0) -> dict:
+    url = f"http://127.0.0.1:{served['ports']['metrics']}/metrics"
+    deadline = time.monotonic() + timeout
+    while True:
+        m = scrape(url)
+        busy = sum(sum_metric(m, f"trt_redrafter_{k}") for k in ("kv_blocks_used", "active_requests",
+                                                                  "waiting_requests"))
+        if busy == 0 or time.monotonic() > deadline:
+            return m
+        time.sleep(0.05)
+
+
+@pytest.mark.server
+def test_a_client_that_goes_away_cancels_its_triton_request(served, client):
+    """~140 tokens take the tiny engine about half a second; both clients leave long before."""
+    url = f"http://127.0.0.1:{served['ports']['metrics']}/metrics"
+    outcome = 'trt_redrafter_requests_total{{model="tensorrt_llm",outcome="{}"}}'.format
+
+    def wait_for(n_cancelled: int, what: str) -> None:
+        deadline = time.monotonic() + 10
+        while sum_metric(m := scrape(url), outcome("cancelled")) < n_cancelled:
+            assert time.monotonic() < deadline, f"{what}: its Triton request was not cancelled (completed: " \
+                                                f"{sum_metric(m, outcome('completed'))})"
+            time.sleep(0.05)
+
+    before = sum_metric(_idle(served), outcome("cancelled"))
+    stream = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=140, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    for i, _ in enumerate(stream):
+        if i == 2:
+            break
+    stream.close()
+    wait_for(before + 1, "a stream closed after 3 chunks")
+    with pytest.raises(Exception):  # a non-streamed answer the client stops waiting for
+        client.with_options(timeout=0.05).completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=140,
+                                                             extra_body={"ignore_eos": True})
+    wait_for(before + 2, "a non-streamed request whose client timed out")
+    m = _idle(served)
+    assert sum_metric(m, "trt_redrafter_kv_blocks_used") == 0 and sum_metric(m, outcome("cancelled")) == before + 2
+
+
+@pytest.mark.server
+def test_triton_unreachable_is_503_and_ports_in_use_are_refused(served, engine, capsys):
+    import openai
+
+    from trt_redrafter.serving.openai_api.process import OpenAIFrontend
+
+    _, repo, _ = engine
+    with OpenAIFrontend(repo, f"127.0.0.1:{free_port()}", free_port(), model_name=MODEL) as api:
+        c = openai.OpenAI(base_url=api.url, api_key="x", max_retries=0)
+        with pytest.raises(openai.InternalServerError) as e:
+            c.completions.create(model=MODEL, prompt="x", max_tokens=2)
+        assert e.value.status_code == 503 and e.value.code == "triton_unavailable"
+        assert _get(f"{api.url[:-3]}/health")[0] == 503
+    with pytest.raises(UserError, match=f"port {served['ports']['openai']} on 127.0.0.1 .* is in use"):
+        OpenAIFrontend(repo, "127.0.0.1:1", served["ports"]["openai"]).start()
+    rc = cli(["serve", "--repo", str(repo), "--grpc-port", str(free_port()), "--http-port", str(free_port()),
+              "--metrics-port", str(free_port()), "--openai-port", str(served["ports"]["openai"])])
+    assert rc == 2
+    assert f"port {served['ports']['openai']} on 127.0.0.1 (--openai-port) is in use" in capsys.readouterr().err
