@@ -14,6 +14,7 @@ from engine_utils import build_tiny_engines
 from trt_redrafter.cli import main as cli
 from trt_redrafter.errors import UserError
 from trt_redrafter.config import RuntimeConfig
+from trt_redrafter.serving.contract import PREPROCESSING_INPUTS
 from trt_redrafter.serving.repo import TEMPLATES, make_repo
 
 MODELS = ("ensemble", "preprocessing", "postprocessing", "tensorrt_llm")
@@ -59,7 +60,7 @@ def test_torch_variant_is_filled_from_the_engine_config(engine, tmp_path):
     assert 'backend: "python"' in eng and "decoupled: true" in eng
     got = params(eng)
     runtime = json.loads(got.pop("runtime_config").replace('\\"', '"'))  # a pbtxt string holding JSON
-    assert got == {"engine_dir": str(engine.absolute()), "tp_size": "2"}
+    assert got == {"engine_dir": str(engine.absolute()), "tp_size": "2", "exclude_input_in_output": "true"}
     assert RuntimeConfig.from_dict(runtime) == RuntimeConfig()
     assert (repo / "tensorrt_llm" / "1" / "model.py").read_text() == \
         (TEMPLATES / "tensorrt_llm" / "1" / "model.py").read_text()
@@ -103,20 +104,19 @@ def test_apply_chat_template_reaches_preprocessing(which, request, tmp_path):
     assert re.search(r'name: "apply_chat_template"\s+data_type: TYPE_BOOL\s+dims: \[ 1 \] optional: true', ens)
     assert re.search(r'name: "APPLY_CHAT_TEMPLATE" data_type: TYPE_BOOL dims: \[ 1 \] optional: true', pre)
     assert 'input_map  { key: "APPLY_CHAT_TEMPLATE" value: "apply_chat_template" }' in ens
-    assert io_names(pre, "input") == {"QUERY", "BAD_WORDS_DICT", "STOP_WORDS_DICT", "END_ID", "PAD_ID",
-                                      "RETURN_PERF_METRICS", "APPLY_CHAT_TEMPLATE"}
+    assert io_names(pre, "input") == {t.name for t in PREPROCESSING_INPUTS} | {"RETURN_PERF_METRICS",
+                                                                               "APPLY_CHAT_TEMPLATE"}
     assert '"APPLY_CHAT_TEMPLATE"' in (repo / "preprocessing" / "1" / "model.py").read_text()
     assert (repo / "preprocessing" / "1" / "trt_redrafter" / "chat.py").is_file()
 
 
-def test_engine_variants_declare_the_same_tensors():
+def test_the_torch_engine_model_declares_whatever_the_cpp_one_does():
+    """The torch model declares TensorRT-LLM's whole contract (test_triton_contract.py); the C++ backend variant
+    declares what this repository's ensemble uses, so clients of one work with the other."""
     torch_cfg = (TEMPLATES / "tensorrt_llm" / "config.pbtxt").read_text()
     trt_cfg = (TEMPLATES / "tensorrt_llm" / "config.tensorrtllm.pbtxt").read_text()
-    assert io_names(torch_cfg, "input") == io_names(trt_cfg, "input") | {"decoding_mode", "proposer"}  # torch-only
-    # the C++ backend sends per-request metrics with return_perf_metrics; the torch model sends the acceptance ones only
-    cpp_only = {"kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks",
-                "arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns"}
-    assert io_names(torch_cfg, "output") == (io_names(trt_cfg, "output") - cpp_only) | {"preceding_output_ids"}
+    assert io_names(trt_cfg, "input") <= io_names(torch_cfg, "input")
+    assert io_names(trt_cfg, "output") <= io_names(torch_cfg, "output")
 
 
 def test_unfilled_placeholder_is_refused(engine, tmp_path):

@@ -304,7 +304,8 @@ def test_preprocessing_applies_the_chat_template_when_asked(engines, server, off
     assert want[0] == chat_tok.bos_token_id and want[1] != chat_tok.bos_token_id
 
     def preprocess(flag) -> list[int]:
-        inputs = [_tensor("QUERY", np.array([[prompt.encode()]], dtype=object))]
+        inputs = [_tensor("QUERY", np.array([[prompt.encode()]], dtype=object)),
+                  _tensor("REQUEST_OUTPUT_LEN", np.array([[8]], np.int32))]  # required, as in TensorRT-LLM's model
         if flag is not None:
             inputs.append(_tensor("APPLY_CHAT_TEMPLATE", np.array([[flag]], bool)))
         c = grpcclient.InferenceServerClient(server.grpc_url)

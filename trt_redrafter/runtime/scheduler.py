@@ -79,6 +79,8 @@ class Request:
     seq: Optional[Sequence] = None  # set on submission
     done: threading.Event = field(default_factory=threading.Event)
     cancelled: bool = False
+    scheduled_ns: Optional[int] = None  # wall clock (time.time_ns) when first admitted into the running batch
+    kv_blocks: int = 0  # the most KV blocks the request held at once
 
 
 @dataclass
@@ -263,6 +265,8 @@ class Scheduler:
                 break
             self._waiting.popleft()
             self._running.append(req)
+            if req.scheduled_ns is None:
+                req.scheduled_ns = time.time_ns()
             budget -= need_tokens
             free -= need_blocks
 
@@ -272,6 +276,7 @@ class Scheduler:
             try:
                 for req in self._running:
                     self.engine.cache.reserve(req.seq.seq_id, self.engine.tokens_needed(req.seq))
+                    req.kv_blocks = max(req.kv_blocks, len(self.engine.cache.blocks(req.seq.seq_id)))
                 return [r.seq for r in self._running]
             except KVCacheFull:
                 if len(self._running) == 1:

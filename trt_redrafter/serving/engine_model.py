@@ -10,10 +10,11 @@ Triton. Flow:
     monitor thread          polls client cancellation (frees the request's KV blocks before the next step)
                             and refreshes the Prometheus gauges
 
-Tensor names and semantics are TensorRT-LLM's `tensorrt_llm` model's (docs/serving.md): `output_ids` holds the
-new tokens of a streaming response or the whole output otherwise (never the prompt: exclude_input_in_output),
-`stop=true` with a request's id ends it early, and the final response carries `acceptance_rate`,
-`total_accepted_draft_tokens` and `total_draft_tokens`. With tp > 1 this process is rank 0 and launches the
+Tensor names and semantics are TensorRT-LLM's `tensorrt_llm` model's (docs/serving.md, serving/contract.py):
+`output_ids` holds the new tokens of a streaming response, or the whole output otherwise (after the prompt unless
+exclude_input_in_output), `stop=true` with a request's id ends it early, every response carries
+`acceptance_rate`, `total_accepted_draft_tokens` and `total_draft_tokens`, and each stock input is honoured or
+refused in one sentence (`parse_inputs`). With tp > 1 this process is rank 0 and launches the
 other ranks (`follower.py`) with mpirun.
 """
 
@@ -53,6 +54,51 @@ class ResponseSink(Protocol):
     def is_cancelled(self) -> bool: ...
 
 
+# TensorRT-LLM's `tensorrt_llm` inputs this engine cannot honour, accepted (so stock clients and the stock ensemble
+# may send them) while they ask for nothing: {name: (what "asks for nothing" is, why it cannot be honoured)}.
+# A request that sets one otherwise gets one error naming it. tensorrtllm_backend's config.pbtxt @ c1e1963 (v0.19.0,
+# which calls the seed `random_seed` and min_tokens `min_length`) and @ c2e65b8 declare them all.
+_NEUTRAL = {
+    "repetition_penalty": (1.0, "penalties are not implemented by the torch engine"),
+    "presence_penalty": (0.0, "penalties are not implemented by the torch engine"),
+    "frequency_penalty": (0.0, "penalties are not implemented by the torch engine"),
+    "no_repeat_ngram_size": (0, "no_repeat_ngram_size is not implemented by the torch engine"),
+    "min_length": (1, "a minimum output length is not implemented (send end_id=-1 to get exactly max_tokens)"),
+    "min_tokens": (1, "a minimum output length is not implemented (send end_id=-1 to get exactly max_tokens)"),
+    "num_return_sequences": (1, "one sequence per request is returned (send several requests)"),
+    "return_log_probs": (False, "log-probabilities are not returned by the torch engine"),
+    "return_context_logits": (False, "context logits are not returned by the torch engine"),
+    "return_generation_logits": (False, "generation logits are not returned by the torch engine"),
+    "runtime_top_p_min": (0.0, "top-p decay is not implemented"),
+    "runtime_top_p_decay": (0.0, "top-p decay is not implemented"),
+    "runtime_top_p_reset_ids": (-1, "top-p decay is not implemented"),
+}
+# beam-search-only knobs: with one beam (the only width served) TensorRT-LLM does not use them either
+_BEAM_ONLY = ("len_penalty", "early_stopping", "beam_search_diversity_rate")
+# inputs for features this engine does not have: refused whenever they carry data
+_UNSUPPORTED = {
+    "embedding_bias": "a logits bias (embedding_bias_words/weights)",
+    "encoder_input_features": "encoder inputs (this is a decoder-only engine)",
+    "encoder_output_lengths": "encoder inputs (this is a decoder-only engine)",
+    "draft_input_ids": "external draft tokens (ReDrafter drafts its own)",
+    "draft_logits": "external draft logits (ReDrafter drafts its own)",
+    "draft_acceptance_threshold": "external draft tokens (ReDrafter drafts its own)",
+    "prompt_embedding_table": "prompt tuning", "prompt_vocab_size": "prompt tuning",
+    "prompt_table_extra_ids": "prompt-table extra ids",
+    "cross_attention_mask": "cross attention", "skip_cross_attn_blocks": "cross attention",
+    "mrope_rotary_cos_sin": "multimodal RoPE", "mrope_position_deltas": "multimodal RoPE",
+    "lora_task_id": "LoRA adapters", "lora_weights": "LoRA adapters", "lora_config": "LoRA adapters",
+    "context_phase_params": "disaggregated serving",
+    "retention_token_range_starts": "KV-cache retention", "retention_token_range_ends": "KV-cache retention",
+    "retention_token_range_priorities": "KV-cache retention",
+    "retention_token_range_durations_ms": "KV-cache retention", "retention_decode_priority": "KV-cache retention",
+    "retention_decode_duration_ms": "KV-cache retention",
+    "guided_decoding_guide_type": "guided decoding", "guided_decoding_guide": "guided decoding",
+    "lookahead_window_size": "lookahead decoding", "lookahead_ngram_size": "lookahead decoding",
+    "lookahead_verification_set_size": "lookahead decoding",
+}
+
+
 @dataclass
 class ParsedRequest:
     prompt: list[int]
@@ -62,6 +108,11 @@ class ParsedRequest:
     stop_sequences: tuple[tuple[int, ...], ...]
     mode: str = "redrafter"  # "redrafter" | "ar": the optional `decoding_mode` input (torch engine only)
     proposer: Optional[str] = None  # the optional `proposer` input: redrafter | ngram | mixed (None: the engine's)
+    # the prompt ahead of the output in a non-streaming response (TensorRT-LLM: not exclude_input_in_output)
+    include_input: bool = False
+    perf_metrics: bool = False  # return_perf_metrics: KV-cache and timing outputs too
+    count_input: bool = False  # return_num_input_tokens
+    count_output: bool = False  # return_num_output_tokens
 
 
 @dataclass
@@ -71,6 +122,14 @@ class _Open:
     triton_id: str
     sink: ResponseSink
     streaming: bool
+    prompt: list[int] = field(default_factory=list)
+    include_input: bool = False
+    perf_metrics: bool = False
+    count_input: bool = False
+    count_output: bool = False
+    arrival_ns: int = field(default_factory=time.time_ns)
+    first_token_ns: Optional[int] = None
+    last_token_ns: Optional[int] = None
     sent: list[int] = field(default_factory=list)
     generation_steps: int = 0
     # Triton frees a response sender once its final response is sent, and `is_cancelled()` on it afterwards
@@ -93,9 +152,23 @@ def is_stop_request(inputs: dict[str, np.ndarray]) -> bool:
     return bool(_scalar(inputs, "stop", False))
 
 
-def parse_inputs(inputs: dict[str, np.ndarray]) -> ParsedRequest:
+def parse_inputs(inputs: dict[str, np.ndarray], exclude_input_in_output: bool = True) -> ParsedRequest:
     """TensorRT-LLM `tensorrt_llm` inputs (with Triton's batch dimension of 1) -> a request; UserError if bad.
-    The engine's own limits (max_input_len, max_seq_len, vocabulary) are checked by `Scheduler.submit`."""
+    The engine's own limits (max_input_len, max_seq_len, vocabulary) are checked by `Scheduler.submit`.
+    `exclude_input_in_output`: the model's parameter of that name, which the request's input overrides."""
+    for name, (neutral, why) in _NEUTRAL.items():
+        v = _scalar(inputs, name)
+        if v is not None and v != neutral:
+            raise UserError(f"{name}={v} cannot be honoured: {why}; leave it out or send {neutral}.")
+    for name in _BEAM_ONLY:
+        _scalar(inputs, name)  # one value, or an error; no effect at beam width 1 (TensorRT-LLM's too)
+    for name, what in _UNSUPPORTED.items():
+        x = inputs.get(name)
+        if x is not None and x.size and not (name == "embedding_bias" and not np.any(x)):
+            raise UserError(f"input '{name}': this engine does not support {what}; leave it out.")
+    dec = inputs.get("decoder_input_ids")  # what stock preprocessing sends a decoder-only model: one pad token
+    if dec is not None and dec.size > 1:
+        raise UserError("input 'decoder_input_ids': this is a decoder-only engine; send the prompt as input_ids.")
     ids = inputs.get("input_ids")
     if ids is None:
         raise UserError("input 'input_ids' is missing.")
@@ -122,25 +195,35 @@ def parse_inputs(inputs: dict[str, np.ndarray]) -> ParsedRequest:
         params = SamplingConfig(max_tokens=int(max_tokens), temperature=temperature,
                                 top_k=int(_scalar(inputs, "runtime_top_k", 0)),
                                 top_p=float(_scalar(inputs, "runtime_top_p", 1.0)) or 1.0,
-                                seed=int(_scalar(inputs, "seed", 0)))
+                                seed=int(_scalar(inputs, "seed", _scalar(inputs, "random_seed", 0))))
         params.validate()
     except UserError as e:
         raise UserError(f"bad sampling parameters: {e}") from e
     end_id = _scalar(inputs, "end_id")
     stop_ids = () if end_id is None or end_id < 0 else (int(end_id),)
     stop_sequences = ()
+    for name in ("stop_words_list", "bad_words_list"):
+        x = inputs.get(name)
+        if x is not None and (x.ndim < 2 or x.shape[-2] != 2 or x.size != 2 * x.shape[-1]):
+            raise UserError(f"{name} must be [1, 2, n] (token ids, then end offsets padded with -1; TensorRT-LLM's "
+                            f"word-list layout), got shape {list(x.shape)}.")
     if inputs.get("stop_words_list") is not None:
         stop_sequences = list_to_words(inputs["stop_words_list"].reshape(2, -1))
     if inputs.get("bad_words_list") is not None and list_to_words(inputs["bad_words_list"].reshape(2, -1)):
-        logger.info("bad_words are accepted but not applied by the torch engine; ignoring them")
+        raise UserError("bad_words cannot be honoured: the torch engine does not ban tokens; leave them out.")
     mode = _string(inputs, "decoding_mode") or "redrafter"
     if mode not in DECODING_MODES:
         raise UserError(f"decoding_mode must be one of {', '.join(DECODING_MODES)}, got {mode!r}.")
     proposer = _string(inputs, "proposer")
     if proposer and proposer not in PROPOSERS:
         raise UserError(f"proposer must be one of {', '.join(PROPOSERS)}, got {proposer!r}.")
-    return ParsedRequest(prompt, params, bool(_scalar(inputs, "streaming", False)), stop_ids, stop_sequences,
-                         DECODING_MODES[mode], proposer or None)
+    streaming = bool(_scalar(inputs, "streaming", False))
+    exclude = bool(_scalar(inputs, "exclude_input_in_output", exclude_input_in_output))
+    return ParsedRequest(prompt, params, streaming, stop_ids, stop_sequences, DECODING_MODES[mode], proposer or None,
+                         include_input=not exclude and not streaming,  # streamed responses never carry the prompt
+                         perf_metrics=bool(_scalar(inputs, "return_perf_metrics", False)),
+                         count_input=bool(_scalar(inputs, "return_num_input_tokens", False)),
+                         count_output=bool(_scalar(inputs, "return_num_output_tokens", False)))
 
 
 def _string(inputs: dict[str, np.ndarray], name: str) -> str:
@@ -154,17 +237,40 @@ def _string(inputs: dict[str, np.ndarray], name: str) -> str:
     return (v.decode(errors="replace") if isinstance(v, bytes) else str(v)).strip().lower()
 
 
-def response_tensors(new: list[int], preceding: list[int], seq) -> dict[str, np.ndarray]:
-    """One response's tensors, with Triton's batch dimension: output_ids [1, beam=1, n]."""
+def response_tensors(new: list[int], preceding: list[int], seq, state: Optional["_Open"] = None,
+                     req=None) -> dict[str, np.ndarray]:
+    """One response's tensors, with Triton's batch dimension: output_ids [1, beam=1, n] (the prompt first when the
+    request includes it), sequence_length [1, beam=1]; the KV-cache and timing outputs with return_perf_metrics,
+    num_input_tokens / num_output_tokens when asked (TensorRT-LLM's names and shapes)."""
     st = seq.stats
-    return {
-        "output_ids": np.asarray(new, dtype=np.int32).reshape(1, 1, -1),
-        "sequence_length": np.array([[len(new)]], dtype=np.int32),
+    ids = list(state.prompt) + new if state is not None and state.include_input else new
+    out = {
+        "output_ids": np.asarray(ids, dtype=np.int32).reshape(1, 1, -1),
+        "sequence_length": np.array([[len(ids)]], dtype=np.int32),
         "acceptance_rate": np.array([[st.acceptance_rate]], dtype=np.float32),
         "total_accepted_draft_tokens": np.array([[st.accepted_draft_tokens]], dtype=np.int32),
         "total_draft_tokens": np.array([[st.draft_tokens]], dtype=np.int32),
         "preceding_output_ids": np.asarray(preceding, dtype=np.int32).reshape(1, -1),
     }
+    if state is None:
+        return out
+    if state.count_input:
+        out["num_input_tokens"] = np.array([[len(state.prompt)]], dtype=np.int32)
+    if state.count_output:
+        out["num_output_tokens"] = np.array([[len(preceding) + len(new)]], dtype=np.int32)
+    if state.perf_metrics:
+        blocks = req.kv_blocks if req is not None else 0
+        scheduled = req.scheduled_ns if req is not None and req.scheduled_ns else state.arrival_ns
+        out.update({
+            "kv_cache_alloc_new_blocks": np.array([[blocks]], dtype=np.int32),
+            "kv_cache_reused_blocks": np.array([[0]], dtype=np.int32),  # no prefix reuse in this engine
+            "kv_cache_alloc_total_blocks": np.array([[blocks]], dtype=np.int32),
+            "arrival_time_ns": np.array([[state.arrival_ns]], dtype=np.int64),
+            "first_scheduled_time_ns": np.array([[scheduled]], dtype=np.int64),
+            "first_token_time_ns": np.array([[state.first_token_ns or 0]], dtype=np.int64),
+            "last_token_time_ns": np.array([[state.last_token_ns or 0]], dtype=np.int64),
+        })
+    return out
 
 
 def _utf8_locale() -> None:
@@ -184,11 +290,12 @@ class EngineModel:
 
     def __init__(self, engine_dir: str, tp_size: int, metrics_family: Optional[Callable] = None,
                  model_name: str = "tensorrt_llm", runtime_json: str = "", decoupled: bool = True,
-                 max_queue_size: int = 0):
+                 max_queue_size: int = 0, exclude_input_in_output: bool = True):
         """decoupled: the model's transaction policy. Decoupled, a request may stream (many responses, the last
         flagged final); otherwise every request gets exactly one response (streaming is refused at once), which is
         what unary gRPC ModelInfer and HTTP infer need. max_queue_size: requests waiting beyond the running batch
-        before new ones are refused as busy (0: no limit)."""
+        before new ones are refused as busy (0: no limit). exclude_input_in_output: the model's parameter (a request's
+        input of that name overrides it): whether non-streaming responses leave the prompt out of output_ids."""
         from ..config import RuntimeConfig
         from ..runtime.distributed import free_port, init_dist_tcp
         from ..runtime.engine import Engine
@@ -204,7 +311,7 @@ class EngineModel:
             self.followers = launch_followers(engine_dir, tp_size, port, runtime)
         self.dist = init_dist_tcp(0, tp_size, port if tp_size > 1 else 0, runtime.device)
         self.engine = Engine(engine_dir, self.dist, runtime)
-        self.decoupled = decoupled
+        self.decoupled, self.exclude_input_in_output = decoupled, exclude_input_in_output
         self.scheduler = Scheduler(self.engine, max_queue_size=max_queue_size).start()
         self.metrics = None
         if metrics_family is not None:
@@ -230,13 +337,14 @@ class EngineModel:
             sink.send(None if self.decoupled else {}, None, final=True)
             return
         try:
-            p = parse_inputs(inputs)
+            p = parse_inputs(inputs, self.exclude_input_in_output)
             if p.streaming and not self.decoupled:
                 raise UserError("streaming needs a decoupled model, and this repository's tensorrt_llm model is not "
                                 "decoupled; send streaming=false, or make the repository with `make-repo "
                                 "--decoupled true`.")
             rid = f"{triton_id}#{next(self._ids)}"
-            state = _Open(triton_id, sink, p.streaming)
+            state = _Open(triton_id, sink, p.streaming, p.prompt, p.include_input, p.perf_metrics, p.count_input,
+                          p.count_output)
             with self._lock:
                 self._open[rid] = state
             try:
@@ -250,6 +358,12 @@ class EngineModel:
             if self.metrics:
                 self.metrics.finished("busy" if isinstance(e, ServerBusy) else "rejected")
             sink.send(None, str(e), final=True)
+        except Exception as e:  # a request the checks above did not foresee: still exactly one answer
+            logger.exception("request %r could not be queued", triton_id)
+            if self.metrics:
+                self.metrics.finished("rejected")
+            sink.send(None, f"the request could not be served ({type(e).__name__}: {e}); this is a bug in "
+                            f"trt-redrafter's engine model, please report it with the request.", final=True)
 
     def stop_request(self, triton_id: str) -> int:
         """TensorRT-LLM's early stop: end every open request with this id (all of them for DRAIN_REQUEST_ID)."""
@@ -278,6 +392,9 @@ class EngineModel:
 
     def _respond(self, state: _Open, req, new: list[int], finished: bool) -> None:
         seq = req.seq
+        if new:
+            state.last_token_ns = time.time_ns()
+            state.first_token_ns = state.first_token_ns or state.last_token_ns
         if finished and seq.finish_reason == "cancelled":
             if self.decoupled:
                 state.sink.send(None, None, final=True)  # flags only: the ensemble ends the stream cleanly
@@ -285,9 +402,9 @@ class EngineModel:
                 state.sink.send(None, "the request was cancelled before it finished.", final=True)
         elif state.streaming:
             if new or finished:
-                state.sink.send(response_tensors(new, state.sent, seq), None, final=finished)
+                state.sink.send(response_tensors(new, state.sent, seq, state, req), None, final=finished)
         elif finished:
-            state.sink.send(response_tensors(list(seq.output), [], seq), None, final=True)
+            state.sink.send(response_tensors(list(seq.output), [], seq, state, req), None, final=True)
         if self.metrics:
             self.metrics.step(len(new), generation_step=bool(state.sent))  # the first tokens come from the prompt step
             if finished:

@@ -35,7 +35,8 @@ class TritonPythonModel:
         new = tokens.reshape(-1)[:n].tolist()
         preceding = _get(request, "PRECEDING_TOKENS")
         text = self.codec.decode_delta([] if preceding is None else preceding.reshape(-1).tolist(), new)
-        outputs = [pb_utils.Tensor("OUTPUT", np.array([[text.encode()]], dtype=object)),
+        # one string per beam, 1-D as TensorRT-LLM's postprocessing returns it (clients read text_output[0])
+        outputs = [pb_utils.Tensor("OUTPUT", np.array([text.encode()], dtype=object)),
                    pb_utils.Tensor("OUT_OUTPUT_IDS", np.asarray(new, dtype=np.int32).reshape(1, 1, -1))]
         for name, dtype in PASSTHROUGH:
             x = _get(request, name)

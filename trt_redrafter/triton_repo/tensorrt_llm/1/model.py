@@ -7,9 +7,6 @@ import triton_python_backend_utils as pb_utils
 from trt_redrafter.serving.engine_model import EngineModel
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-INPUTS = ("input_ids", "input_lengths", "request_output_len", "end_id", "pad_id", "stop_words_list", "bad_words_list",
-          "beam_width", "temperature", "runtime_top_k", "runtime_top_p", "seed", "streaming", "stop", "decoding_mode",
-          "proposer")
 
 
 class _Sink:
@@ -42,15 +39,15 @@ class TritonPythonModel:
         self.model = EngineModel(params["engine_dir"], int(params["tp_size"]), pb_utils.MetricFamily,
                                  model_name=args["model_name"], runtime_json=params.get("runtime_config", ""),
                                  decoupled=pb_utils.using_decoupled_model_transaction_policy(config),
-                                 max_queue_size=int(policy.get("max_queue_size", 0) or 0))
+                                 max_queue_size=int(policy.get("max_queue_size", 0) or 0),
+                                 exclude_input_in_output=params.get("exclude_input_in_output", "true").lower()
+                                 in ("true", "1", "yes"))
 
     def execute(self, requests):
         for request in requests:
-            inputs = {}
-            for name in INPUTS:
-                t = pb_utils.get_input_tensor_by_name(request, name)
-                if t is not None:
-                    inputs[name] = t.as_numpy()
+            # every input the request carries (the config declares all of TensorRT-LLM's); parse_inputs honours
+            # each or answers with one error naming it
+            inputs = {t.name(): t.as_numpy() for t in request.inputs()}
             self.model.submit(request.request_id(), inputs, _Sink(request.get_response_sender()))
         # responses are sent from the scheduler thread, decoupled or not (the Python backend lets a non-decoupled
         # model answer through the response sender, exactly one final response per request)
