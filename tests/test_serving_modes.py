@@ -384,3 +384,42 @@ def test_overload_is_answered_at_once_with_server_busy(setup, unary_server):
     assert sum_metric(m, "trt_redrafter_kv_blocks_used") == 0
     assert sum_metric(m, 'trt_redrafter_requests_total{model="tensorrt_llm",outcome="busy"}') == len(ours)
     assert sum_metric(scrape(unary_server.metrics_url), "trt_redrafter_waiting_requests") == 0
+
+
+@pytest.mark.server
+def test_stock_metric_families(setup, unary_server):
+    """The families dashboards built on TensorRT-LLM's backend read (names, labels model/version + category), with
+    values that agree with the engine's own gauges, and the per-request token-length histograms."""
+    import urllib.request
+
+    from trt_redrafter.serving.metrics import metric_key, parse_prometheus
+
+    import tritonclient.grpc as grpcclient
+
+    g = grpcclient.InferenceServerClient(unary_server.grpc_url)
+    before = parse_prometheus(urllib.request.urlopen(unary_server.metrics_url).read().decode(), prefix="nv_llm")
+    g.infer("ensemble", _ensemble_inputs(grpcclient, PROMPTS[1], 9))
+    _idle(unary_server)
+    time.sleep(0.3)  # one more gauge refresh (serving/engine_model.py METRICS_PERIOD_S)
+    text = urllib.request.urlopen(unary_server.metrics_url).read().decode()
+    trt = parse_prometheus(text, prefix="nv_trt_llm_")
+    ours = parse_prometheus(text)
+    lab = {"model": "tensorrt_llm", "version": "1"}
+
+    def stock(family, label, value):
+        return trt[metric_key(family, **lab, **{label: value})]
+
+    assert stock("nv_trt_llm_request_metrics", "request_type", "max") == MAX_BATCH
+    assert stock("nv_trt_llm_request_metrics", "request_type", "active") == 0
+    total = sum_metric(ours, "trt_redrafter_kv_blocks_total")
+    assert stock("nv_trt_llm_kv_cache_block_metrics", "kv_cache_block_type", "max") == total > 0
+    assert stock("nv_trt_llm_kv_cache_block_metrics", "kv_cache_block_type", "free") == total
+    assert stock("nv_trt_llm_kv_cache_block_metrics", "kv_cache_block_type", "tokens_per") > 0
+    assert stock("nv_trt_llm_general_metrics", "general_type", "iteration_counter") > 0
+    assert abs(stock("nv_trt_llm_general_metrics", "general_type", "timestamp") / 1e6 - time.time()) < 60
+    assert "inflight_batcher_specific_metric" in text
+    after = parse_prometheus(text, prefix="nv_llm")
+    key = metric_key("nv_llm_input_token_len_count", **lab, response_metric_type="total_input_tokens")
+    assert after[key] == before.get(key, 0) + 1
+    key = metric_key("nv_llm_output_token_len_sum", **lab, response_metric_type="total_output_tokens")
+    assert after[key] - before.get(key, 0) == len(setup[2]([PROMPTS[1]], 9)[0])  # stops at EOS like offline

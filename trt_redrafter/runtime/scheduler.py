@@ -94,6 +94,10 @@ class SchedulerMetrics:
     accepted_draft_tokens: int
     generation_steps: int
     preemptions: int
+    context_requests: int = 0  # running requests whose prompt has not been processed yet
+    context_tokens: int = 0  # their prompt tokens
+    max_batch_size: int = 0
+    block_size: int = 0
 
     @property
     def mean_tokens_per_step(self) -> float:
@@ -163,8 +167,11 @@ class Scheduler:
     def metrics(self) -> SchedulerMetrics:
         c = self.engine.cache
         with self._lock:
+            context = [r for r in self._running if not r.seq.output]
             return SchedulerMetrics(len(self._waiting), len(self._running), c.used_blocks, c.num_blocks, self._steps,
-                                    self._finished, self._accepted, self._gen_steps, self._preemptions)
+                                    self._finished, self._accepted, self._gen_steps, self._preemptions,
+                                    len(context), sum(len(r.prompt) for r in context), self.max_batch_size,
+                                    c.block_size)
 
     # ---- the loop (one thread) ---------------------------------------------------------------------------
     def start(self) -> "Scheduler":

@@ -409,6 +409,7 @@ class EngineModel:
             self.metrics.step(len(new), generation_step=bool(state.sent))  # the first tokens come from the prompt step
             if finished:
                 self.metrics.finished("cancelled" if seq.finish_reason == "cancelled" else "completed")
+                self.metrics.request_tokens(len(state.prompt), len(state.sent) + len(new))
         state.sent += new
 
     # ---- monitor thread -------------------------------------------------------------------------------------

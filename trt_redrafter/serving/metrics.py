@@ -9,6 +9,21 @@
     trt_redrafter_requests_total        counter    finished requests by outcome (completed|cancelled|rejected|busy)
     trt_redrafter_generated_tokens_total counter   tokens streamed to clients
 
+Next to them, the families TensorRT-LLM's backend exports, with its names, help texts and labels (`model`,
+`version`, and the family's category label; tensorrtllm_backend custom_metrics_reporter.cc @ c1e1963), so dashboards
+built on the stock backend read this server too:
+
+    nv_trt_llm_request_metrics{request_type=active|max|scheduled|context|waiting}          gauge
+    nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type=max|free|used|tokens_per|reused|fraction}  gauge
+    nv_trt_llm_inflight_batcher_metrics{inflight_batcher_specific_metric=total_context_tokens|generation_requests|
+                                        micro_batch_id|paused_requests}                   gauge
+    nv_trt_llm_general_metrics{general_type=timestamp|iteration_counter}                  gauge
+    nv_llm_input_token_len{response_metric_type=total_input_tokens}                      histogram, per request
+    nv_llm_output_token_len{response_metric_type=total_output_tokens}                    histogram, per request
+
+(`nv_trt_llm_runtime_memory_metrics` and the disaggregated-serving family are not exported: this runtime has no
+TensorRT memory pools and no disaggregated serving.)
+
 `ServingMetrics` takes the metric-family class as an argument (`pb_utils.MetricFamily` inside Triton, a fake in
 unit tests), so it imports without Triton. `scrape` reads the endpoint back for tests and load tests.
 """
@@ -16,6 +31,7 @@ unit tests), so it imports without Triton. `scrape` reads the endpoint back for 
 from __future__ import annotations
 
 import re
+import time
 import urllib.request
 
 PREFIX = "trt_redrafter_"
@@ -45,6 +61,31 @@ class ServingMetrics:
         self.outcomes = {o: requests.Metric(labels={**labels, "outcome": o}) for o in OUTCOMES}
         self.generated = fam("generated_tokens_total", "tokens streamed to clients", c).Metric(labels=labels)
 
+        # TensorRT-LLM's families: same names, help texts, kinds and labels
+        stock = {**labels, "version": labels.get("version", "1")}
+
+        def stock_fam(name, desc, kind, label, values, **kw):
+            f = family_cls(name=name, description=desc, kind=kind)
+            self._families.append(f)
+            return {v: f.Metric(labels={**stock, label: v}, **kw) for v in values}
+
+        self.trt_requests = stock_fam("nv_trt_llm_request_metrics", "TRT LLM request metrics", g, "request_type",
+                                      ("active", "max", "scheduled", "context", "waiting"))
+        self.trt_kv = stock_fam("nv_trt_llm_kv_cache_block_metrics", "TRT LLM KV cache block metrics", g,
+                                "kv_cache_block_type", ("max", "free", "used", "tokens_per", "reused", "fraction"))
+        self.trt_ifb = stock_fam("nv_trt_llm_inflight_batcher_metrics", "TRT LLM inflight_batcher-specific metrics",
+                                 g, "inflight_batcher_specific_metric",
+                                 ("total_context_tokens", "generation_requests", "micro_batch_id", "paused_requests"))
+        self.trt_general = stock_fam("nv_trt_llm_general_metrics", "General TRT LLM metrics", g, "general_type",
+                                     ("timestamp", "iteration_counter"))
+        token_buckets = [10.0, 50.0, 100.0, 500.0, 1000.0]
+        self.trt_input_len = stock_fam("nv_llm_input_token_len", "TRT LLM response metrics", h,
+                                       "response_metric_type", ("total_input_tokens",),
+                                       buckets=token_buckets)["total_input_tokens"]
+        self.trt_output_len = stock_fam("nv_llm_output_token_len", "TRT LLM response metrics", h,
+                                        "response_metric_type", ("total_output_tokens",),
+                                        buckets=token_buckets)["total_output_tokens"]
+
     def update_scheduler(self, m) -> None:
         """From `Scheduler.metrics()` (a `SchedulerMetrics`)."""
         self.active.set(m.running)
@@ -52,6 +93,23 @@ class ServingMetrics:
         self.kv_used.set(m.kv_blocks_used)
         self.kv_total.set(m.kv_blocks_total)
         self.mean_tps.set(m.mean_tokens_per_step)
+        for k, v in (("active", m.running + m.waiting), ("max", m.max_batch_size), ("scheduled", m.running),
+                     ("context", m.context_requests), ("waiting", m.waiting)):
+            self.trt_requests[k].set(v)
+        for k, v in (("max", m.kv_blocks_total), ("free", m.kv_blocks_total - m.kv_blocks_used),
+                     ("used", m.kv_blocks_used), ("tokens_per", m.block_size), ("reused", 0),
+                     ("fraction", m.kv_blocks_used / m.kv_blocks_total if m.kv_blocks_total else 0.0)):
+            self.trt_kv[k].set(v)
+        for k, v in (("total_context_tokens", m.context_tokens), ("generation_requests", m.running - m.context_requests),
+                     ("micro_batch_id", 0), ("paused_requests", 0)):
+            self.trt_ifb[k].set(v)
+        self.trt_general["timestamp"].set(time.time_ns() // 1000)  # microseconds since the epoch
+        self.trt_general["iteration_counter"].set(m.steps)
+
+    def request_tokens(self, input_tokens: int, output_tokens: int) -> None:
+        """A finished request's token counts (TensorRT-LLM's per-response histograms)."""
+        self.trt_input_len.observe(input_tokens)
+        self.trt_output_len.observe(output_tokens)
 
     def step(self, new_tokens: int, generation_step: bool) -> None:
         self.generated.increment(new_tokens)
