@@ -32,7 +32,7 @@ sys.exit(0 if ar["output_ids"] == rd["output_ids"] else 1)
 PY
 set -x
 # AR vs ReDrafter on MT-Bench first turns (the model's chat template), same engine, same run, 2 threads
-python3 scripts/bench_engine.py --engine "$OUT/smollm2-engine" --num-prompts 4 --max-tokens 64 --repeats 1 \
+python3 scripts/bench_engine.py --engine "$OUT/smollm2-engine" --num-prompts 4 --max-tokens 64 --repeats 1 --compile off \
     --batch-size 1 --modes ar,redrafter --threads 2
 # tensor parallelism: a tiny random Llama + drafter, TP=2 under mpirun (run relaunches itself)
 trt-redrafter make-tiny --output "$OUT/tiny" --seed 0
