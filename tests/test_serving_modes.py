@@ -423,3 +423,43 @@ def test_stock_metric_families(setup, unary_server):
     assert after[key] == before.get(key, 0) + 1
     key = metric_key("nv_llm_output_token_len_sum", **lab, response_metric_type="total_output_tokens")
     assert after[key] - before.get(key, 0) == len(setup[2]([PROMPTS[1]], 9)[0])  # stops at EOS like offline
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("streaming", [False, True])
+def test_end_to_end_grpc_client_on_the_bls_model(setup, stream_server, streaming):
+    """end_to_end_grpc_client.py --model-name tensorrt_llm_bls --temperature 0 [--streaming] (@ c1e1963): the same
+    tensors as against the ensemble; the text equals the ensemble's and offline AR's."""
+    import tritonclient.grpc as grpcclient
+
+    _, codec, offline = setup
+    prompt, n = PROMPTS[0], 12
+    want = offline([prompt], n)[0]
+    values = {"text_input": np.array([[prompt]]).astype(object), "max_tokens": np.array([[n]], np.int32),
+              "stream": np.array([[streaming]], bool), "beam_width": np.array([[1]], np.int32),
+              "temperature": np.array([[0.0]], np.float32), "exclude_input_in_output": np.array([[True]], bool)}
+    results = _stream_all(stream_server.grpc_url, "tensorrt_llm_bls", _tensors(grpcclient, values),
+                          [grpcclient.InferRequestedOutput("text_output"),
+                           grpcclient.InferRequestedOutput("output_ids")])
+    assert results and not any(isinstance(r, Exception) for r in results), results
+    text = "".join(r.as_numpy("text_output")[0].decode("utf-8") for r in results)
+    ids = [i for r in results for i in r.as_numpy("output_ids").reshape(-1).tolist()]
+    assert ids == want and text == codec.decode(want).rstrip(REPLACEMENT)
+    assert len(results) > 1 if streaming else len(results) == 1
+    bad = _stream_all(stream_server.grpc_url, "tensorrt_llm_bls", _tensors(grpcclient, {
+        **values, "max_tokens": np.array([[0]], np.int32)}))
+    assert len(bad) == 1 and "max_tokens must be a positive integer" in str(bad[0])
+
+
+@pytest.mark.server
+def test_end_to_end_test_bls_over_http(setup, unary_server):
+    """end_to_end_test.py --test-bls (@ c1e1963, HTTP, unary): the ensemble's inputs sent to tensorrt_llm_bls; its
+    text_output equals the ensemble's."""
+    import tritonclient.http as httpclient
+
+    h = httpclient.InferenceServerClient(unary_server.http_url.removeprefix("http://"))
+    values = {"text_input": np.array([[PROMPTS[2]]]).astype(object), "max_tokens": np.array([[10]], np.int32),
+              "bad_words": np.array([[""]]).astype(object), "stop_words": np.array([[""]]).astype(object)}
+    bls = h.infer("tensorrt_llm_bls", _tensors(httpclient, values)).as_numpy("text_output")
+    ens = h.infer("ensemble", _tensors(httpclient, values)).as_numpy("text_output")
+    assert bls.tolist() == ens.tolist() and len(bls) == 1

@@ -1,5 +1,5 @@
 """The stock TensorRT-LLM Triton contract: every input and output of tensorrtllm_backend's `ensemble`,
-`preprocessing`, `postprocessing` and `tensorrt_llm` models, as (name, data type, dims, optional).
+`preprocessing`, `postprocessing`, `tensorrt_llm` and `tensorrt_llm_bls` models, as (name, data type, dims, optional).
 
 Read from `all_models/inflight_batcher_llm/*/config.pbtxt` at tensorrtllm_backend v0.19.0 (c1e1963), the last release
 with `all_models/` at the top level, and at c2e65b8 (the last tree on main before it moved into TensorRT-LLM's
@@ -108,7 +108,13 @@ ENGINE_INPUTS = [
 ENGINE_OUTPUTS = [_t("output_ids", "INT32", (-1, -1)), _t("sequence_length", "INT32", (-1,)),
                   *_COMMON_OUTPUTS, _t("context_phase_params", "UINT8", (-1,))]
 
-STOCK = {"ensemble": (ENSEMBLE_INPUTS, ENSEMBLE_OUTPUTS),
+# tensorrt_llm_bls: the ensemble's text interface as one Python model (tensorrt_llm_bls/config.pbtxt), plus the
+# draft-model inputs of its speculative mode; its image inputs are left out with the other multimodal tensors
+BLS_INPUTS = [t for t in ENSEMBLE_INPUTS if t.name not in ("prompt_table_extra_id",)] + [
+    _t("prompt_table_extra_id", "UINT64"), _t("num_draft_tokens", "INT32"), _t("use_draft_logits", "BOOL")]
+BLS_OUTPUTS = [t for t in ENSEMBLE_OUTPUTS]
+
+STOCK = {"ensemble": (ENSEMBLE_INPUTS, ENSEMBLE_OUTPUTS), "tensorrt_llm_bls": (BLS_INPUTS, BLS_OUTPUTS),
          "preprocessing": (PREPROCESSING_INPUTS, PREPROCESSING_OUTPUTS),
          "postprocessing": (POSTPROCESSING_INPUTS, POSTPROCESSING_OUTPUTS),
          "tensorrt_llm": (ENGINE_INPUTS, ENGINE_OUTPUTS)}

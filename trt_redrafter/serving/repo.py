@@ -33,7 +33,7 @@ logger = get_logger(__name__)
 REPO_BACKENDS = ("torch", "tensorrtllm")
 ENGINE_BACKEND_FOR = {"torch": "torch", "tensorrtllm": "trtllm"}  # repo backend -> engine backend it serves
 PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
-TEXT_MODELS = ("ensemble", "preprocessing", "postprocessing")
+TEXT_MODELS = ("ensemble", "preprocessing", "postprocessing", "tensorrt_llm_bls")
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 # Package data (pyproject.toml [tool.setuptools.package-data]), so an installed wheel makes repositories too. Not a
 # Python package: it has no __init__.py, and its `1/` directories are not importable names.
