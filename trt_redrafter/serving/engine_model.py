@@ -459,3 +459,6 @@ class EngineModel:
                 self.followers.kill()
                 self.followers.wait()
         shutdown_dist()
+        if self.metrics is not None:  # before the stub's own teardown, which would segfault on live families
+            self.metrics.release()
+            self.metrics = None

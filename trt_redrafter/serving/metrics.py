@@ -30,6 +30,7 @@ unit tests), so it imports without Triton. `scrape` reads the endpoint back for 
 
 from __future__ import annotations
 
+import gc
 import re
 import time
 import urllib.request
@@ -118,6 +119,18 @@ class ServingMetrics:
 
     def finished(self, outcome: str) -> None:
         self.outcomes[outcome].increment(1)
+
+    def release(self) -> None:
+        """Destroy every metric, then every family, now. Call it from the model's `finalize()`: a family still
+        alive when the Python-backend stub tears itself down unregisters through the half-destroyed stub and
+        segfaults it (python_backend PR #429, not in the Triton 2.51 stub nvidia-pytriton bundles:
+        `Metric::SaveToSharedMemory` from `~MetricFamily` in `Stub::~Stub`, seen in the kernel log at every
+        shutdown). Unusable afterwards."""
+        families = self._families
+        self.__dict__.clear()  # the metrics go first (a family must outlive its metrics) ...
+        gc.collect()
+        families.clear()  # ... then the families, while the stub can still unregister them
+        gc.collect()
 
 
 _LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")

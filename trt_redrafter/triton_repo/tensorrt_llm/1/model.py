@@ -54,4 +54,5 @@ class TritonPythonModel:
         return None
 
     def finalize(self):
-        self.model.close()
+        self.model.close()  # releases the metric families while the stub is whole (see ServingMetrics.release)
+        self.model = None
