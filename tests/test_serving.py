@@ -242,6 +242,19 @@ def test_cancellation_frees_the_request(server, codec, offline):
     assert out.error == "cancelled" and len(out.output_ids) < 150
     m = _idle(server, timeout=2.0)
     assert sum_metric(m, "trt_redrafter_kv_blocks_used") == 0 and sum_metric(m, "trt_redrafter_active_requests") == 0
+    # client cancellation through the ensemble: Triton does not cancel the running engine step, postprocessing sees
+    # the next step cancelled and sends the engine the request's key (without it the engine runs all 150 tokens)
+    generated = sum_metric(m, "trt_redrafter_generated_tokens_total")
+    out = _gen(server, "cancel me", 150, end_id=-1, stream=True, cancel_after=1)
+    assert out.error == "cancelled"
+    cancelled = 'trt_redrafter_requests_total{model="tensorrt_llm",outcome="cancelled"}'
+    deadline = time.monotonic() + 10  # the gauges lag by up to 100 ms; the counter moves when the engine ends it
+    while sum_metric(m := scrape(server.metrics_url), cancelled) < before + 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sum_metric(m, cancelled) == before + 2
+    m = _idle(server, timeout=5.0)
+    assert sum_metric(m, "trt_redrafter_generated_tokens_total") - generated < 150
+    assert sum_metric(m, "trt_redrafter_kv_blocks_used") == 0 and sum_metric(m, "trt_redrafter_active_requests") == 0
     # TensorRT-LLM's stop request (same request_id, stop=true) through the ensemble
     from trt_redrafter.serving.client import send_stop
 
@@ -256,7 +269,7 @@ def test_cancellation_frees_the_request(server, codec, offline):
     assert res["out"].final and res["out"].error is None and len(res["out"].output_ids) < 150
     m = _idle(server, timeout=2.0)
     assert sum_metric(m, "trt_redrafter_kv_blocks_used") == 0
-    assert sum_metric(m, 'trt_redrafter_requests_total{model="tensorrt_llm",outcome="cancelled"}') == before + 2
+    assert sum_metric(m, 'trt_redrafter_requests_total{model="tensorrt_llm",outcome="cancelled"}') == before + 3
     # and the server keeps serving
     assert _gen(server, PROMPTS[0], 12).output_ids == offline(PROMPTS[:1], [12])[0]
 

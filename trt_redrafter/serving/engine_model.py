@@ -132,6 +132,7 @@ class _Open:
     last_token_ns: Optional[int] = None
     sent: list[int] = field(default_factory=list)
     generation_steps: int = 0
+    key: int = 0  # this model's key of the request (`request_key` output, `cancel_request_key` input)
     # Triton frees a response sender once its final response is sent, and `is_cancelled()` on it afterwards
     # crashes tritonserver (SIGSEGV in TRITONBACKEND_ResponseFactoryIsCancelled, seen under load): the final
     # send and the monitor's cancellation poll are serialized by this lock, and `closed` ends the polling.
@@ -254,6 +255,7 @@ def response_tensors(new: list[int], preceding: list[int], seq, state: Optional[
     }
     if state is None:
         return out
+    out["request_key"] = np.array([[state.key]], dtype=np.uint64)
     if state.count_input:
         out["num_input_tokens"] = np.array([[len(state.prompt)]], dtype=np.int32)
     if state.count_output:
@@ -332,8 +334,11 @@ class EngineModel:
     def submit(self, triton_id: str, inputs: dict[str, np.ndarray], sink: ResponseSink) -> None:
         from ..runtime.scheduler import Request
 
-        if is_stop_request(inputs):
-            self.stop_request(triton_id)
+        if is_stop_request(inputs) or inputs.get("cancel_request_key") is not None:
+            if inputs.get("cancel_request_key") is not None:
+                self.cancel_key(int(np.asarray(inputs["cancel_request_key"]).reshape(-1)[0]))
+            else:
+                self.stop_request(triton_id)
             sink.send(None if self.decoupled else {}, None, final=True)
             return
         try:
@@ -342,9 +347,10 @@ class EngineModel:
                 raise UserError("streaming needs a decoupled model, and this repository's tensorrt_llm model is not "
                                 "decoupled; send streaming=false, or make the repository with `make-repo "
                                 "--decoupled true`.")
-            rid = f"{triton_id}#{next(self._ids)}"
+            key = next(self._ids)
+            rid = f"{triton_id}#{key}"
             state = _Open(triton_id, sink, p.streaming, p.prompt, p.include_input, p.perf_metrics, p.count_input,
-                          p.count_output)
+                          p.count_output, key=key)
             with self._lock:
                 self._open[rid] = state
             try:
@@ -374,6 +380,18 @@ class EngineModel:
         if ids:
             logger.info("stop request %r ends %d request(s)", triton_id, len(ids))
         return len(ids)
+
+    def cancel_key(self, key: int) -> bool:
+        """End the request this model keyed `key` (its `request_key` output). Postprocessing sends it when a client
+        cancelled its ensemble request: Triton's ensemble then marks only the steps it schedules afterwards as
+        cancelled (postprocessing sees them), never the engine step already running."""
+        with self._lock:
+            rids = [rid for rid, s in self._open.items() if s.key == key]
+        for rid in rids:
+            self.scheduler.cancel(rid)
+        if rids:
+            logger.info("request key %d cancelled through the ensemble", key)
+        return bool(rids)
 
     # ---- responses (scheduler thread) -----------------------------------------------------------------------
     def _on_tokens(self, req, new: list[int], finished: bool) -> None:

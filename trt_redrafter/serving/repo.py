@@ -48,9 +48,13 @@ _ENSEMBLE_EXTRA_INPUTS = (',\n  { name: "decoding_mode" data_type: TYPE_STRING d
                           ',\n  { name: "proposer" data_type: TYPE_STRING dims: [ 1 ] optional: true }')
 _ENGINE_EXTRA_INPUT_MAP = ('      input_map  { key: "decoding_mode"      value: "decoding_mode" }\n'
                            '      input_map  { key: "proposer"           value: "proposer" }')
-# torch only: the engine sends the tokens preceding each response so postprocessing can detokenize incrementally
-_ENGINE_EXTRA_OUTPUT_MAP = '      output_map { key: "preceding_output_ids"        value: "_PRECEDING_TOKENS" }'
-_POST_EXTRA_INPUT_MAP = '      input_map  { key: "PRECEDING_TOKENS"            value: "_PRECEDING_TOKENS" }'
+# torch only: the engine sends the tokens preceding each response so postprocessing can detokenize incrementally,
+# and its key of the request, which postprocessing sends back to cancel it when the client cancelled the ensemble
+# request (Triton 2.51's ensemble marks only the steps it schedules next as cancelled, never the running engine step)
+_ENGINE_EXTRA_OUTPUT_MAP = ('      output_map { key: "preceding_output_ids"        value: "_PRECEDING_TOKENS" }\n'
+                            '      output_map { key: "request_key"                 value: "_REQUEST_KEY" }')
+_POST_EXTRA_INPUT_MAP = ('      input_map  { key: "PRECEDING_TOKENS"            value: "_PRECEDING_TOKENS" }\n'
+                         '      input_map  { key: "REQUEST_KEY"                 value: "_REQUEST_KEY" }')
 
 
 @dataclass
