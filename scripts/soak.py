@@ -12,8 +12,9 @@ What it does:
   4. sends Poisson arrivals at --rate req/s, each request with a deadline, and classifies every request:
         ok              final answer, output ids == the offline AR reference (greedy)
         expected_error  a malformed request answered by exactly one error that names the problem
-        cancelled       cancelled mid-stream (client cancellation straight to tensorrt_llm, or a `stop=true`
-                        request with the same id through the ensemble); tokens received == a prefix of the reference
+        cancelled       cancelled mid-stream (client cancellation straight to tensorrt_llm or through the ensemble, or
+                        a `stop=true` request with the same id through the ensemble); tokens received == a prefix of
+                        the reference
         lost            no final answer by the request's deadline
         unexpected      any other error, a wrong error text, more than one answer, a mismatch with the reference
   5. samples /metrics of both servers every second (waiting / active requests, KV blocks), watches that both
@@ -74,7 +75,8 @@ PROMPTS = ["def fibonacci(n):", "import os", "class Node:", "def main():", "for 
            "def __init__(self, name):", "return", "with open(path) as f:"]
 MAX_TOKENS = (8, 24, 48, 96)
 CANCEL_MAX_TOKENS = 160  # cancelled requests ask for many tokens (end_id -1) so they are still running when cancelled
-DEFAULT_MIX = "stream=30,stream_engine=10,unary=20,unary_http=5,cancel_client=10,cancel_stop=10,malformed=15"
+DEFAULT_MIX = ("stream=30,stream_engine=10,unary=20,unary_http=5,cancel_client=5,cancel_ensemble=5,cancel_stop=10,"
+               "malformed=15")
 
 # log lines that mean a process crashed (fail the soak)
 CRASH_PATTERNS = [r"Stub process .* is not healthy", r"Segmentation fault", r"[Ss]ignal \((?!2\))\d+\) received",
@@ -402,16 +404,21 @@ class Soak:
             return "ok", "completed before the cancellation took effect"
         return "cancelled", ""
 
-    def cancel_client(self, rng) -> tuple[str, str, int]:
-        """Straight to tensorrt_llm (streaming), cancelled by the client (stop_stream(cancel_requests=True)) after
-        k responses; the engine model's monitor frees it."""
+    def cancel_client(self, rng, ensemble: bool = False) -> tuple[str, str, int]:
+        """Streaming, cancelled by the client (stop_stream(cancel_requests=True)) after k responses: straight to
+        tensorrt_llm (the engine model's monitor frees it) or through the ensemble (postprocessing sends the engine
+        the request's key)."""
         prompt, k = rng.choice(PROMPTS), rng.randint(1, 3)
         deadline = time.monotonic() + self.a.deadline
         s = Stream(self.stream_srv.grpc_url)
         ids, got, final, error = [], 0, False, None
         try:
-            s.send("tensorrt_llm", _tensors(grpc(), engine_values(self.codec.encode(prompt), CANCEL_MAX_TOKENS,
-                                                                 True, -1)), uuid.uuid4().hex[:12])
+            if ensemble:
+                s.send("ensemble", _tensors(grpc(), ensemble_values(prompt, CANCEL_MAX_TOKENS, True, -1)),
+                       uuid.uuid4().hex[:12])
+            else:
+                s.send("tensorrt_llm", _tensors(grpc(), engine_values(self.codec.encode(prompt), CANCEL_MAX_TOKENS,
+                                                                     True, -1)), uuid.uuid4().hex[:12])
             while got < k:
                 try:
                     _, result, err = s.q.get(timeout=max(deadline - time.monotonic(), 0.0))
@@ -566,6 +573,7 @@ KINDS = {
     "unary": lambda self, rng: self.unary(rng, http=False),
     "unary_http": lambda self, rng: self.unary(rng, http=True),
     "cancel_client": lambda self, rng: self.cancel_client(rng),
+    "cancel_ensemble": lambda self, rng: self.cancel_client(rng, ensemble=True),
     "cancel_stop": lambda self, rng: self.cancel_stop(rng),
     "malformed": lambda self, rng: self.malformed(rng),
 }
