@@ -140,9 +140,11 @@ def _tensors(mod, values: dict) -> list:
     return out
 
 
-def _stream_all(url: str, model: str, inputs: list, outputs=None, request_id: str = "") -> list:
+def _stream_all(url: str, model: str, inputs: list, outputs=None, request_id: str = "",
+                empty_final: bool = False) -> list:
     """What the stock clients do on the streaming API: start a stream, send, stop_stream() (waits for the server to
-    close it), then drain the results (an InferResult or an InferenceServerException each)."""
+    close it), then drain the results (an InferResult or an InferenceServerException each). empty_final: ask for
+    Triton's empty final response (`enable_empty_final_response`, as genai-perf and the OpenAI frontends do)."""
     import queue
 
     import tritonclient.grpc as grpcclient
@@ -150,7 +152,8 @@ def _stream_all(url: str, model: str, inputs: list, outputs=None, request_id: st
     got: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
     client.start_stream(callback=lambda result, error: got.put(error or result))
-    client.async_stream_infer(model, inputs, outputs=outputs, request_id=request_id)
+    client.async_stream_infer(model, inputs, outputs=outputs, request_id=request_id,
+                              enable_empty_final_response=empty_final)
     client.stop_stream()
     return [got.get() for _ in range(got.qsize())]
 
@@ -297,12 +300,15 @@ MALFORMED = [  # (model, inputs beside a valid request's, error text)
 
 
 @pytest.mark.server
-@pytest.mark.parametrize("decoupled", [True, False], ids=["streaming", "unary"])
+@pytest.mark.parametrize("decoupled,empty_final", [(True, False), (True, True), (False, False)],
+                         ids=["streaming", "streaming-empty-final", "unary"])
 @pytest.mark.parametrize("extras", [False, True], ids=["bare", "with-optional-inputs"])
 @pytest.mark.parametrize("case", range(len(MALFORMED)))
-def test_malformed_requests_get_exactly_one_error(setup, stream_server, unary_server, case, extras, decoupled):
+def test_malformed_requests_get_exactly_one_error(setup, stream_server, unary_server, case, extras, decoupled,
+                                                  empty_final):
     """Each malformed request, alone and beside a set of valid optional inputs, on the streaming API (decoupled
-    repository) and as a unary call: exactly one response, an error naming what is wrong; the server stays well."""
+    repository; with and without `enable_empty_final_response`) and as a unary call: exactly one response, an error
+    naming what is wrong; the server stays well."""
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
@@ -324,7 +330,7 @@ def test_malformed_requests_get_exactly_one_error(setup, stream_server, unary_se
     values.update(bad)
     server = stream_server if decoupled else unary_server
     if decoupled:
-        results = _stream_all(server.grpc_url, model, _tensors(grpcclient, values))
+        results = _stream_all(server.grpc_url, model, _tensors(grpcclient, values), empty_final=empty_final)
         assert len(results) == 1 and isinstance(results[0], InferenceServerException), results
         error = str(results[0])
     else:
