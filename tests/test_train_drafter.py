@@ -334,3 +334,26 @@ def test_the_corpus_grows_and_shrinks_reusing_its_shards(make_tiny_pair, tmp_pat
     fresh = _train(base, tmp_path / "c", "--work-dir", tmp_path / "w2", "--num-sequences", "8", *small)
     assert (tmp_path / "b" / "model.safetensors").read_bytes() == (tmp_path / "c" / "model.safetensors").read_bytes()
     assert fresh["held_out"] == s["held_out"]
+
+
+def _open_corpus_repeatedly(root: str, times: int) -> None:
+    from trt_redrafter.training.corpus import ShardedCorpus
+
+    for _ in range(times):
+        ShardedCorpus(root, {"seq_len": 8}, 4)
+
+
+def test_ranks_open_the_same_corpus_at_once(tmp_path):
+    """Every torchrun rank opens the corpus and writes its manifest; two processes doing so 300 times each at once
+    must not collide on a temporary file (with one shared name a rank's os.replace failed within a few hundred)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_open_corpus_repeatedly, args=(str(tmp_path / "corpus"), 300)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert json.loads((tmp_path / "corpus" / "manifest.json").read_text())["num_shards"] == 4
+    assert not list((tmp_path / "corpus").glob("*.tmp"))

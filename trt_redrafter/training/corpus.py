@@ -134,7 +134,9 @@ class ShardedCorpus:
         return sum(self.counts.get(i, 0) for i in range(self.num_shards))
 
     def _write_manifest(self) -> None:
-        tmp = self.root / (MANIFEST + ".tmp")
+        # every torchrun rank opens the corpus and writes the manifest: a temporary name of its own, or one rank's
+        # os.replace finds the file the other already moved (FileNotFoundError; seen as a flaky two-process run)
+        tmp = self.root / f"{MANIFEST}.{os.getpid()}.tmp"
         tmp.write_text(json.dumps({"format": FORMAT, "spec": self.spec, "num_shards": self.num_shards,
                                    "positions": {str(k): v for k, v in sorted(self.counts.items())},
                                    "rows": {str(k): v for k, v in sorted(self.rows.items())}}, indent=2))
