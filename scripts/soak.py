@@ -55,7 +55,6 @@ import os
 import queue
 import random
 import re
-import subprocess
 import sys
 import threading
 import time
@@ -588,19 +587,9 @@ def grpc():
 # ---- server health ------------------------------------------------------------------------------------------------
 def stub_pids(srv) -> dict[int, str]:
     """{pid: cmdline} of the Python-backend stub processes in the server's process group."""
-    from trt_redrafter.serving.launcher import group_members
+    from trt_redrafter.serving.launcher import stub_processes
 
-    out = {}
-    if srv.proc is None:
-        return out
-    for pid in group_members(srv.proc.pid):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if "triton_python_backend_stub" in cmd:
-            out[pid] = cmd.strip()
-    return out
+    return {} if srv.proc is None else stub_processes(srv.proc.pid)
 
 
 def stub_model(cmd: str) -> str:
@@ -728,14 +717,6 @@ def uptime() -> Optional[float]:
         return None
 
 
-def dmesg_lines() -> Optional[list[str]]:
-    try:
-        r = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return r.stdout.splitlines() if r.returncode == 0 else None
-
-
 # ---- main ----------------------------------------------------------------------------------------------------------
 def start_servers(stream_repo: Path, unary_repo: Path, workdir: Path):
     from trt_redrafter.runtime.distributed import free_port
@@ -798,6 +779,7 @@ def main() -> int:
     a = p.parse_args()
 
     from trt_redrafter.runtime.engine_config import load_engine_config
+    from trt_redrafter.serving.launcher import kernel_log, kernel_log_since
     from trt_redrafter.serving.text import TextCodec
 
     a.workdir.mkdir(parents=True, exist_ok=True)
@@ -812,7 +794,7 @@ def main() -> int:
     max_waiting = a.max_waiting if a.max_waiting is not None else 4 * build.max_batch_size
     codec = TextCodec(repo_tokenizer_dir(stream_repo))
     ref, ref_noeos = offline_reference(engine_dir, codec)
-    dmesg0 = dmesg_lines()
+    dmesg0 = kernel_log()
     marks = {"start": uptime()}
 
     servers = start_servers(stream_repo, unary_repo, a.workdir)
@@ -891,11 +873,10 @@ def main() -> int:
     for name, lg in summary["logs"].items():
         if lg.get("crash_lines"):
             failures.append(f"{name}: {lg['crash_lines']} crash line(s) in {lg['path']}")
-    dmesg1 = dmesg_lines()
-    if dmesg0 is None or dmesg1 is None:
+    new = kernel_log_since(dmesg0)
+    if new is None:
         summary["dmesg"] = "not readable"
     else:
-        new = dmesg1[len(dmesg0):] if dmesg1[:len(dmesg0)] == dmesg0 else dmesg1
         hits = [ln for ln in new if re.search(DMESG_PATTERNS, ln, re.I)]
         attributed = []
         for ln in hits:  # "[17503.52] triton_python_b[775]: segfault at 60 ...": whose process, and when

@@ -132,40 +132,18 @@ def write_chat_tokenizer(src: Path, dst: Path, template: str = LLAMA2_STYLE_TEMP
     return dst
 
 
-def kernel_log() -> list[str] | None:
-    """The kernel log's lines (`dmesg`), or None where it cannot be read (no permission, no dmesg)."""
-    import subprocess
 
-    try:
-        r = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return r.stdout.splitlines() if r.returncode == 0 else None
-
-
-def stub_pids(pgid: int) -> set[int]:
-    """Python-backend stub processes of a tritonserver started in process group `pgid`."""
-    from trt_redrafter.serving.launcher import group_members
-
-    out = set()
-    for pid in group_members(pgid):
-        try:
-            if b"triton_python_backend_stub" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                out.add(pid)
-        except OSError:
-            pass
-    return out
-
-
-def stub_crashes(before: list[str] | None, pids: set[int]) -> list[str] | None:
-    """Kernel-log lines written since `before` that report a crash of one of `pids` (the stub's process name is cut
-    to `triton_python_b[PID]: segfault at ...`); None where the kernel log cannot be read."""
+def stub_crashes(before: list[str] | None, pids) -> list[str] | None:
+    """Kernel-log lines written since `before` (`launcher.kernel_log()`) that report a crash of one of `pids` (the
+    stub's process name is cut to `triton_python_b[PID]: segfault at ...`); None where the kernel log cannot be
+    read."""
     import re
 
-    after = kernel_log()
-    if before is None or after is None:
+    from trt_redrafter.serving.launcher import kernel_log_since
+
+    new = kernel_log_since(before)
+    if new is None:
         return None
-    new = after[len(before):] if after[:len(before)] == before else after
     hits = []
     for line in new:
         m = re.search(r"\S+\[(\d+)\]: (segfault|general protection|trap)", line)

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine_utils import build_tiny_engines, kernel_log, load_engine, stub_crashes, stub_pids, write_chat_tokenizer
+from engine_utils import build_tiny_engines, load_engine, stub_crashes, write_chat_tokenizer
 from trt_redrafter.chat import chat_prompt_ids
 from trt_redrafter.cli import main as cli
 from trt_redrafter.config import SamplingConfig
@@ -118,7 +118,9 @@ def server(engines):
     srv = _server(repos[1]).start()
     pgid = srv.proc.pid
     yield srv
-    stubs, klog = stub_pids(pgid), kernel_log()
+    from trt_redrafter.serving.launcher import kernel_log, stub_processes
+
+    stubs, klog = set(stub_processes(pgid)), kernel_log()
     report = srv.stop()
     assert report["returncode"] == 0 and report["killed"] == [], report
     _assert_clean(srv, pgid)

@@ -334,9 +334,10 @@ class EngineModel:
     def submit(self, triton_id: str, inputs: dict[str, np.ndarray], sink: ResponseSink) -> None:
         from ..runtime.scheduler import Request
 
-        if is_stop_request(inputs) or inputs.get("cancel_request_key") is not None:
-            if inputs.get("cancel_request_key") is not None:
-                self.cancel_key(int(np.asarray(inputs["cancel_request_key"]).reshape(-1)[0]))
+        cancel_key = inputs.get("cancel_request_key")
+        if cancel_key is not None or is_stop_request(inputs):
+            if cancel_key is not None:
+                self.cancel_key(int(np.asarray(cancel_key).reshape(-1)[0]))
             else:
                 self.stop_request(triton_id)
             sink.send(None if self.decoupled else {}, None, final=True)
@@ -373,25 +374,22 @@ class EngineModel:
 
     def stop_request(self, triton_id: str) -> int:
         """TensorRT-LLM's early stop: end every open request with this id (all of them for DRAIN_REQUEST_ID)."""
-        with self._lock:
-            ids = [rid for rid, s in self._open.items() if triton_id in (s.triton_id, DRAIN_REQUEST_ID)]
-        for rid in ids:
-            self.scheduler.cancel(rid)
-        if ids:
-            logger.info("stop request %r ends %d request(s)", triton_id, len(ids))
-        return len(ids)
+        return self._cancel_open(lambda s: triton_id in (s.triton_id, DRAIN_REQUEST_ID), f"stop request {triton_id!r}")
 
-    def cancel_key(self, key: int) -> bool:
+    def cancel_key(self, key: int) -> int:
         """End the request this model keyed `key` (its `request_key` output). Postprocessing sends it when a client
         cancelled its ensemble request: Triton's ensemble then marks only the steps it schedules afterwards as
         cancelled (postprocessing sees them), never the engine step already running."""
+        return self._cancel_open(lambda s: s.key == key, f"ensemble cancellation of request key {key}")
+
+    def _cancel_open(self, match: Callable[[_Open], bool], why: str) -> int:
         with self._lock:
-            rids = [rid for rid, s in self._open.items() if s.key == key]
-        for rid in rids:
+            ids = [rid for rid, s in self._open.items() if match(s)]
+        for rid in ids:
             self.scheduler.cancel(rid)
-        if rids:
-            logger.info("request key %d cancelled through the ensemble", key)
-        return bool(rids)
+        if ids:
+            logger.info("%s ends %d request(s)", why, len(ids))
+        return len(ids)
 
     # ---- responses (scheduler thread) -----------------------------------------------------------------------
     def _on_tokens(self, req, new: list[int], finished: bool) -> None:

@@ -397,6 +397,39 @@ def group_members(pgid: int) -> list[int]:
     return out
 
 
+def stub_processes(pgid: int) -> dict[int, str]:
+    """{pid: command line} of the Python-backend stub processes among a server's process group `pgid` (each stub's
+    first argument is the model.py it serves)."""
+    out = {}
+    for pid in group_members(pgid):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "triton_python_backend_stub" in cmd:
+            out[pid] = cmd.strip()
+    return out
+
+
+def kernel_log() -> Optional[list[str]]:
+    """The kernel log's lines (`dmesg`), or None where it cannot be read. A stub that crashes while tritonserver
+    unloads it shows up only there: tritonserver exits 0 and logs nothing."""
+    try:
+        r = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return r.stdout.splitlines() if r.returncode == 0 else None
+
+
+def kernel_log_since(before: Optional[list[str]]) -> Optional[list[str]]:
+    """Kernel-log lines written since `before` (a `kernel_log()`; all of them if the log wrapped); None where it
+    cannot be read."""
+    after = kernel_log()
+    if before is None or after is None:
+        return None
+    return after[len(before):] if after[:len(before)] == before else after
+
+
 def shm_regions(prefix: str = SHM_PREFIX_STEM) -> list[str]:
     return glob.glob(f"/dev/shm/{prefix}*")
 
