@@ -116,3 +116,32 @@ def _wait_for_children(pid: int, n: int, timeout: float) -> list[int]:
             return sorted(kids)
         time.sleep(0.2)
     raise AssertionError(f"mpirun did not start {n} ranks in {timeout}s")
+
+
+@pytest.mark.skipif(not (Path(__file__).resolve().parents[1] / "models/small/drafter/model.safetensors").is_file(),
+                    reason="models/small not trained")
+def test_tp2_draft_vocabulary_drafter_gives_the_tp1_tokens_and_steps(tmp_path):
+    """A drafter with a draft vocabulary (its head split across ranks, `draft_vocab` on each): TP=2 drafts what
+    TP=1 drafts (same text, same tokens/step)."""
+    pytest.importorskip("mpi4py", reason="mpi4py is not installed")
+    import torch
+
+    from test_draft_vocab import SMALL, _with_draft_vocab
+    from trt_redrafter.cli import main as cli
+
+    drafter = _with_draft_vocab(tmp_path / "d", torch.randperm(2048, generator=torch.Generator().manual_seed(0))[:1024])
+    docs = {}
+    for tp in (1, 2):
+        ck, en = tmp_path / f"ck{tp}", tmp_path / f"en{tp}"
+        assert cli(["convert", "--base-model", str(SMALL / "base"), "--drafter", str(drafter), "--output", str(ck),
+                    "--tp", str(tp), "--dtype", "float32", "--num-beams", "2", "--draft-len-per-beam", "3"]) == 0
+        assert cli(["build-engine", "--checkpoint", str(ck), "--output", str(en), "--max-batch-size", "2",
+                    "--max-input-len", "64", "--max-seq-len", "128"]) == 0
+        cmd = [sys.executable, "-m", "trt_redrafter", "run", "--engine", str(en), "--json", "--max-tokens", "40",
+               "--ignore-eos", "--prompt-ids", "1,400,401,402,403,404,405", "10,11,12,13,14,15,16,17"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        docs[tp] = [{k: d[k] for k in ("output_ids", "tokens_per_step")}
+                    for d in map(json.loads, filter(lambda s: s.startswith("{"), proc.stdout.splitlines()))]
+    assert len(docs[1]) == 2 and docs[2] == docs[1]
+    assert max(d["tokens_per_step"] for d in docs[1]) > 1.0

@@ -227,12 +227,23 @@ class DrafterConfig(ConfigBase):
     exit_dim: int = _f(help="ResBlock width; 2*H means no input_proj")
     num_draft_layers: int = _f(help="number of ResBlocks")
     rnn: bool = _f(False, help="recurrent state SiLU(W e + U s); otherwise the cumulative embedding sum")
+    draft_vocab_size: int = _f(0, help="0: the head scores the whole vocabulary (Apple's and TensorRT-LLM's "
+                                       "format); K: it scores only the K token ids of its `draft_vocab` tensor "
+                                       "(a frequency-ranked draft vocabulary, FR-Spec; this project's runtime only)")
 
     def validate(self) -> None:
         for n in ("vocab_size", "hidden_size", "exit_dim"):
             _positive(self.SECTION, n, getattr(self, n))
         if not isinstance(self.num_draft_layers, int) or self.num_draft_layers < 0:
             raise _bad(self.SECTION, "num_draft_layers", "a non-negative integer", self.num_draft_layers)
+        k = self.draft_vocab_size
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0 or k > self.vocab_size:
+            raise _bad(self.SECTION, "draft_vocab_size", f"0 (the whole vocabulary) or 1..{self.vocab_size}", k)
+
+    @property
+    def head_rows(self) -> int:
+        """Rows of the drafter's lm_head: the draft vocabulary's size, or the whole vocabulary's."""
+        return self.draft_vocab_size or self.vocab_size
 
     @property
     def has_input_proj(self) -> bool:

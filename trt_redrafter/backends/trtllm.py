@@ -133,6 +133,10 @@ def check_buildable(info, build: BuildConfig, ckpt_dir: Path) -> None:
                         f"{info.model.num_attention_heads} heads), which TensorRT-LLM's attention plugin does not "
                         f"support (head sizes {', '.join(map(str, MMHA_HEAD_SIZES))}); use --backend torch for "
                         f"this model.")
+    if info.drafter is not None and info.drafter.draft_vocab_size:
+        raise UserError(f"{where}: the drafter scores a draft vocabulary of {info.drafter.draft_vocab_size} tokens "
+                        f"(train-drafter --draft-vocab), which TensorRT-LLM's ReDrafter cannot run; use --backend "
+                        f"torch, or a drafter trained with --draft-vocab 0 for TensorRT-LLM.")
     if info.redrafter is not None and build.drafter_semantics != "apple":
         raise UserError(f"--drafter-semantics {build.drafter_semantics} is the drafter math of TensorRT-LLM <= 0.13; "
                         f"TensorRT-LLM {TRTLLM_SUPPORTED} builds only Apple's (--drafter-semantics apple, the "

@@ -191,7 +191,8 @@ def convert_checkpoint(drafter: str | Path, output: str | Path, opts: ConvertCon
 
         def make_rank(m: Mapping) -> dict[str, torch.Tensor]:
             tensors = _load_rank(base.rank_file(m.rank))
-            clash = sorted(set(tensors) & {n for n, _ in sharding.drafter_name_table(d.config)})
+            clash = sorted(set(tensors) & ({n for n, _ in sharding.drafter_name_table(d.config)}
+                                           | {sharding.DRAFTER_PREFIX + sharding.DRAFT_VOCAB}))
             if clash:
                 raise UserError(f"{base.rank_file(m.rank)} already holds drafter tensor(s) {', '.join(clash)}.")
             return {**tensors, **sharding.shard_drafter(d.tensors, d.config, m, cast)}

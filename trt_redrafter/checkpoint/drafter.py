@@ -8,6 +8,11 @@ nb = num_draft_layers):
     lm_head.{N}.weight [V, exit_dim]                                   N = num_draft_layers, no bias
     rnn_u.weight [H, H], rnn_u.bias [H], rnn_w.weight [H, H]           only when rnn
 
+A drafter with a frequency-ranked draft vocabulary (FR-Spec, arXiv 2502.14856; written by `train-drafter
+--draft-vocab K`, this project's extension of the format) has `"draft_vocab_size": K` in config.json, its
+lm_head.{N}.weight is [K, exit_dim] and `draft_vocab` [K] (integer) holds the token id of each head row: the
+drafter proposes only those tokens. Apple's code and TensorRT-LLM cannot load such a drafter.
+
 Like TensorRT-LLM's `hf_drafter`, the alternative prefixes `input_projs.*`, `lm_heads.{j}.*` and `0.{j}.*` are
 accepted; unlike it, a prefix is chosen only when its tensors are present (TensorRT-LLM takes the first candidate
 even when absent). The structure is checked here; agreement with the base model is checked by the converter.
@@ -48,7 +53,7 @@ def drafter_config_from_json(raw: dict, where: str) -> DrafterConfig:
     missing = [k for k in ("vocab_size", "hidden_size", "exit_dim", "num_draft_layers") if k not in raw]
     if missing:
         raise UserError(f"{where}: missing key(s) {', '.join(missing)}; is this an Apple recurrent drafter config?")
-    keys = ("vocab_size", "hidden_size", "exit_dim", "num_draft_layers", "rnn")
+    keys = ("vocab_size", "hidden_size", "exit_dim", "num_draft_layers", "rnn", "draft_vocab_size")
     return DrafterConfig.from_dict({k: raw[k] for k in keys if k in raw}, where=where)
 
 
@@ -106,7 +111,12 @@ def canonicalize(stored: dict[str, torch.Tensor], cfg: DrafterConfig, where: str
         want[f"lm_head.{j}.linear.weight"] = (f"{p}.weight", (e, e))
         want[f"lm_head.{j}.linear.bias"] = (f"{p}.bias", (e,))
     p = _pick(stored, [c.format(j=n) for c in LM_HEAD_PREFIXES], ("weight",))
-    want[f"lm_head.{n}.weight"] = (f"{p}.weight", (cfg.vocab_size, e))
+    want[f"lm_head.{n}.weight"] = (f"{p}.weight", (cfg.head_rows, e))
+    if cfg.draft_vocab_size:
+        want["draft_vocab"] = ("draft_vocab", (cfg.draft_vocab_size,))
+    elif "draft_vocab" in stored:
+        raise UserError(f"{where}: a draft_vocab tensor is stored but config.json has no draft_vocab_size; set "
+                        f"draft_vocab_size to its length ({stored['draft_vocab'].numel()}) or remove it.")
     if cfg.rnn:
         want.update({"rnn_u.weight": ("rnn_u.weight", (h, h)), "rnn_u.bias": ("rnn_u.bias", (h,)),
                      "rnn_w.weight": ("rnn_w.weight", (h, h))})
@@ -120,13 +130,26 @@ def canonicalize(stored: dict[str, torch.Tensor], cfg: DrafterConfig, where: str
         t = stored[name]
         if tuple(t.shape) != shape:
             raise UserError(f"{where}: tensor {name} has shape {list(t.shape)}, expected {list(shape)} from "
-                            f"config.json (vocab_size={cfg.vocab_size}, hidden_size={h}, exit_dim={e}).")
+                            f"config.json (vocab_size={cfg.vocab_size}, hidden_size={h}, exit_dim={e}"
+                            + (f", draft_vocab_size={cfg.draft_vocab_size}" if cfg.draft_vocab_size else "") + ").")
         out[canon] = t
+    if cfg.draft_vocab_size:
+        check_draft_vocab(out["draft_vocab"], cfg.vocab_size, where)
     unused = sorted(set(stored) - {s for s, _ in want.values()})
     if unused:
         log.warning("%s: ignoring %d tensor(s) the drafter does not use: %s", where, len(unused),
                     ", ".join(unused[:8]))
     return out
+
+
+def check_draft_vocab(ids: torch.Tensor, vocab_size: int, where: str) -> None:
+    """A draft vocabulary is distinct integer token ids of the base's vocabulary."""
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise UserError(f"{where}: draft_vocab must hold integer token ids, got dtype {ids.dtype}.")
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise UserError(f"{where}: draft_vocab holds token ids outside the vocabulary [0, {vocab_size}).")
+    if torch.unique(ids).numel() != ids.numel():
+        raise UserError(f"{where}: draft_vocab repeats token ids; each head row must name a distinct token.")
 
 
 def read_drafter(path: str | Path) -> DrafterCheckpoint:
@@ -142,6 +165,6 @@ def read_drafter(path: str | Path) -> DrafterCheckpoint:
     cfg = drafter_config_from_json(raw, str(path / "config.json"))
     wfile, stored = _load_tensors(path)
     tensors = canonicalize(stored, cfg, str(wfile))
-    log.info("drafter %s: %d ResBlock(s), exit_dim=%d, rnn=%s, V=%d", path, cfg.num_draft_layers, cfg.exit_dim,
-             cfg.rnn, cfg.vocab_size)
+    log.info("drafter %s: %d ResBlock(s), exit_dim=%d, rnn=%s, V=%d%s", path, cfg.num_draft_layers, cfg.exit_dim,
+             cfg.rnn, cfg.vocab_size, f", draft vocabulary {cfg.draft_vocab_size}" if cfg.draft_vocab_size else "")
     return DrafterCheckpoint(path, cfg, tensors)

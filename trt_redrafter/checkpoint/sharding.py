@@ -175,8 +175,12 @@ def unshard_base(ranks: list[TMapping[str, torch.Tensor]], cfg: ModelConfig) -> 
     return full
 
 
+DRAFT_VOCAB = "draft_vocab"  # FR-Spec draft vocabulary: int64 token ids, replicated on every rank, never cast
+
+
 def drafter_name_table(d: DrafterConfig) -> list[tuple[str, str]]:
-    """(TensorRT-LLM name, canonical Apple name) of every drafter tensor; all split on dim 0."""
+    """(TensorRT-LLM name, canonical Apple name) of every drafter weight; all split on dim 0. The draft
+    vocabulary (`draft_vocab`, when the drafter has one) is not a weight and not in this table."""
     rows = []
     if d.has_input_proj:
         rows += [("input_proj.weight", "input_proj.weight"), ("input_proj.bias", "input_proj.bias")]
@@ -190,13 +194,20 @@ def drafter_name_table(d: DrafterConfig) -> list[tuple[str, str]]:
 
 def shard_drafter(tensors: TMapping[str, torch.Tensor], d: DrafterConfig, m: Mapping,
                   cast: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, torch.Tensor]:
-    """One rank's `drafter.*` tensors: every one split on dim 0 (ColumnLinear with gather_output)."""
-    return {trt: cast(split(tensors[apple], m.tp_size, m.rank, COLUMN)) for trt, apple in drafter_name_table(d)}
+    """One rank's `drafter.*` tensors: every weight split on dim 0 (ColumnLinear with gather_output); the draft
+    vocabulary, if any, whole on every rank (the gathered head rows are in its order)."""
+    out = {trt: cast(split(tensors[apple], m.tp_size, m.rank, COLUMN)) for trt, apple in drafter_name_table(d)}
+    if d.draft_vocab_size:
+        out[DRAFTER_PREFIX + DRAFT_VOCAB] = tensors[DRAFT_VOCAB].to(torch.int64).contiguous()
+    return out
 
 
 def unshard_drafter(ranks: list[TMapping[str, torch.Tensor]], d: DrafterConfig) -> dict[str, torch.Tensor]:
     """Canonical Apple-named drafter tensors rebuilt from every rank (inverse of `shard_drafter`)."""
-    return {apple: unsplit([r[trt] for r in ranks], COLUMN) for trt, apple in drafter_name_table(d)}
+    out = {apple: unsplit([r[trt] for r in ranks], COLUMN) for trt, apple in drafter_name_table(d)}
+    if d.draft_vocab_size:
+        out[DRAFT_VOCAB] = ranks[0][DRAFTER_PREFIX + DRAFT_VOCAB]
+    return out
 
 
 # ---- what TP sizes a model admits -----------------------------------------------------------------------------
@@ -215,8 +226,9 @@ def check_tp(tp: int, model: ModelConfig, drafter: DrafterConfig | None = None) 
     if drafter is not None:
         needs += [
             ("drafter exit_dim", drafter.exit_dim, "every drafter ResBlock linear is split on its output dim"),
-            ("drafter vocab_size", drafter.vocab_size,
-             "TensorRT-LLM splits the drafter lm_head without padding it"),
+            ("drafter draft_vocab_size", drafter.draft_vocab_size, "the drafter lm_head is split without padding")
+            if drafter.draft_vocab_size else
+            ("drafter vocab_size", drafter.vocab_size, "TensorRT-LLM splits the drafter lm_head without padding it"),
         ]
     for what, value, why in needs:
         if value % tp:

@@ -31,6 +31,9 @@ from ..fsutil import read_json
 
 FORMATS = ("1.x", "legacy")
 REDRAFTER_ARCH = {"1.x": "ReDrafterForLLaMALM", "legacy": "ReDrafterForCausalLM"}
+# a drafter whose head scores a frequency-ranked draft vocabulary (tensor `drafter.draft_vocab`): this project's
+# runtime only; absent for Apple-format drafters, so every other checkpoint is TensorRT-LLM's format unchanged
+DRAFT_VOCAB_KEY = "redrafter_draft_vocab_size"
 REDRAFTER_KEYS = ("redrafter_num_layers", "redrafter_hidden_size", "redrafter_exit_dim", "redrafter_is_rnn",
                   "redrafter_num_beams", "redrafter_draft_len_per_beam", "redrafter_greedy_search")
 LOGITS_DTYPE = "float32"  # TensorRT-LLM's default logits_dtype
@@ -144,6 +147,8 @@ def add_redrafter_keys(base: dict, drafter: DrafterConfig, redrafter: ReDrafterC
         "redrafter_num_beams": redrafter.num_beams, "redrafter_draft_len_per_beam": redrafter.draft_len_per_beam,
         "redrafter_greedy_search": redrafter.greedy_search,
     })
+    if drafter.draft_vocab_size:  # this project's extension (FR-Spec draft vocabulary); TensorRT-LLM has no such key
+        out[DRAFT_VOCAB_KEY] = drafter.draft_vocab_size
     q = out.get("quantization") or {}
     if q.get("exclude_modules") is not None:  # a quantized base: keep the drafter unquantized
         q["exclude_modules"] += ["drafter", "drafter.layers", "drafter.lm_head"]
@@ -239,7 +244,8 @@ def parse_checkpoint_config(d: dict, where: str) -> CheckpointInfo:
     model = model_config_from_trtllm(d, where)
     drafter = DrafterConfig.from_dict(dict(
         vocab_size=model.vocab_size, hidden_size=d["redrafter_hidden_size"], exit_dim=d["redrafter_exit_dim"],
-        num_draft_layers=d["redrafter_num_layers"], rnn=d["redrafter_is_rnn"]), where=f"{where} (redrafter_*)")
+        num_draft_layers=d["redrafter_num_layers"], rnn=d["redrafter_is_rnn"],
+        draft_vocab_size=d.get(DRAFT_VOCAB_KEY, 0)), where=f"{where} (redrafter_*)")
     redrafter = ReDrafterConfig.from_dict(dict(
         num_beams=d["redrafter_num_beams"], draft_len_per_beam=d["redrafter_draft_len_per_beam"],
         greedy_search=d["redrafter_greedy_search"]), where=f"{where} (redrafter_*)")

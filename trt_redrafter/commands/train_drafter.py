@@ -30,6 +30,11 @@ def register(subparsers) -> None:
                    help="ResBlock width; 2*hidden has no input projection (Apple's recipe); 0 (default): 2*hidden "
                         "unless the drafter's vocabulary head would cost more than a quarter of the base's weights per "
                         "step, else the widest power of two that fits, behind an input projection")
+    p.add_argument("--draft-vocab", type=int, default=_D.draft_vocab, metavar="K",
+                   help="0 (default): the drafter's head scores the whole vocabulary (Apple's and TensorRT-LLM's "
+                        "format); K: only the K tokens the base generates most often in the corpus (FR-Spec), a "
+                        "head V/K times cheaper per drafted token; outputs do not change (verification is exact), "
+                        "but only --backend torch runs such a drafter")
     p.add_argument("--steps", type=int, default=_D.steps, help="optimizer steps")
     p.add_argument("--lr", type=float, default=_D.lr, help="peak learning rate (AdamW, warmup + cosine)")
     p.add_argument("--batch-size", type=int, default=_D.batch_size, help="drafting positions per step")
@@ -67,7 +72,8 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = DrafterTrainConfig(
-        draft_len=args.draft_len, num_layers=args.num_layers, rnn=args.rnn, exit_dim=args.exit_dim, steps=args.steps,
+        draft_len=args.draft_len, num_layers=args.num_layers, rnn=args.rnn, exit_dim=args.exit_dim,
+        draft_vocab=args.draft_vocab, steps=args.steps,
         lr=args.lr, batch_size=args.batch_size, seq_len=args.seq_len, num_sequences=args.num_sequences,
         eval_sequences=args.eval_sequences, prompt_min=args.prompt_min, prompt_max=args.prompt_max,
         gen_batch_size=args.gen_batch_size, seed=args.seed, data=args.data, device=args.device,

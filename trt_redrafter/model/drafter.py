@@ -15,6 +15,12 @@ redrafter_helper.py applies `silu(drafter.rnn_w(embedding(last_tokens)) + drafte
 then `warp_logits` top-50), so TensorRT-LLM 1.0-1.2 engines draft the same beams. "trtllm-0.13" is the older graph
 (`Drafter.rnn_embed`, no SiLU, no warp), kept to reproduce engines of those releases. Apple's top-50 warp of the
 drafter logits lives in `decoding.beam_search` (runtime/proposer.py turns it on for "apple").
+
+A drafter with a draft vocabulary (FR-Spec, arXiv 2502.14856; `cfg.draft_vocab_size` K > 0, this project's
+extension) has an lm_head of K rows, one per token id of `draft_vocab`. `logits` still answers over the whole
+vocabulary: the K scores go to their token ids, every other token gets LOG_ZERO, so the beam search, its kernels
+and the `apple` acceptance (whose drafter distribution is then 0 outside the draft vocabulary) are unchanged and
+verification stays exact; only the head's matrix (the drafter's largest read per step) shrinks by V / K.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config import DRAFTER_SEMANTICS, DrafterConfig
+from ..decoding.beam_search import LOG_ZERO
 from .linear import Linear
 from .tp import Dist
 
@@ -48,10 +55,13 @@ class DrafterRank(nn.Module):
         self.input_proj = lin("input_proj") if cfg.has_input_proj else None  # [exit_dim/tp, 2H]
         # ResBlocks [exit_dim/tp, exit_dim] with bias
         self.layers = nn.ModuleList(lin(f"layers.{j}.linear") for j in range(cfg.num_draft_layers))
-        self.lm_head = lin("lm_head", bias=False)  # [V/tp, exit_dim]
+        self.lm_head = lin("lm_head", bias=False)  # [V/tp, exit_dim], or [K/tp, exit_dim] with a draft vocabulary
         # s' = f(rnn_w e + rnn_u s): rnn_w [H/tp, H], rnn_u [H/tp, H] with bias
         self.rnn = nn.ModuleList([lin("rnn_w", bias=False), lin("rnn_u")]) if cfg.rnn else None
         self.vocab_size = cfg.vocab_size
+        # token id of each head row (replicated: the gathered head output is in this order); None: row = token id
+        self.draft_vocab = (tensors["drafter.draft_vocab"].to(device=dev, dtype=torch.long).contiguous()
+                            if cfg.draft_vocab_size else None)
 
     def _col(self, x: torch.Tensor, linear: Linear) -> torch.Tensor:
         """Column-parallel linear with gathered output."""
@@ -78,4 +88,8 @@ class DrafterRank(nn.Module):
             x = self._col(x, self.input_proj)  # [n, exit_dim]
         for layer in self.layers:
             x = x + F.silu(self._col(x, layer))
-        return self._col(x, self.lm_head).float()[:, :self.vocab_size]
+        head = self._col(x, self.lm_head).float()
+        if self.draft_vocab is None:
+            return head[:, :self.vocab_size]
+        out = head.new_full((head.shape[0], self.vocab_size), LOG_ZERO)
+        return out.index_copy_(1, self.draft_vocab, head)  # [n, V]: LOG_ZERO outside the draft vocabulary

@@ -14,6 +14,9 @@
    predicts the base's token after it; step i consumes the i-1 tokens drafted before it. Only positions whose
    x_{t+1} is base-generated (t >= prompt length - 1) enter the loss, so training matches inference exactly.
    Loss = sum over i of the mean cross-entropy of step i (Apple's `drafter_loss`).
+   With --draft-vocab K (FR-Spec, arXiv 2502.14856) the head has K rows: the K tokens the base generates most
+   often in the training corpus (`draft_vocabulary`); a target outside them is left out of the loss and counts
+   as a miss in every accuracy.
 4. Checkpoints (drafter, optimizer, step) every --save-every steps in the work directory; --resume continues to
    the same bytes as an uninterrupted run. Under `torchrun` each process takes its slice of every batch (DDP).
 """
@@ -50,6 +53,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # --exit-dim auto: the drafter's vocabulary head, read once per drafting step, costs at most this share of the
 # base's weights per decoding step (draft_len * exit_dim * V <= budget * base parameters)
 DRAFT_HEAD_BUDGET = 0.25
+MIN_DRAFT_VOCAB = 64  # a draft vocabulary below this cannot fill a beam search's candidates meaningfully
 
 
 @dataclass
@@ -58,6 +62,7 @@ class DrafterTrainConfig:
     num_layers: int = 1  # ResBlocks
     rnn: bool = True
     exit_dim: int = 0  # 0: auto (`_exit_dim`: 2*H, Apple's recipe, unless its head is too big next to the base's)
+    draft_vocab: int = 0  # K > 0: the head scores only the K most frequent generated tokens (FR-Spec)
     steps: int = 600
     lr: float = 2e-3
     warmup: int = 30
@@ -100,6 +105,9 @@ class DrafterTrainConfig:
             raise UserError(f"--dtype: expected one of {', '.join(DTYPES)}, got {self.dtype!r}.")
         if self.num_layers < 0 or self.exit_dim < 0:
             raise UserError("--num-layers and --exit-dim must be >= 0.")
+        if self.draft_vocab and self.draft_vocab < MIN_DRAFT_VOCAB:
+            raise UserError(f"--draft-vocab {self.draft_vocab}: expected 0 (the whole vocabulary) or at least "
+                            f"{MIN_DRAFT_VOCAB} tokens.")
         if self.prompt_min > self.prompt_max:
             raise UserError(f"prompt length range {self.prompt_min}..{self.prompt_max} is empty.")
         if not self.lr > 0:
@@ -123,14 +131,19 @@ class ResBlock(nn.Module):
 class Drafter(nn.Module):
     """Apple's drafter; `state_dict()` names are the Apple checkpoint names."""
 
-    def __init__(self, hidden_size: int, vocab_size: int, exit_dim: int, num_layers: int, rnn: bool):
+    def __init__(self, hidden_size: int, vocab_size: int, exit_dim: int, num_layers: int, rnn: bool,
+                 draft_vocab: Optional[torch.Tensor] = None):
+        """`draft_vocab` [K] (token ids): the head has K rows, one per id (a buffer, saved as `draft_vocab`)."""
         super().__init__()
         self.hidden_size, self.vocab_size, self.exit_dim, self.num_layers, self.rnn = (
             hidden_size, vocab_size, exit_dim, num_layers, rnn)
         if exit_dim != 2 * hidden_size:
             self.input_proj = nn.Linear(2 * hidden_size, exit_dim)
+        rows = vocab_size if draft_vocab is None else len(draft_vocab)
         self.lm_head = nn.Sequential(*[ResBlock(exit_dim) for _ in range(num_layers)],
-                                     nn.Linear(exit_dim, vocab_size, bias=False))
+                                     nn.Linear(exit_dim, rows, bias=False))
+        if draft_vocab is not None:
+            self.register_buffer("draft_vocab", draft_vocab.to(torch.long).clone())
         if rnn:
             self.rnn_u = nn.Linear(hidden_size, hidden_size, bias=True)
             self.rnn_w = nn.Linear(hidden_size, hidden_size, bias=False)
@@ -147,7 +160,8 @@ class Drafter(nn.Module):
         return self.lm_head(x)
 
     def forward(self, h: torch.Tensor, embs: torch.Tensor) -> torch.Tensor:
-        """h [B, H], embs [B, T, H] (embeddings of the consumed tokens) -> logits [B, T, V]."""
+        """h [B, H], embs [B, T, H] (embeddings of the consumed tokens) -> logits [B, T, V] (or [B, T, K]: head
+        rows, in `draft_vocab` order)."""
         state = torch.zeros_like(h)
         out = []
         for i in range(embs.shape[1]):
@@ -265,6 +279,7 @@ def _open_corpus(root: Path, spec: dict, n: int, cfg: DrafterTrainConfig, force:
 
 
 def _exit_dim(cfg: DrafterTrainConfig, H: int, V: int, base_params: int) -> int:
+    # V: the head's rows (the draft vocabulary's size when there is one)
     """--exit-dim 0 (auto): 2H (no input projection, Apple's recipe) when the drafter's vocabulary head, read
     once per drafting step, stays within DRAFT_HEAD_BUDGET of the base's weights per decoding step; else the widest
     power of two that does (at least 64), behind an input projection."""
@@ -279,24 +294,55 @@ def _exit_dim(cfg: DrafterTrainConfig, H: int, V: int, base_params: int) -> int:
     return e
 
 
-def _loss_and_hits(drafter: Drafter, h, embs, y):
-    logits = drafter(h, embs)  # [B, T, V]
+def _generated_targets(shard: corpus_mod.Shard) -> torch.Tensor:
+    """The targets of a shard's drafting positions (t >= first: the tokens the base generated), flattened."""
+    t = torch.arange(shard.targets.shape[1])[None, :]
+    keep = (t >= shard.first[:, None]) & (shard.targets >= 0)
+    return shard.targets[keep]
+
+
+def draft_vocabulary(corpus: corpus_mod.ShardedCorpus, V: int, k: int) -> tuple[torch.Tensor, float]:
+    """FR-Spec's draft vocabulary: the `k` token ids the base generates most often in `corpus` (the drafter's
+    targets), ascending; and the share of the corpus's targets they cover. Streams the shards one at a time."""
+    counts = torch.zeros(V, dtype=torch.long)
+    for i in range(corpus.num_shards):
+        counts += torch.bincount(_generated_targets(corpus.load(i)), minlength=V)[:V]
+    top = torch.topk(counts, k).indices.sort().values
+    return top, float(counts[top].sum()) / max(1, int(counts.sum()))
+
+
+def head_targets(y: torch.Tensor, lookup: Optional[torch.Tensor]) -> torch.Tensor:
+    """Targets as head rows: unchanged without a draft vocabulary, else the row of each token (-100 outside)."""
+    if lookup is None:
+        return y
+    return torch.where(y >= 0, lookup[y.clamp(min=0)], y)
+
+
+def _loss_and_hits(drafter: Drafter, h, embs, y, lookup: Optional[torch.Tensor] = None):
+    """(summed per-step mean cross-entropy, hits [B, T], valid [B, T]); `lookup` maps token ids to head rows
+    (-100: not in the draft vocabulary: left out of the loss, a miss for the accuracies)."""
+    logits = drafter(h, embs)  # [B, T, V or K]
     T = logits.shape[1]
-    losses = [F.cross_entropy(logits[:, i].float(), y[:, i], ignore_index=-100) for i in range(T)]
+    rows = head_targets(y, lookup)
+    losses = []
+    for i in range(T):
+        n = int((rows[:, i] != -100).sum())
+        ce = F.cross_entropy(logits[:, i].float(), rows[:, i], ignore_index=-100, reduction="sum")
+        losses.append(ce / max(1, n))
     valid = y != -100
-    hit = (logits.argmax(-1) == y) & valid
+    hit = (logits.argmax(-1) == rows) & valid
     return sum(losses), hit, valid
 
 
 @torch.no_grad()
 def evaluate(drafter: Drafter, corpus: corpus_mod.ShardedCorpus, T: int, embed: torch.Tensor,
-             device: torch.device, batch: int = 2048) -> dict:
+             device: torch.device, batch: int = 2048, lookup: Optional[torch.Tensor] = None) -> dict:
     """Per-step top-1 accuracy (teacher-forced consumed tokens) and the chained rate (steps 1..i all right),
     streamed one shard at a time."""
     hits, chain, valid, loss_sum, nb = torch.zeros(T), torch.zeros(T), torch.zeros(T), 0.0, 0
     for loaded, pos in corpus_mod.eval_batches(corpus, batch):
         h, e, y = corpus_mod.gather(loaded, pos, T, embed, device)
-        loss, hit, ok = _loss_and_hits(drafter, h, e, y)
+        loss, hit, ok = _loss_and_hits(drafter, h, e, y, lookup)
         loss_sum += float(loss) * len(pos)
         nb += len(pos)
         full = ok.all(dim=1)  # positions with all T targets, for the chained rate
@@ -310,6 +356,16 @@ def evaluate(drafter: Drafter, corpus: corpus_mod.ShardedCorpus, T: int, embed: 
             "chained_top1": [round(a, 4) for a in chained],
             # expected tokens/step of a single greedy beam: 1 (true token) + expected accepted prefix length
             "expected_tokens_per_step_1beam": round(1.0 + sum(chained), 3), "positions": nb}
+
+
+def _coverage(corpus: corpus_mod.ShardedCorpus, lookup: torch.Tensor) -> float:
+    """Share of `corpus`'s targets inside the draft vocabulary (`lookup` >= 0)."""
+    inside = total = 0
+    for i in range(corpus.num_shards):
+        y = _generated_targets(corpus.load(i))
+        inside += int((lookup[y] >= 0).sum())
+        total += len(y)
+    return inside / max(1, total)
 
 
 def _lr(step: int, cfg: DrafterTrainConfig) -> float:
@@ -326,9 +382,12 @@ def _device(name: str) -> torch.device:
 
 
 def drafter_config_json(d: Drafter) -> dict:
-    return {"model_type": MODEL_TYPE, "vocab_size": d.vocab_size, "hidden_size": d.hidden_size,
-            "exit_dim": d.exit_dim, "num_draft_layers": d.num_layers, "num_lookback_tokens": -1, "rnn": d.rnn,
-            "torch_dtype": "float32"}
+    out = {"model_type": MODEL_TYPE, "vocab_size": d.vocab_size, "hidden_size": d.hidden_size,
+           "exit_dim": d.exit_dim, "num_draft_layers": d.num_layers, "num_lookback_tokens": -1, "rnn": d.rnn,
+           "torch_dtype": "float32"}
+    if hasattr(d, "draft_vocab"):  # this project's extension: Apple's loader does not know it
+        out["draft_vocab_size"] = len(d.draft_vocab)
+    return out
 
 
 def _dist_env(device: torch.device) -> tuple[int, int, torch.device]:
@@ -366,8 +425,8 @@ def _build_split(corpus: corpus_mod.ShardedCorpus, source: _Source, model, cfg, 
 
 
 def _train_spec(cfg: DrafterTrainConfig, exit_dim: int, world: int) -> dict:
-    keys = ("draft_len", "num_layers", "rnn", "steps", "lr", "warmup", "weight_decay", "batch_size", "seed",
-            "shards_in_memory")
+    keys = ("draft_len", "num_layers", "rnn", "draft_vocab", "steps", "lr", "warmup", "weight_decay", "batch_size",
+            "seed", "shards_in_memory")
     return {**{k: getattr(cfg, k) for k in keys}, "exit_dim": exit_dim, "world_size": world}
 
 
@@ -426,12 +485,26 @@ def train_drafter(base_model: str | Path, output: str | Path, cfg: DrafterTrainC
         out_head = model.get_output_embeddings().weight.detach().float()  # [V, H]
         del model
 
-        exit_dim = _exit_dim(cfg, H, V, base_params)
+        draft_vocab, lookup, coverage = None, None, None
+        if cfg.draft_vocab:
+            if cfg.draft_vocab >= V:
+                raise UserError(f"--draft-vocab {cfg.draft_vocab} is not smaller than the vocabulary ({V}); pass "
+                                f"0 for the whole vocabulary.")
+            draft_vocab, cov_train = draft_vocabulary(train_corpus, V, cfg.draft_vocab)
+            lookup = torch.full((V,), -100, dtype=torch.long)
+            lookup[draft_vocab] = torch.arange(len(draft_vocab))
+            coverage = {"train": round(cov_train, 4),
+                        "held_out": round(_coverage(eval_corpus, lookup), 4)}
+            log.info("draft vocabulary: %d tokens cover %.1f%% of the training targets, %.1f%% held out",
+                     len(draft_vocab), 100 * coverage["train"], 100 * coverage["held_out"])
+            lookup = lookup.to(device)
+        exit_dim = _exit_dim(cfg, H, cfg.draft_vocab or V, base_params)
         torch.manual_seed(cfg.seed)  # the drafter's initialisation does not depend on how the corpus was made
-        drafter = Drafter(H, V, exit_dim, cfg.num_layers, cfg.rnn).to(device)
+        drafter = Drafter(H, V, exit_dim, cfg.num_layers, cfg.rnn, draft_vocab).to(device)
         if exit_dim == 2 * H:  # warm start: the h half of the output head reads like the base's lm_head
             with torch.no_grad():
-                drafter.lm_head[-1].weight[:, :H].copy_(out_head[:V])
+                rows = out_head[:V] if draft_vocab is None else out_head[draft_vocab]
+                drafter.lm_head[-1].weight[:, :H].copy_(rows)
         opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         probe_loaded = [train_corpus.load(0)]
         probe_pos = probe_loaded[0].positions()[:cfg.batch_size]
@@ -440,7 +513,7 @@ def train_drafter(base_model: str | Path, output: str | Path, cfg: DrafterTrainC
         spec = _train_spec(cfg, exit_dim, world)
         start, losses, train_s = 0, [], 0.0
         with torch.no_grad():
-            probe_start = float(_loss_and_hits(drafter, *probe)[0])
+            probe_start = float(_loss_and_hits(drafter, *probe, lookup)[0])
         if cfg.resume:
             state = torch.load(ckpt_path, map_location=device, weights_only=False)
             if state["spec"] != spec:
@@ -468,7 +541,7 @@ def train_drafter(base_model: str | Path, output: str | Path, cfg: DrafterTrainC
             for group in opt.param_groups:
                 group["lr"] = _lr(step, cfg)
             h, e, y = corpus_mod.gather(loaded, pos[rank::world], cfg.draft_len, embed, device)
-            loss, hit, ok = _loss_and_hits(model_ddp, h, e, y)
+            loss, hit, ok = _loss_and_hits(model_ddp, h, e, y, lookup)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
@@ -495,8 +568,8 @@ def train_drafter(base_model: str | Path, output: str | Path, cfg: DrafterTrainC
             return {}
         drafter.eval()
         with torch.no_grad():
-            probe_end = float(_loss_and_hits(drafter, *probe)[0])
-        held = evaluate(drafter, eval_corpus, cfg.draft_len, embed, device)
+            probe_end = float(_loss_and_hits(drafter, *probe, lookup)[0])
+        held = evaluate(drafter, eval_corpus, cfg.draft_len, embed, device, lookup=lookup)
 
     tail = losses[-20:]
     summary = {
@@ -513,7 +586,10 @@ def train_drafter(base_model: str | Path, output: str | Path, cfg: DrafterTrainC
         "probe_loss_start": round(probe_start, 4), "probe_loss_end": round(probe_end, 4),
         "held_out": held,
     }
-    tensors = {k: v.detach().to("cpu", DTYPES[cfg.dtype]).contiguous() for k, v in drafter.state_dict().items()}
+    if coverage is not None:
+        summary["draft_vocab"] = {"size": cfg.draft_vocab, "coverage": coverage}
+    tensors = {k: v.detach().to("cpu", DTYPES[cfg.dtype] if v.is_floating_point() else v.dtype).contiguous()
+               for k, v in drafter.state_dict().items()}
     cfg_json = {**drafter_config_json(drafter), "torch_dtype": cfg.dtype}
     with atomic_output_dir(output, force=force, what="drafter output") as tmp:
         with open(tmp / "config.json", "w") as f:
