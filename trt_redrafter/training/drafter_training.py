@@ -279,10 +279,10 @@ def _open_corpus(root: Path, spec: dict, n: int, cfg: DrafterTrainConfig, force:
 
 
 def _exit_dim(cfg: DrafterTrainConfig, H: int, V: int, base_params: int) -> int:
-    # V: the head's rows (the draft vocabulary's size when there is one)
     """--exit-dim 0 (auto): 2H (no input projection, Apple's recipe) when the drafter's vocabulary head, read
     once per drafting step, stays within DRAFT_HEAD_BUDGET of the base's weights per decoding step; else the widest
-    power of two that does (at least 64), behind an input projection."""
+    power of two that does (at least 64), behind an input projection. V: the head's rows (the draft
+    vocabulary's size when there is one)."""
     if cfg.exit_dim:
         return cfg.exit_dim
     budget = DRAFT_HEAD_BUDGET * base_params / (cfg.draft_len * V)
