@@ -168,3 +168,22 @@ def test_train_drafter_with_a_draft_vocabulary(make_tiny_pair, tmp_path):
     # --draft-vocab must be 0 or >= 64, and below the vocabulary
     assert cli(["train-drafter", "--base-model", str(base), "--output", str(tmp_path / "x"), *fast,
                 "--draft-vocab", "8"]) == 2
+
+
+@needs_small
+def test_sampled_exact_acceptance_with_a_draft_subset_follows_the_ar_distribution(tmp_path):
+    """Sampling (top-k 3, T=1, the `exact` rule) through the drafter's own drafts from a half vocabulary: the
+    first two tokens follow the AR joint distribution (chi-square), and drafts are really accepted."""
+    from test_engine_sampling import N, _pvalue, _target
+
+    drafter = _with_draft_vocab(tmp_path / "half", torch.arange(0, 2048, 2))
+    ck, en = tmp_path / "ck", tmp_path / "en"
+    assert cli(["convert", "--base-model", str(SMALL / "base"), "--drafter", str(drafter), "--output", str(ck),
+                "--tp", "1", "--dtype", "float32", "--num-beams", "3", "--draft-len-per-beam", "2"]) == 0
+    assert cli(["build-engine", "--checkpoint", str(ck), "--output", str(en), "--max-batch-size", "32",
+                "--max-input-len", "64", "--max-seq-len", "160"]) == 0
+    prompt = [1, 321, 530, 265, 11]  # "def main(" in models/small's tokenizer
+    probs, joint = _target(SMALL / "base", prompt)
+    p, accepted = _pvalue(en, probs, joint, proposer="redrafter", prompt=prompt)
+    assert accepted > N // 4, accepted  # 1575 measured: the drafts are taken often
+    assert p > 1e-3, p
