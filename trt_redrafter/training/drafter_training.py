@@ -15,7 +15,7 @@
    x_{t+1} is base-generated (t >= prompt length - 1) enter the loss, so training matches inference exactly.
    Loss = sum over i of the mean cross-entropy of step i (Apple's `drafter_loss`).
    With --draft-vocab K (FR-Spec, arXiv 2502.14856) the head has K rows: the K tokens the base generates most
-   often in the training corpus (`draft_vocabulary`); a target outside them is left out of the loss and counts
+   often in the training corpus (`target_counts`, `draft_vocabulary`); a target outside them is left out of the loss and counts
    as a miss in every accuracy.
 4. Checkpoints (drafter, optimizer, step) every --save-every steps in the work directory; --resume continues to
    the same bytes as an uninterrupted run. Under `torchrun` each process takes its slice of every batch (DDP).
@@ -301,14 +301,22 @@ def _generated_targets(shard: corpus_mod.Shard) -> torch.Tensor:
     return shard.targets[keep]
 
 
-def draft_vocabulary(corpus: corpus_mod.ShardedCorpus, V: int, k: int) -> tuple[torch.Tensor, float]:
-    """FR-Spec's draft vocabulary: the `k` token ids the base generates most often in `corpus` (the drafter's
-    targets), ascending; and the share of the corpus's targets they cover. Streams the shards one at a time."""
+def target_counts(corpus: corpus_mod.ShardedCorpus, V: int) -> torch.Tensor:
+    """[V] how often the base generated each token in `corpus` (its drafting targets), a shard at a time."""
     counts = torch.zeros(V, dtype=torch.long)
     for i in range(corpus.num_shards):
         counts += torch.bincount(_generated_targets(corpus.load(i)), minlength=V)[:V]
-    top = torch.topk(counts, k).indices.sort().values
-    return top, float(counts[top].sum()) / max(1, int(counts.sum()))
+    return counts
+
+
+def draft_vocabulary(counts: torch.Tensor, k: int) -> torch.Tensor:
+    """FR-Spec's draft vocabulary: the `k` most frequent token ids of `counts` (`target_counts`), ascending."""
+    return torch.topk(counts, k).indices.sort().values
+
+
+def coverage(counts: torch.Tensor, ids: torch.Tensor) -> float:
+    """Share of the targets counted in `counts` that are among `ids`."""
+    return float(counts[ids].sum()) / max(1, int(counts.sum()))
 
 
 def head_targets(y: torch.Tensor, lookup: Optional[torch.Tensor]) -> torch.Tensor:
@@ -356,16 +364,6 @@ def evaluate(drafter: Drafter, corpus: corpus_mod.ShardedCorpus, T: int, embed: 
             "chained_top1": [round(a, 4) for a in chained],
             # expected tokens/step of a single greedy beam: 1 (true token) + expected accepted prefix length
             "expected_tokens_per_step_1beam": round(1.0 + sum(chained), 3), "positions": nb}
-
-
-def _coverage(corpus: corpus_mod.ShardedCorpus, lookup: torch.Tensor) -> float:
-    """Share of `corpus`'s targets inside the draft vocabulary (`lookup` >= 0)."""
-    inside = total = 0
-    for i in range(corpus.num_shards):
-        y = _generated_targets(corpus.load(i))
-        inside += int((lookup[y] >= 0).sum())
-        total += len(y)
-    return inside / max(1, total)
 
 
 def _lr(step: int, cfg: DrafterTrainConfig) -> float:
@@ -485,18 +483,19 @@ def train_drafter(base_model: str | Path, output: str | Path, cfg: DrafterTrainC
         out_head = model.get_output_embeddings().weight.detach().float()  # [V, H]
         del model
 
-        draft_vocab, lookup, coverage = None, None, None
+        draft_vocab, lookup, covered = None, None, None
         if cfg.draft_vocab:
             if cfg.draft_vocab >= V:
                 raise UserError(f"--draft-vocab {cfg.draft_vocab} is not smaller than the vocabulary ({V}); pass "
                                 f"0 for the whole vocabulary.")
-            draft_vocab, cov_train = draft_vocabulary(train_corpus, V, cfg.draft_vocab)
+            train_counts = target_counts(train_corpus, V)
+            draft_vocab = draft_vocabulary(train_counts, cfg.draft_vocab)
             lookup = torch.full((V,), -100, dtype=torch.long)
             lookup[draft_vocab] = torch.arange(len(draft_vocab))
-            coverage = {"train": round(cov_train, 4),
-                        "held_out": round(_coverage(eval_corpus, lookup), 4)}
+            covered = {"train": round(coverage(train_counts, draft_vocab), 4),
+                       "held_out": round(coverage(target_counts(eval_corpus, V), draft_vocab), 4)}
             log.info("draft vocabulary: %d tokens cover %.1f%% of the training targets, %.1f%% held out",
-                     len(draft_vocab), 100 * coverage["train"], 100 * coverage["held_out"])
+                     len(draft_vocab), 100 * covered["train"], 100 * covered["held_out"])
             lookup = lookup.to(device)
         exit_dim = _exit_dim(cfg, H, cfg.draft_vocab or V, base_params)
         torch.manual_seed(cfg.seed)  # the drafter's initialisation does not depend on how the corpus was made
@@ -586,8 +585,8 @@ def train_drafter(base_model: str | Path, output: str | Path, cfg: DrafterTrainC
         "probe_loss_start": round(probe_start, 4), "probe_loss_end": round(probe_end, 4),
         "held_out": held,
     }
-    if coverage is not None:
-        summary["draft_vocab"] = {"size": cfg.draft_vocab, "coverage": coverage}
+    if covered is not None:
+        summary["draft_vocab"] = {"size": cfg.draft_vocab, "coverage": covered}
     tensors = {k: v.detach().to("cpu", DTYPES[cfg.dtype] if v.is_floating_point() else v.dtype).contiguous()
                for k, v in drafter.state_dict().items()}
     cfg_json = {**drafter_config_json(drafter), "torch_dtype": cfg.dtype}
