@@ -4,8 +4,11 @@ verify step over T = 1 (an AR step) and T > 1 tokens (a draft tree, causal chain
 timed in turn round after round, so a loaded machine slows every variant alike. Eager steps (`--compile off`): two
 compiled engines of different layouts cannot share one process (their step graphs guard only on their arguments).
 
-    python scripts/bench_linear.py --engine /tmp/sm-eng-bfloat16 --engine /tmp/sm-eng-float32 --linear torch,onednn \
+    python scripts/bench_linear.py --engine /tmp/sm-eng-bfloat16 --engine /tmp/sm-eng-float32 --linear torch,onednn,avx512 \
         --tokens 1,2,4,8,16,26 --threads 2
+
+With `--gemms`, times instead the base model's linear layers alone (every layer's, and the lm_head), each called
+once on T random rows: what one verify step spends in GEMMs.
 
 Prints per engine and T the median and minimum step time over rounds and the cost relative to that engine's T = 1,
 with the load average; the last stdout line is one JSON document.
@@ -22,6 +25,7 @@ import time
 import torch
 
 from trt_redrafter.config import RuntimeConfig, SamplingConfig
+from trt_redrafter.model.linear import Linear
 from trt_redrafter.runtime.distributed import Dist
 from trt_redrafter.runtime.engine import Engine
 
@@ -29,12 +33,13 @@ from trt_redrafter.runtime.engine import Engine
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine", action="append", required=True, help="engine directory (repeatable)")
-    ap.add_argument("--linear", default="torch,onednn", help="comma-separated RuntimeConfig.linear values")
+    ap.add_argument("--linear", default="torch,onednn,avx512", help="comma-separated RuntimeConfig.linear values")
     ap.add_argument("--tokens", default="1,2,4,8,16,26", help="comma-separated tokens per verify step (T)")
     ap.add_argument("--prompt-len", type=int, default=256, help="committed context before the timed steps")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--calls", type=int, default=5, help="timed calls per (engine, T) per round")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--gemms", action="store_true", help="time the base model's linear layers alone")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     Ts = [int(t) for t in args.tokens.split(",")]
@@ -54,6 +59,16 @@ def main() -> int:
             engine.cache.sync()
             variants[f"{os.path.basename(path.rstrip('/'))}/{engine.linear}"] = (engine, seq, load_s)
 
+    def gemms(engine, T: int):
+        layers = [m for m in engine.model.modules() if isinstance(m, Linear)]
+        xs = {n: torch.randn(T, n, generator=torch.Generator().manual_seed(T)).to(engine.dtype)
+              for n in {m.in_features for m in layers}}
+
+        def run():
+            for m in layers:
+                m(xs[m.in_features])
+        return run
+
     def verify(engine, seq, T: int):
         slots = torch.tensor([seq.slot])
         tokens = torch.randint(100, engine.vocab_size, (1, T), generator=torch.Generator().manual_seed(T))
@@ -63,7 +78,8 @@ def main() -> int:
         key_blocks = torch.arange(nblk)
         return lambda: engine.steps.verify(slots, key_blocks, tokens, offsets, mask).logits.argmax(-1)
 
-    calls = {(name, T): verify(e, s, T) for name, (e, s, _) in variants.items() for T in Ts}
+    calls = {(name, T): gemms(e, T) if args.gemms else verify(e, s, T)
+             for name, (e, s, _) in variants.items() for T in Ts}
     times: dict[tuple, list[float]] = {k: [] for k in calls}
     with torch.inference_mode():
         for fn in calls.values():
@@ -88,9 +104,11 @@ def main() -> int:
         cost = f"{r['cost_vs_T1']:.2f}" if r["cost_vs_T1"] else "-"
         print(f"| {r['engine']} | {r['T']} | {r['median_ms']:.2f} | {r['min_ms']:.2f} | {cost} |")
     load = os.getloadavg()
-    print(f"{args.threads} thread(s), eager, {args.rounds} rounds x {args.calls} calls, load average "
+    print(f"{'linear layers alone' if args.gemms else 'verify step'}, {args.threads} thread(s), eager, "
+          f"{args.rounds} rounds x {args.calls} calls, load average "
           f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} CPUs")
-    print(json.dumps({"rows": rows, "threads": args.threads, "loadavg": load, "rounds": args.rounds}))
+    print(json.dumps({"rows": rows, "threads": args.threads, "loadavg": load, "rounds": args.rounds,
+                      "what": "gemms" if args.gemms else "verify"}))
     return 0
 
 

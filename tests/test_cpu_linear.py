@@ -1,9 +1,10 @@
-"""The oneDNN linear path (model/linear.py, RuntimeConfig.linear): the prepacked GEMM against `F.linear`, a row's bits
-independent of how many rows share the GEMM, the op under torch.compile, and on tiny engines greedy ReDrafter == AR
-with it (bf16 and fp32, eager and compiled) and AR with it == AR with `F.linear`.
+"""The CPU linear paths over packed weights (model/linear.py, RuntimeConfig.linear): oneDNN's prepacked GEMM and the
+project's AVX-512 kernel (plugins/cpu_linear.cpp), each against `F.linear`, a row's bits independent of how many
+rows share the GEMM, the op under torch.compile, and on tiny engines greedy ReDrafter == AR with it (bf16 and fp32,
+eager and compiled) and AR with it == AR with `F.linear`.
 
 The engines' MLP is 1536 wide, so the down-projection has K = 1536: there oneDNN's one-row kernel rounds differently
-from its many-row one, which is what `linear.MIN_ROWS` padding is for.
+from its many-row one, which is what `linear.MIN_ROWS` padding is for; the AVX-512 kernel needs no padding.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from engine_utils import OracleProposer, build_tiny_engines, greedy, load_engine, random_prompts
+from trt_redrafter import cpu
 from trt_redrafter.config import RuntimeConfig
 from trt_redrafter.errors import UserError
 from trt_redrafter.model import linear as lin
@@ -26,9 +28,16 @@ MAX_NEW = 24
 PROMPT_LENS = [5, 11, 3, 8, 14]  # more prompts than max_batch_size=4: batches of 4 and of 1
 
 
-def _need(dtype: torch.dtype) -> None:
-    if not lin.onednn_available(dtype):
+PACKED = ["onednn", "avx512"]  # the implementations over packed weights
+
+
+def _need(dtype: torch.dtype, impl: str = "onednn") -> None:
+    if impl == "onednn" and not lin.onednn_available(dtype):
         pytest.skip(f"no native oneDNN {dtype} GEMM in this PyTorch build / on this CPU")
+    if impl == "avx512":
+        if not cpu.available(dtype):
+            pytest.skip(f"this CPU has no AVX-512 for {dtype} (float32: AVX-512F, bfloat16: AVX512-BF16)")
+        cpu.ops()  # on such a CPU the kernel must build: a failure here is a failure
 
 
 @pytest.fixture
@@ -40,17 +49,18 @@ def threads(request):
 
 
 # ---- the op ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("impl", PACKED)
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
-@pytest.mark.parametrize("shape", SHAPES)
-def test_prepacked_linear_matches_f_linear(dtype, shape):
+@pytest.mark.parametrize("shape", SHAPES + [(33, 577)])  # + odd sizes: a partial panel, an odd K (bf16 k pairs)
+def test_prepacked_linear_matches_f_linear(dtype, shape, impl):
     dt = DTYPES[dtype]
-    _need(dt)
+    _need(dt, impl)
     g = torch.Generator().manual_seed(0)
     w = (0.05 * torch.randn(shape, generator=g)).to(dt)
     b = torch.randn(shape[0], generator=g).to(dt)
     tol = dict(rtol=1e-5, atol=1e-5) if dt == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
     for bias in (None, b):
-        packed, plain = lin.Linear(w.clone(), bias, impl="onednn"), lin.Linear(w.clone(), bias, impl="torch")
+        packed, plain = lin.Linear(w.clone(), bias, impl=impl), lin.Linear(w.clone(), bias, impl="torch")
         assert packed.weight is None and plain.packed is None
         for lead in [(1,), (3,), (17,), (2, 5)]:  # one row (padded), a few, a batch of trees ([bs, T, in])
             x = torch.randn(*lead, shape[1], generator=g).to(dt)
@@ -61,17 +71,19 @@ def test_prepacked_linear_matches_f_linear(dtype, shape):
             torch.testing.assert_close(y, plain(x), **tol)
 
 
+@pytest.mark.parametrize("impl", PACKED)
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
 @pytest.mark.parametrize("shape", SHAPES)
-def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(dtype, shape, threads):
-    """Row i of a GEMM over M rows is bitwise row i of one over 64 rows, for every M (1 included: padded), and a row
-    alone or in any window of 5 equals itself in the big GEMM: an AR step's token and a tree step's get one value."""
+def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(dtype, shape, threads, impl):
+    """Row i of a GEMM over M rows is bitwise row i of one over 64 rows, for every M (1 included: onednn pads it),
+    and a row alone or in any window of 5 equals itself in the big GEMM: an AR step's token and a tree step's get one
+    value."""
     dt = DTYPES[dtype]
-    _need(dt)
+    _need(dt, impl)
     g = torch.Generator().manual_seed(1)
     w = (0.05 * torch.randn(shape, generator=g)).to(dt)
-    layer = lin.Linear(w, impl="onednn")
+    layer = lin.Linear(w, impl=impl)
     X = torch.randn(64, shape[1], generator=g).to(dt)
     full = layer(X)
     assert [M for M in ROW_COUNTS if not torch.equal(layer(X[:M]), full[:M])] == []
@@ -80,14 +92,16 @@ def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(dtype, shape, threads):
 
 
 @pytest.mark.slow
-def test_compiled_op_equals_eager_for_every_row_count():
-    """Dynamo traces `trt_redrafter::onednn_linear` into one graph (fullgraph) with a dynamic row count; inductor
-    calls it as an external kernel around its own fused code: same bits as eager."""
-    _need(torch.bfloat16)
+@pytest.mark.parametrize("impl", PACKED)
+def test_compiled_op_equals_eager_for_every_row_count(impl):
+    """Dynamo traces the op (`trt_redrafter::onednn_linear`, `trt_redrafter_cpu::linear`) into one graph (fullgraph)
+    with a dynamic row count; inductor calls it as an external kernel around its own fused code: same bits as eager."""
+    _need(torch.bfloat16, impl)
+    torch._dynamo.reset()
     g = torch.Generator().manual_seed(2)
-    up = lin.Linear((0.05 * torch.randn(1536, 64, generator=g)).bfloat16(), impl="onednn")
+    up = lin.Linear((0.05 * torch.randn(1536, 64, generator=g)).bfloat16(), impl=impl)
     down = lin.Linear((0.05 * torch.randn(64, 1536, generator=g)).bfloat16(),
-                      torch.randn(64, generator=g).bfloat16(), impl="onednn")
+                      torch.randn(64, generator=g).bfloat16(), impl=impl)
 
     def mlp(x):
         return down(F.silu(up(x))) + x
@@ -102,17 +116,22 @@ def test_compiled_op_equals_eager_for_every_row_count():
 
 
 def test_resolve_linear():
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert lin.resolve_linear("torch", cpu, torch.float32) == "torch"
+    cpu_dev, cuda = torch.device("cpu"), torch.device("cuda")
+    assert lin.resolve_linear("torch", cpu_dev, torch.float32) == "torch"
     assert lin.resolve_linear("auto", cuda, torch.bfloat16) == "torch"
-    with pytest.raises(UserError, match="--linear onednn runs on the CPU"):
-        lin.resolve_linear("onednn", cuda, torch.float32)
+    for impl in PACKED:
+        with pytest.raises(UserError, match=f"--linear {impl} runs on the CPU"):
+            lin.resolve_linear(impl, cuda, torch.float32)
     for dt in DTYPES.values():
-        assert lin.resolve_linear("auto", cpu, dt) == ("onednn" if lin.onednn_available(dt) else "torch")
+        expected = "avx512" if cpu.available(dt) else "onednn" if lin.onednn_available(dt) else "torch"
+        assert lin.resolve_linear("auto", cpu_dev, dt) == expected
+    assert lin.resolve_linear("onednn", cpu_dev, torch.float32) == "onednn"  # asked for: not replaced by avx512
     if not lin.onednn_available(torch.float16):
         with pytest.raises(UserError, match="no native oneDNN torch.float16 GEMM"):
-            lin.resolve_linear("onednn", cpu, torch.float16)
-    with pytest.raises(UserError, match=r"runtime.linear: expected one of auto, torch, onednn, got 'mkl'"):
+            lin.resolve_linear("onednn", cpu_dev, torch.float16)
+    with pytest.raises(UserError, match="--linear avx512: this CPU has no AVX-512 for torch.float16"):
+        lin.resolve_linear("avx512", cpu_dev, torch.float16)
+    with pytest.raises(UserError, match=r"runtime.linear: expected one of auto, torch, onednn, avx512, got 'mkl'"):
         RuntimeConfig.from_dict({"linear": "mkl"})
 
 
@@ -125,49 +144,61 @@ def tiny(request, tmp_path_factory):
                                     intermediate_size=1536)
     engine_dir = engines[1]
     prompts = random_prompts(384, PROMPT_LENS, seed=41)
+    impls = ["torch"] + [impl for impl in PACKED if impl == "onednn" or cpu.available(DTYPES[request.param])]
     ar = {impl: [r.output_ids for r in generate(load_engine(engine_dir, linear=impl), prompts, greedy(MAX_NEW), "ar")]
-          for impl in ("onednn", "torch")}
+          for impl in impls}
     return dict(dtype=request.param, engine_dir=engine_dir, prompts=prompts, ar=ar)
 
 
+def _need_ar(tiny, impl: str) -> list[list[int]]:
+    _need(DTYPES[tiny["dtype"]], impl)
+    return tiny["ar"][impl]
+
+
 def test_engine_records_its_linear_choice(tiny):
-    assert load_engine(tiny["engine_dir"]).linear == "onednn"  # auto, on a CPU with the dtype's oneDNN GEMM
+    auto = "avx512" if cpu.available(DTYPES[tiny["dtype"]]) else "onednn"
+    assert load_engine(tiny["engine_dir"]).linear == auto  # on a CPU with the dtype's oneDNN GEMM at least
     assert load_engine(tiny["engine_dir"], linear="torch").linear == "torch"
 
 
+@pytest.mark.parametrize("impl", PACKED)
 @pytest.mark.parametrize("corrupt_every", [None, 0, 2])
-def test_greedy_redrafter_equals_ar_with_onednn(tiny, corrupt_every):
+def test_greedy_redrafter_equals_ar(tiny, corrupt_every, impl):
     """The engine's own drafter (None), and an oracle drafter forcing long (0) and partial (2) acceptances, so that
     accepted tokens' K/V and logits come from tree steps of up to 13 tokens, AR's from one-row steps."""
-    ar = tiny["ar"]["onednn"]
+    ar = _need_ar(tiny, impl)
     proposer = None if corrupt_every is None else \
         OracleProposer(tiny["engine_dir"], dict(enumerate(ar)), corrupt_every=corrupt_every)
-    engine = load_engine(tiny["engine_dir"], proposer, linear="onednn")
+    engine = load_engine(tiny["engine_dir"], proposer, linear=impl)
     res = generate(engine, tiny["prompts"], greedy(MAX_NEW), mode="redrafter")
     assert [r.output_ids for r in res] == ar
     if corrupt_every == 0:
         assert min(r.tokens_per_step for r in res) > 1.5
 
 
-def test_onednn_ar_matches_torch_ar(tiny):
+@pytest.mark.parametrize("impl", PACKED)
+def test_packed_ar_matches_torch_ar(tiny, impl):
     """fp32: the same tokens. Both dtypes: the first AR step's logits within the dtype's rounding."""
+    ar = _need_ar(tiny, impl)
     if tiny["dtype"] == "float32":
-        assert tiny["ar"]["onednn"] == tiny["ar"]["torch"]
+        assert ar == tiny["ar"]["torch"]
     logits = {}
-    for impl in ("onednn", "torch"):
-        engine = load_engine(tiny["engine_dir"], linear=impl)
+    for name in (impl, "torch"):
+        engine = load_engine(tiny["engine_dir"], linear=name)
         seq = engine.new_sequence(tiny["prompts"][1], greedy(4))
         engine.step([seq])  # prompt
-        logits[impl] = _ar_step_logits(engine, seq)
+        logits[name] = _ar_step_logits(engine, seq)
     tol = dict(rtol=1e-4, atol=1e-4) if tiny["dtype"] == "float32" else dict(rtol=0.05, atol=0.05)
-    torch.testing.assert_close(logits["onednn"], logits["torch"], **tol)
+    torch.testing.assert_close(logits[impl], logits["torch"], **tol)
 
 
-def test_hidden_states_do_not_depend_on_tokens_per_step(tiny):
+@pytest.mark.parametrize("impl", PACKED)
+def test_hidden_states_do_not_depend_on_tokens_per_step(tiny, impl):
     """The heart of ReDrafter == AR, below the tokens: 16 tokens fed one per step and all in one step (a chain) give
-    every token bitwise the same final hidden state. Needs the linear layers' padding (linear.MIN_ROWS) and the
-    attention's (attention.PAD_QUERY_ROWS: the CPU SDPA kernel rounds 1-3 query rows otherwise than 4 or more)."""
-    model = load_engine(tiny["engine_dir"], linear="onednn").model
+    every token bitwise the same final hidden state. Needs oneDNN's padding (linear.MIN_ROWS) and the attention's
+    (attention.PAD_QUERY_ROWS: the CPU SDPA kernel rounds 1-3 query rows otherwise than 4 or more)."""
+    _need_ar(tiny, impl)
+    model = load_engine(tiny["engine_dir"], linear=impl).model
     differ = 0
     for seed in range(12):
         g = torch.Generator().manual_seed(seed)
@@ -221,15 +252,16 @@ def _forward(model, kv, ids: torch.Tensor, ctx: int) -> torch.Tensor:
 
 # ---- compiled --------------------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_compiled_greedy_redrafter_equals_ar_with_onednn(tiny):
-    """inductor (the CPU default) around the onednn op: ReDrafter with an oracle drafter (long and partial
+@pytest.mark.parametrize("impl", PACKED)
+def test_compiled_greedy_redrafter_equals_ar(tiny, impl):
+    """inductor (the CPU default) around the packed op: ReDrafter with an oracle drafter (long and partial
     acceptances) == compiled AR == eager AR. bf16 needs the step compiled with eager's roundings (graphs.Unit:
     emulate_precision_casts); without them the bf16 case fails (compiled tokens leave eager's, and on another tiny
     pair ReDrafter's left AR's)."""
     torch._dynamo.reset()  # another module's compiled engine: the step's graphs guard only on their arguments
-    ar = tiny["ar"]["onednn"]
+    ar = _need_ar(tiny, impl)
     engine = load_engine(tiny["engine_dir"], OracleProposer(tiny["engine_dir"], dict(enumerate(ar)), corrupt_every=2),
-                         compile="inductor", linear="onednn")
+                         compile="inductor", linear=impl)
     res = generate(engine, tiny["prompts"], greedy(MAX_NEW), "redrafter")  # first: the oracle keys by request id
     assert [r.output_ids for r in res] == ar
     assert sum(r.accepted_draft_tokens for r in res) > 0

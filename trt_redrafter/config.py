@@ -33,8 +33,8 @@ DecodingMode = Literal["redrafter", "ar"]  # how a request is decoded: speculati
 AcceptanceRule = Literal["greedy", "exact", "apple"]  # see decoding/acceptance.py
 DrafterSemantics = Literal["apple", "trtllm-0.13"]  # see model/drafter.py
 CompileMode = Literal["auto", "off", "inductor", "cudagraphs", "inductor+cudagraphs"]
-KernelChoice = Literal["auto", "triton", "torch"]
-LinearChoice = Literal["auto", "torch", "onednn"]  # see model/linear.py
+KernelChoice = Literal["auto", "triton", "cpu", "torch"]
+LinearChoice = Literal["auto", "torch", "onednn", "avx512"]  # see model/linear.py
 ProposerName = Literal["redrafter", "ngram", "mixed"]  # what fills a speculative request's draft tree
 DECODING_MODES: tuple[str, ...] = get_args(DecodingMode)
 ACCEPTANCE_RULES: tuple[str, ...] = get_args(AcceptanceRule)
@@ -442,13 +442,18 @@ class RuntimeConfig(ConfigBase):
                                    "(captured per batch bucket), inductor+cudagraphs; auto: cudagraphs on CUDA, "
                                    "inductor on a one-rank CPU engine, off for TP > 1 on the CPU (and for a "
                                    "one-shot `run` on the CPU)", choices=COMPILE_MODES)
-    kernels: str = _f("auto", help="custom Triton kernels (trt_redrafter.plugins) on CUDA: auto uses them when "
-                                   "triton imports; torch keeps the PyTorch path", choices=KERNEL_CHOICES)
-    linear: str = _f("auto", help="the model's and drafter's linear layers: onednn (CPU: weights prepacked once at "
-                                  "load, one oneDNN GEMM per layer, a token's logits the same whatever else shares the "
-                                  "GEMM; other roundings than F.linear, so bf16 tokens may differ from torch's), torch "
-                                  "(F.linear); auto: onednn on a CPU whose oneDNN computes the engine's dtype natively "
-                                  "(float32; bfloat16 with AVX512), torch elsewhere and on CUDA (model/linear.py)",
+    kernels: str = _f("auto", help="custom kernels: triton (trt_redrafter.plugins, CUDA), cpu (trt_redrafter/cpu's "
+                                   "C++ tree attention, AVX-512 CPUs, built at first use); auto: triton on CUDA when "
+                                   "triton imports, cpu on a CPU that has AVX-512 for the engine's dtype; torch keeps "
+                                   "the PyTorch path", choices=KERNEL_CHOICES)
+    linear: str = _f("auto", help="the model's and drafter's linear layers on the CPU, weights packed once at load "
+                                  "and a token's logits the same whatever else shares the GEMM: avx512 (this "
+                                  "project's kernel, plugins/cpu_linear.cpp, built at first use; float32 on "
+                                  "AVX-512, bfloat16 on AVX512-BF16), onednn (one oneDNN GEMM per layer); or torch "
+                                  "(F.linear). avx512 and onednn round otherwise than F.linear, so bf16 tokens may "
+                                  "differ from torch's. auto: avx512 where the CPU has it, else onednn where oneDNN "
+                                  "computes the engine's dtype natively, torch elsewhere and on CUDA "
+                                  "(model/linear.py)",
                      choices=LINEAR_CHOICES)
     threads: int = _f(0, help="torch CPU threads in this process (0: torch's default)")
     profile_phases: bool = _f(False, help="time each phase of every step (verify/accept/rewind/draft/pack); the "

@@ -12,8 +12,10 @@ KV storage is one slot array per layer, [num_slots, kv_heads, D]; position t of 
 block_table[b, t // block_size] * block_size + t % block_size (vLLM / TensorRT-LLM paged layout). Entries of a
 block table past a request's blocks point at the scratch block, so every address is valid.
 
-Two implementations compute the same thing: `torch_tree_attention` (gather the keys, dense mask, SDPA; the CPU
-path and the oracle) and the Triton kernel `plugins.tree_attention` (CUDA; reads only the keys a request has).
+Three implementations compute the same thing: `torch_tree_attention` (gather the keys, dense mask, SDPA; the oracle,
+and the CPU path where the C++ kernel is not used), `cpu_tree_attention` (the C++ kernel `trt_redrafter/cpu/
+attention.cpp`: reads only the keys each query row sees, in place) and the Triton kernel `plugins.tree_attention`
+(CUDA; reads only the keys a request has).
 """
 
 from __future__ import annotations
@@ -78,14 +80,25 @@ def torch_tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     """q [bs, T, nh, D]; caches [num_slots, kvh, D] (this step's K/V already written) -> out [bs, T, nh, D]."""
     assert meta.kv_slots is not None and meta.visible is not None, "call meta.for_torch() first"
     T, nh, nkv = q.shape[1], q.shape[2], k_cache.shape[1]
-    keys = k_cache[meta.kv_slots].transpose(1, 2)  # [bs, nkv, S, D]
-    vals = v_cache[meta.kv_slots].transpose(1, 2)
+    bs, S = meta.kv_slots.shape
+    # index_select, not k_cache[kv_slots]: the same rows, 2.5-4x faster on the CPU at S = 64-1024
+    flat = meta.kv_slots.reshape(bs * S)
+    keys = k_cache.index_select(0, flat).view(bs, S, nkv, -1).transpose(1, 2)  # [bs, nkv, S, D]
+    vals = v_cache.index_select(0, flat).view(bs, S, nkv, -1).transpose(1, 2)
     qt = q.transpose(1, 2)  # [bs, nh, T, D]
     qt = torch.cat([qt, qt[:, :, :1].expand(-1, -1, PAD_QUERY_ROWS, -1)], dim=2)  # [bs, nh, T + pad, D]
     visible = torch.cat([meta.visible, meta.visible[:, :, :1].expand(-1, -1, PAD_QUERY_ROWS, -1)], dim=2)
     out = F.scaled_dot_product_attention(qt, keys, vals, attn_mask=visible, scale=scale,
                                          enable_gqa=nh != nkv)  # [bs, nh, T + pad, D]
     return out[:, :, :T].transpose(1, 2)
+
+
+def cpu_tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMeta,
+                       scale: float) -> torch.Tensor:
+    """`torch_tree_attention`'s contract on the CPU kernel (trt_redrafter/cpu/attention.cpp; `cpu.ops()` loaded it):
+    every output row computed in one order whatever the number of new tokens, so no extra query rows."""
+    return torch.ops.trt_redrafter_cpu.tree_attention(q, k_cache, v_cache, meta.block_table, meta.ctx_len,
+                                                      meta.tree_mask, meta.block_size, scale)
 
 
 def causal_mask(n: int) -> torch.Tensor:

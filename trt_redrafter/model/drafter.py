@@ -40,7 +40,7 @@ SEMANTICS = DRAFTER_SEMANTICS
 class DrafterRank(nn.Module):
     def __init__(self, cfg: DrafterConfig, tensors: dict[str, torch.Tensor], dist: Dist, dtype: torch.dtype,
                  semantics: str = "apple", linear: str = "torch"):
-        """`linear`: the linear layers' implementation, "torch" or "onednn" (`linear.resolve_linear`)."""
+        """`linear`: the linear layers' implementation, "torch", "onednn" or "avx512" (`linear.resolve_linear`)."""
         super().__init__()
         assert semantics in SEMANTICS, semantics
         self.cfg, self.dist, self.dtype, self.semantics = cfg, dist, dtype, semantics

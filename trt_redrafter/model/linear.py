@@ -1,25 +1,32 @@
-"""The model's linear layers: `F.linear`, or on the CPU one oneDNN GEMM over a weight prepacked once at load.
+"""The model's linear layers on the CPU: this project's AVX-512 kernel over weights packed in panels, oneDNN over a
+prepacked weight, or `F.linear`.
 
 Why prepack: a decode step multiplies a few rows (M = bs for AR, bs * tree tokens to verify a tree) by every
-weight, so it is bound by reading the weights. `F.linear` on the CPU reads them in fp32 through MKL at 4-7 GB/s at
-small M, and in bf16 reorders the weight on every call; oneDNN over a weight reordered once into its blocked layout
-(`torch.ops.mkldnn._reorder_linear_weight`, the op inductor's own freezing pass inserts) reads bf16 weights at
-about twice the rate of fp32 `F.linear`, and verifying 4-16 rows costs little more than 1 (SmolLM2-135M's GEMMs
-of one step, 1 thread: fp32 `F.linear` 18.7 ms at M = 1, 75 at M = 16; bf16 oneDNN 9.2 and 25).
+weight, so it is bound by reading the weights. `F.linear` on the CPU reads them in fp32 through MKL at 4-12 GB/s at
+small M. oneDNN over a weight reordered once into its blocked layout (`torch.ops.mkldnn._reorder_linear_weight`,
+the op inductor's own freezing pass inserts) reads them at 19-30 GB/s, depending on M. `avx512`
+(cpu/linear.cpp, built at first use) streams weights packed in 16-column panels at the machine's read
+bandwidth for M up to about 4, and stays ahead of oneDNN up to M of about 32 (SmolLM2-135M's GEMMs of one step, 2
+threads, `scripts/bench_linear.py --gemms`: fp32 M = 1 / 4 / 5 / 9: avx512 14.8 / 14.6 / 17.1 / 22.3 ms,
+oneDNN 21.1 (padded to 4) / 21.1 / 20.4 / 24.8 ms; a plain 538 MB read takes 15 ms).
 
 Why M-invariant matters: greedy ReDrafter equals greedy AR only if a token's logits do not depend on how many
-other rows share its GEMM (an AR step has M = bs, a tree step M = bs * T). oneDNN's prepacked GEMM gives every
+other rows share its GEMM (an AR step has M = bs, a tree step M = bs * T). `avx512` reduces every output in one
+fixed order whatever M, the tiling and the threads (cpu/linear.cpp). oneDNN's prepacked GEMM gives every
 row the same bits for any M >= 2, on 1 and 2 threads, at every M up to 256 tested, wherever the row sits in the
 batch; at M = 1 it takes another kernel, which reduces K in another order once K is about 1k or more (SmolLM2's
 MLP down-projection, K = 1536: every fp32 row differs in the last bits, 6% of bf16 rows round differently).
-So the op below pads a one-row input to `MIN_ROWS` rows. (fp32 `F.linear` through MKL is not M-invariant: rows
-of M = 1, 2, 3 differ from larger M, and at 2 threads the bits depend on the row's place in the batch.)
+So oneDNN's inputs are padded to `MIN_ROWS` rows: 4, not 2, because oneDNN's kernel for 2 rows reads the
+weights ~25% slower than its kernel for 4-6 (fp32 and bf16, 1 and 2 threads). (fp32 `F.linear` through MKL is
+not M-invariant: rows of M = 1, 2, 3 differ from larger M, and at 2 threads the bits depend on the row's place in
+the batch.)
 
 Under `torch.compile`, inductor lowers `mkldnn._linear_pointwise` only when the packed weight is a graph constant
 (`assert w.get_name() in V.graph.constants` in torch/_inductor/mkldnn_lowerings.py), i.e. with
 `torch._inductor.config.freezing`, where inductor prepacks plain weights itself. The engine compiles without
-freezing (it mutates the KV cache and slot state), so the GEMM is registered here as the op
-`trt_redrafter::onednn_linear`: dynamo traces it, inductor calls it as an external kernel, eager calls it directly.
+freezing (it mutates the KV cache and slot state), so both GEMMs are registered as ops (`trt_redrafter::
+onednn_linear` here, `trt_redrafter_cpu::linear` in C++): dynamo traces them, inductor calls them as external
+kernels, eager calls them directly.
 """
 
 from __future__ import annotations
@@ -30,13 +37,18 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .. import cpu
 from ..errors import UserError
+from ..log import get_logger
 
-LinearImpl = Literal["torch", "onednn"]  # resolved; RuntimeConfig.linear adds "auto"
+logger = get_logger(__name__)
+
+LinearImpl = Literal["torch", "onednn", "avx512"]  # resolved; RuntimeConfig.linear adds "auto"
 LINEAR_IMPLS: tuple[str, ...] = get_args(LinearImpl)
 
-# oneDNN's one-row kernel reduces in another order than its M >= 2 kernel (see above): one-row inputs are padded
-MIN_ROWS = 2
+# oneDNN's one-row kernel reduces in another order than its M >= 2 kernel, and its two-row kernel is slow (see
+# above): inputs of fewer rows are padded to this many
+MIN_ROWS = 4
 # the batch-size hint of the weight reorder, which picks oneDNN's blocked layout. Measured on SmolLM2's shapes at
 # M = 2..26, 1 and 2 threads: in bf16 no hint (None), 1, 4, 16 and 64 are within noise; in fp32 1 costs 30-60% and
 # None up to 25% at 2 threads, 4 / 16 / 64 are the fastest. A row's bits do not depend on it (tests/test_cpu_linear.py)
@@ -56,16 +68,28 @@ def onednn_available(dtype: torch.dtype) -> bool:
 
 
 def resolve_linear(choice: str, device: torch.device, dtype: torch.dtype) -> str:
-    """RuntimeConfig.linear -> "torch" or "onednn". auto: onednn on a CPU where oneDNN computes `dtype` natively
-    (measured faster than `F.linear` there at every M from 1 to 32, fp32 and bf16), torch elsewhere and on CUDA."""
+    """RuntimeConfig.linear -> "torch", "onednn" or "avx512". auto on the CPU: avx512 where the CPU has it for `dtype`
+    and the kernel builds (it needs a C++ compiler: the one torch.compile uses), else onednn where oneDNN computes
+    `dtype` natively, else torch; torch on CUDA."""
     if choice == "torch":
         return "torch"
-    assert choice in ("auto", "onednn"), choice
+    assert choice in ("auto", "onednn", "avx512"), choice
     if device.type != "cpu":
-        if choice == "onednn":
-            raise UserError(f"--linear onednn runs on the CPU, but this engine runs on {device}; use --linear auto "
+        if choice != "auto":
+            raise UserError(f"--linear {choice} runs on the CPU, but this engine runs on {device}; use --linear auto "
                             f"or torch.")
         return "torch"
+    if choice in ("auto", "avx512") and cpu.available(dtype):
+        try:
+            cpu.ops()
+            return "avx512"
+        except UserError as e:
+            if choice == "avx512":
+                raise
+            logger.warning("%s; using oneDNN", e)
+    elif choice == "avx512":
+        raise UserError(f"--linear avx512: this CPU has no AVX-512 for {dtype} (float32 needs AVX-512F, bfloat16 "
+                        f"AVX512-BF16); use --linear auto, onednn or torch.")
     if onednn_available(dtype):
         return "onednn"
     if choice == "onednn":
@@ -107,31 +131,38 @@ onednn_linear = torch.ops.trt_redrafter.onednn_linear
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b) with a frozen W [out, in]: `F.linear` ("torch"), or ("onednn") `onednn_linear` over W packed
-    at construction; the unpacked W is then not kept (pass a copy if something else still reads it)."""
+    """y = x W^T (+ b) with a frozen W [out, in]: `F.linear` ("torch"), or `onednn_linear` / the avx512 kernel over W
+    packed at construction ("onednn" / "avx512"); the unpacked W is then not kept (pass a copy if something else
+    still reads it)."""
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, impl: str = "torch"):
         super().__init__()
         assert impl in LINEAR_IMPLS, impl
+        self.impl = impl
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else _frozen(bias)  # [out]
         self.weight: Optional[nn.Parameter] = None
         self.packed: Optional[torch.Tensor] = None  # a plain attribute: module moves and state dicts skip it
-        if impl == "onednn":
-            assert bias is None or bias.dtype == weight.dtype, (bias.dtype, weight.dtype)
-            self.packed = prepack(weight)
-        else:
+        if impl == "torch":
             self.weight = _frozen(weight)
+            return
+        assert bias is None or bias.dtype == weight.dtype, (bias.dtype, weight.dtype)
+        self.packed = prepack(weight) if impl == "onednn" else cpu.ops().pack(weight.detach().contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out]."""
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         lead = x.shape[:-1]
-        return onednn_linear(x.reshape(-1, self.in_features), self.packed, self.bias).view(*lead, self.out_features)
+        x2 = x.reshape(-1, self.in_features)
+        if self.impl == "avx512":
+            y = torch.ops.trt_redrafter_cpu.linear(x2, self.packed, self.out_features, self.bias)
+        else:
+            y = onednn_linear(x2, self.packed, self.bias)
+        return y.view(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        return f"{self.in_features} -> {self.out_features}, {'onednn' if self.packed is not None else 'torch'}"
+        return f"{self.in_features} -> {self.out_features}, {self.impl}"
 
 
 def _frozen(t: torch.Tensor) -> nn.Parameter:

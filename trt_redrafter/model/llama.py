@@ -77,7 +77,7 @@ class TorchLayerOps:
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [N, heads, D], positions [N] -> rotated x (GPT-NeoX layout, Hugging Face's rounding order)."""
-    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [N, 1, D]
+    c, s = cos.index_select(0, positions).unsqueeze(1), sin.index_select(0, positions).unsqueeze(1)  # [N, 1, D]
     half = x.shape[-1] // 2
     return x * c + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * s
 
@@ -131,7 +131,7 @@ class DecoderLayer(nn.Module):
 class LlamaRank(nn.Module):
     """Inference-only Llama shard. `forward` maps [bs, T] tokens to final-norm hidden states [bs, T, H].
 
-    `linear`: the linear layers' implementation, "torch" or "onednn" (`linear.resolve_linear`)."""
+    `linear`: the linear layers' implementation, "torch", "onednn" or "avx512" (`linear.resolve_linear`)."""
 
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], dist: Dist, dtype: torch.dtype,
                  max_seq_len: int, linear: str = "torch"):
@@ -165,7 +165,7 @@ class LlamaRank(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.ln_f = _frozen(take("transformer.ln_f.weight"))
         lm = tensors.get("lm_head.weight")
-        # tied: the embedding Parameter itself, or (onednn) a packed copy beside the lookup table
+        # tied: the embedding Parameter itself, or (onednn, avx512) a packed copy beside the lookup table
         self.lm_head = Linear(take("lm_head.weight") if lm is not None else self.embedding, impl=linear)  # [Vp/tp, H]
         self.rope = RotaryEmbedding(self.D, cfg.rotary_base, cfg.rotary_scaling, cfg.max_position_embeddings,
                                     max(max_seq_len, cfg.max_position_embeddings) + 1, device=dev, dtype=dtype)

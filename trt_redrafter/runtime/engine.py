@@ -33,10 +33,12 @@ from typing import Optional
 import torch
 from safetensors.torch import load_file
 
+from .. import cpu as cpu_kernels
 from ..config import DECODING_MODES, PROPOSERS, BuildConfig, RuntimeConfig, SamplingConfig, torch_dtype
 from ..errors import UserError
 from ..log import get_logger
 from ..model.drafter import DrafterRank
+from ..model.attention import cpu_tree_attention
 from ..model.linear import resolve_linear
 from ..model.llama import LlamaRank
 from .distributed import Dist
@@ -118,7 +120,7 @@ class Engine:
         self.build: BuildConfig = cfg.build
         self.dtype = torch_dtype(runtime.dtype or self.build.dtype or info.model.dtype)
         per_seq = self.build.max_seq_len + rd.max_tree_tokens  # a full request plus one draft tree
-        self.linear = resolve_linear(runtime.linear, dist.device, self.dtype)  # "torch" | "onednn"
+        self.linear = resolve_linear(runtime.linear, dist.device, self.dtype)  # "torch" | "onednn" | "avx512"
         t0 = time.perf_counter()
         self.model = LlamaRank(info.model, tensors, dist, self.dtype, per_seq, self.linear)
         semantics = runtime.drafter_semantics or self.build.drafter_semantics
@@ -150,6 +152,8 @@ class Engine:
             self.model.ops = plugins.fused
             select = plugins.beam_step
             kernels = StepKernels.triton([*self.cache.k, *self.cache.v], with_mover="inductor" not in runtime.compile)
+        elif self.kernels == "cpu":
+            self.model.attention_impl = cpu_tree_attention
         self.host_proposer = proposer  # tests' oracles: it drafts every speculative request's trees
         if proposer is not None:
             assert (proposer.num_beams, proposer.draft_len) == (rd.num_beams, rd.draft_len_per_beam), \
@@ -176,14 +180,17 @@ class Engine:
 
     def _resolve_kernels(self) -> str:
         want = self.runtime.kernels
+        if want == "torch":
+            return "torch"
         if self.dist.device.type != "cuda":
             if want == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
                 raise UserError("--kernels triton needs a CUDA device (on the CPU the kernels run only under "
-                                "TRITON_INTERPRET=1, in tests); use --kernels auto or torch.")
+                                "TRITON_INTERPRET=1, in tests); use --kernels auto, cpu or torch.")
             if want != "triton":
-                return "torch"
-        if want == "torch":
-            return "torch"
+                return self._resolve_cpu_kernels(want)
+        elif want == "cpu":
+            raise UserError(f"--kernels cpu runs on the CPU, but this engine runs on {self.dist.device}; use "
+                            f"--kernels auto, triton or torch.")
         try:
             from .. import plugins  # noqa: F401
         except ImportError as e:
@@ -192,6 +199,25 @@ class Engine:
             logger.warning("Triton kernels unavailable (%s); using the PyTorch path", e)
             return "torch"
         return "triton"
+
+    def _resolve_cpu_kernels(self, want: str) -> str:
+        """auto / cpu on the CPU -> "cpu" (trt_redrafter/cpu's tree attention) or "torch"."""
+        why = None if cpu_kernels.available(self.dtype) else \
+            f"this CPU has no AVX-512 for {self.dtype} (float32 needs AVX-512F, bfloat16 AVX512-BF16)"
+        if why is None and not cpu_kernels.attention_supports(self.model.D):
+            why = f"the model's head size {self.model.D} is not a multiple of 16 from 16 to 128"
+        if why is not None:
+            if want == "cpu":
+                raise UserError(f"--kernels cpu: {why}; use --kernels auto or torch.")
+            return "torch"
+        try:
+            cpu_kernels.ops()
+        except UserError as e:
+            if want == "cpu":
+                raise
+            logger.warning("%s; using the PyTorch attention", e)
+            return "torch"
+        return "cpu"
 
     # ---- requests --------------------------------------------------------------------------------------------
     def new_sequence(self, prompt: list[int], params: SamplingConfig, mode: str = "redrafter",
@@ -377,13 +403,18 @@ class Engine:
         return "greedy" if rules == {"greedy"} else "sample"
 
     def _key_blocks(self, longest: int) -> torch.Tensor:
-        """[nblk]: how many KV blocks per request the torch attention reads. All of them under CUDA graphs (static
-        shapes) or with the Triton kernel (it stops at each request's length); else enough for `longest`
+        """[nblk]: how many KV blocks per request the attention is given. All of them under CUDA graphs (static
+        shapes) or with the Triton or CPU kernel (they stop at each request's length); else enough for `longest`
         positions, at least 2 so that inductor's one dynamic graph covers every length (size 1 would specialize)."""
         n = self.cache.max_blocks_per_seq
-        if not (self.compiler.uses_graphs or self.kernels == "triton"):
+        if self._trims_key_blocks():
             n = min(max(2, -(-longest // self.cache.block_size)), n)
         return torch.arange(n, device=self.dist.device)
+
+    def _trims_key_blocks(self) -> bool:
+        """Whether steps pass only the KV blocks the longest request needs: for the torch attention, which reads every
+        block it is given, outside CUDA graphs (static shapes). The kernels stop at each request's length."""
+        return not (self.compiler.uses_graphs or self.kernels in ("triton", "cpu"))
 
     def _launch(self, kind: str, group: list[Sequence]) -> tuple[torch.Tensor, float]:
         """Start one decode step for `group` -> (its output rows on the device, maybe still running; start time)."""
@@ -429,7 +460,8 @@ class Engine:
             slots = slots + [self.state.padding_slot] * (bucket_for(len(slots), self.buckets) - len(slots))
         args = (torch.tensor(slots, dtype=torch.long, device=self.dist.device), self._key_blocks(longest),
                 torch.arange(T, device=self.dist.device))
-        self.compiler.mark_dynamic(*args)
+        # key_blocks varies only where the attention reads every block it is given (`_key_blocks`)
+        self.compiler.mark_dynamic(*(args if self._trims_key_blocks() else args[::2]))
         return args
 
     def _tree_width(self, group: list[Sequence]) -> int:

@@ -1,0 +1,120 @@
+"""This project's CPU kernels (C++ with AVX-512), built at first use by `torch.utils.cpp_extension` and registered
+as the torch ops `trt_redrafter_cpu::*`, which eager code calls directly and `torch.compile` calls as external
+kernels (their fake functions below give it the output shapes).
+
+    pack, linear     y = x W^T (+ b) over W packed in 16-column panels      linear.cpp   oracle: F.linear
+    tree_attention   tree attention reading the paged KV cache in place      attention.cpp
+                                                              oracle: model.attention.torch_tree_attention
+
+Both compute every output element in one fixed order that does not depend on how many rows (tokens) a step has,
+which greedy ReDrafter == greedy AR needs. The build needs a C++ compiler (the one inductor uses) and ninja; it
+takes ~30 s once per torch version and is kept under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import sys
+
+import torch
+
+from ..errors import UserError
+from ..log import get_logger
+
+logger = get_logger(__name__)
+
+_SOURCES = [os.path.join(os.path.dirname(__file__), name) for name in ("linear.cpp", "attention.cpp")]
+_BUILD_ERROR: list[str] = []  # the first build failure: a process tries once
+_CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
+
+
+def available(dtype: torch.dtype) -> bool:
+    """Whether this CPU runs the kernels in `dtype`: AVX-512 for float32, AVX512-BF16 for bfloat16."""
+    if dtype == torch.float32:
+        return torch.backends.cpu.get_cpu_capability() in ("AVX512", "AMX")  # AMX CPUs have AVX-512 too
+    if dtype == torch.bfloat16:
+        return bool(torch.cpu._is_avx512_bf16_supported())
+    return False
+
+
+def attention_supports(head_size: int) -> bool:
+    """Head sizes attention.cpp is compiled for (its q and accumulator live in registers)."""
+    return head_size % 16 == 0 and 16 <= head_size <= 128
+
+
+def ops():
+    """Build (first use) and load the kernels -> `torch.ops.trt_redrafter_cpu`. Raises UserError when they cannot
+    be built, naming what is missing."""
+    if hasattr(torch.ops.trt_redrafter_cpu, "linear"):
+        return torch.ops.trt_redrafter_cpu
+    if _BUILD_ERROR:
+        raise UserError(_BUILD_ERROR[0])
+    from torch.utils import cpp_extension
+    build_dir = _build_dir()
+    if not os.path.exists(os.path.join(build_dir, "trt_redrafter_cpu.so")):
+        logger.info("building the AVX-512 CPU kernels (trt_redrafter/cpu) in %s: once, ~30 s", build_dir)
+    try:
+        with _quiet("torch.utils.cpp_extension"), _exclusive(build_dir):
+            cpp_extension.load(name="trt_redrafter_cpu", sources=_SOURCES, is_python_module=False,
+                               extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"], build_directory=build_dir,
+                               verbose=False)
+    except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a compile error: each means "cannot build"
+        lines = str(e).strip().splitlines() or [""]
+        last = next((ln.strip() for ln in lines if "error:" in ln), lines[-1])  # a compiler's first error
+        _BUILD_ERROR.append(f"the AVX-512 CPU kernels did not build ({type(e).__name__}: {last}); they need a C++ "
+                            f"compiler (apt-get install g++) and ninja (pip install ninja); or use --linear onednn "
+                            f"--kernels torch")
+        raise UserError(_BUILD_ERROR[0]) from e
+    torch.library.register_fake("trt_redrafter_cpu::linear", _linear_fake)
+    torch.library.register_fake("trt_redrafter_cpu::tree_attention", _tree_attention_fake)
+    return torch.ops.trt_redrafter_cpu
+
+
+def _build_dir() -> str:
+    """One build per torch version and Python (a build links against one libtorch), under torch's extensions
+    directory (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions)."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                                    "torch_extensions")
+    tag = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__.replace('+', '_')}"
+    path = os.path.join(root, f"trt_redrafter_cpu-{tag}")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+@contextlib.contextmanager
+def _exclusive(build_dir: str):
+    """One process at a time builds or loads (TP ranks start together). torch's own build lock is a file that a
+    process killed mid-build leaves behind, after which every later load waits for it forever; the kernel releases
+    this flock when its holder dies, and whoever holds it may clear such a stale file."""
+    with open(os.path.join(build_dir, "trt_redrafter.flock"), "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            stale = os.path.join(build_dir, "lock")  # torch.utils.file_baton.FileBaton's file
+            if os.path.exists(stale):
+                logger.warning("removing %s, left by a build that did not finish", stale)
+                os.remove(stale)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def _quiet(name: str):
+    log = logging.getLogger(name)
+    level = log.level
+    log.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def _linear_fake(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features)
+
+
+def _tree_attention_fake(q, k_cache, v_cache, block_table, ctx_len, tree_mask, block_size: int, scale: float):
+    return torch.empty_like(q)

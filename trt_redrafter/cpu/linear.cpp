@@ -1,0 +1,224 @@
+// The CPU linear layer y = x W^T (+ b) over a weight packed once into 16-column panels, for AVX-512 CPUs.
+//
+// A decode step multiplies a few rows (bs for an AR step, bs * tree tokens to verify a tree) by every weight, so it
+// is bound by reading the weights. Packed as panels [ceil(N / 16), K, 16] (fp32) or [ceil(N / 16), ceil(K / 2), 16, 2]
+// (bf16: pairs of k for VDPBF16PS), each panel is one contiguous stream; eight panels are read at once, each 64-byte
+// load of W feeding one FMA per row of x, with x broadcast from L1.
+//
+// Every output element y[m, n] is one fp32 accumulator chain over k in ascending order (bf16: over k pairs), then
+// + b[n], then rounded to the output dtype. Nothing else enters it: not the number of rows M, not the tiling, not
+// the thread count. So a token's logits have the same bits in an AR step (M = bs) as at the root of a draft tree
+// (M = bs * T), which greedy ReDrafter == greedy AR needs, with no row padding (model/linear.py).
+//
+// Built at first use by torch.utils.cpp_extension (model/linear.py: cpu_linear_ops); the ops are registered in the
+// trt_redrafter_cpu namespace, their fake (meta) functions in Python so that torch.compile traces them.
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+#include <torch/library.h>
+#include <torch/types.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t kCols = 16;   // output columns per panel: one zmm of fp32
+constexpr int64_t kGroup = 8;   // panels streamed together by one thread
+constexpr int64_t kGrain = 8;   // panels: below 2 * kGrain a call stays on one thread
+constexpr int64_t kRows = 6;    // rows of x per pass over a group's weights (a tree of 1 x 4 drafts has 5)
+
+inline __mmask16 tail_mask(int64_t n) { return n >= kCols ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
+
+inline void store_row(float* y, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(y, m, v); }
+
+inline void store_row(c10::BFloat16* y, __m512 v, __mmask16 m) {
+  // fp32 -> bf16, round to nearest even (as c10::BFloat16(float) does for finite values)
+  __m512i i = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(i, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(i, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+  _mm256_mask_storeu_epi16(y, m, _mm512_cvtepi32_epi16(r));
+}
+
+inline __m512 load_bias(const float* b, __mmask16 m) { return _mm512_maskz_loadu_ps(m, b); }
+
+inline __m512 load_bias(const c10::BFloat16* b, __mmask16 m) {
+  __m256i h = _mm256_maskz_loadu_epi16(m, b);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// ---- fp32: panels [P, K, 16] ----------------------------------------------------------------------------------
+template <int MR, int NP>
+inline void tile_f32(const float* x, int64_t ldx, int64_t K, const float* wp, int64_t n0, int64_t N,
+                     const float* bias, float* y, int64_t ldy) {
+  __m512 acc[MR][NP];
+  for (int m = 0; m < MR; ++m)
+    for (int p = 0; p < NP; ++p) acc[m][p] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 w[NP];
+    for (int p = 0; p < NP; ++p) w[p] = _mm512_loadu_ps(wp + (p * K + k) * kCols);
+    for (int m = 0; m < MR; ++m) {
+      __m512 xv = _mm512_set1_ps(x[m * ldx + k]);
+      for (int p = 0; p < NP; ++p) acc[m][p] = _mm512_fmadd_ps(xv, w[p], acc[m][p]);
+    }
+  }
+  for (int p = 0; p < NP; ++p) {
+    int64_t n = n0 + p * kCols;
+    if (n >= N) break;
+    __mmask16 mk = tail_mask(N - n);
+    __m512 b = bias ? load_bias(bias + n, mk) : _mm512_setzero_ps();
+    for (int m = 0; m < MR; ++m) store_row(y + m * ldy + n, bias ? _mm512_add_ps(acc[m][p], b) : acc[m][p], mk);
+  }
+}
+
+// ---- bf16: panels [P, ceil(K / 2), 16, 2], VDPBF16PS over k pairs ---------------------------------------------
+template <int MR, int NP>
+__attribute__((target("avx512bf16,avx512bw,avx512vl"))) void tile_bf16(
+    const c10::BFloat16* x, int64_t ldx, int64_t K, const c10::BFloat16* wp, int64_t n0, int64_t N,
+    const c10::BFloat16* bias, c10::BFloat16* y, int64_t ldy) {
+  const int64_t K2 = (K + 1) / 2;
+  __m512 acc[MR][NP];
+  for (int m = 0; m < MR; ++m)
+    for (int p = 0; p < NP; ++p) acc[m][p] = _mm512_setzero_ps();
+  for (int64_t k2 = 0; k2 < K2; ++k2) {
+    __m512bh w[NP];
+    for (int p = 0; p < NP; ++p) w[p] = (__m512bh)_mm512_loadu_si512(wp + (p * K2 + k2) * kCols * 2);
+    for (int m = 0; m < MR; ++m) {
+      uint32_t pair;
+      const c10::BFloat16* xp = x + m * ldx + 2 * k2;
+      if (2 * k2 + 1 < K) {
+        std::memcpy(&pair, xp, 4);
+      } else {  // odd K: the last k pairs with a zero (its packed weight is zero too)
+        uint16_t lo;
+        std::memcpy(&lo, xp, 2);
+        pair = lo;
+      }
+      __m512bh xv = (__m512bh)_mm512_set1_epi32((int)pair);
+      for (int p = 0; p < NP; ++p) acc[m][p] = _mm512_dpbf16_ps(acc[m][p], xv, w[p]);
+    }
+  }
+  for (int p = 0; p < NP; ++p) {
+    int64_t n = n0 + p * kCols;
+    if (n >= N) break;
+    __mmask16 mk = tail_mask(N - n);
+    __m512 b = bias ? load_bias(bias + n, mk) : _mm512_setzero_ps();
+    for (int m = 0; m < MR; ++m) store_row(y + m * ldy + n, bias ? _mm512_add_ps(acc[m][p], b) : acc[m][p], mk);
+  }
+}
+
+template <typename T>
+struct Tiles;
+
+template <>
+struct Tiles<float> {
+  static constexpr int64_t panel_elems(int64_t K) { return K * kCols; }
+  template <int MR, int NP>
+  static void tile(const float* x, int64_t ldx, int64_t K, const float* wp, int64_t n0, int64_t N, const float* b,
+                   float* y, int64_t ldy) {
+    tile_f32<MR, NP>(x, ldx, K, wp, n0, N, b, y, ldy);
+  }
+};
+
+template <>
+struct Tiles<c10::BFloat16> {
+  static constexpr int64_t panel_elems(int64_t K) { return (K + 1) / 2 * 2 * kCols; }
+  template <int MR, int NP>
+  static void tile(const c10::BFloat16* x, int64_t ldx, int64_t K, const c10::BFloat16* wp, int64_t n0, int64_t N,
+                   const c10::BFloat16* b, c10::BFloat16* y, int64_t ldy) {
+    tile_bf16<MR, NP>(x, ldx, K, wp, n0, N, b, y, ldy);
+  }
+};
+
+// panels [p0, p0 + np) against MR rows of x, NP panels at a time
+template <typename T, int MR, int NP>
+void panels(const T* x, int64_t K, const T* wp, int64_t p0, int64_t np, int64_t N, const T* b, T* y) {
+  const int64_t pe = Tiles<T>::panel_elems(K);
+  int64_t p = p0;
+  for (; p + NP <= p0 + np; p += NP) Tiles<T>::template tile<MR, NP>(x, K, K, wp + p * pe, p * kCols, N, b, y, N);
+  for (; p < p0 + np; ++p) Tiles<T>::template tile<MR, 1>(x, K, K, wp + p * pe, p * kCols, N, b, y, N);
+}
+
+template <typename T>
+void linear(const T* x, int64_t M, int64_t K, const T* wp, int64_t N, const T* b, T* y) {
+  const int64_t P = (N + kCols - 1) / kCols;
+  at::parallel_for(0, P, kGrain, [&](int64_t begin, int64_t end) {
+    // a group of panels against every row chunk of x, so the group's weights are read from memory once
+    for (int64_t g = begin; g < end; g += kGroup) {
+      const int64_t np = std::min(kGroup, end - g);
+      for (int64_t m = 0; m < M; m += kRows) {
+        const T* xm = x + m * K;
+        T* ym = y + m * N;
+        switch (std::min(kRows, M - m)) {  // accumulators: MR * NP <= 24 of the 32 zmm registers
+          case 1: panels<T, 1, 8>(xm, K, wp, g, np, N, b, ym); break;
+          case 2: panels<T, 2, 8>(xm, K, wp, g, np, N, b, ym); break;
+          case 3: panels<T, 3, 6>(xm, K, wp, g, np, N, b, ym); break;
+          case 4: panels<T, 4, 4>(xm, K, wp, g, np, N, b, ym); break;
+          case 5: panels<T, 5, 4>(xm, K, wp, g, np, N, b, ym); break;
+          default: panels<T, 6, 4>(xm, K, wp, g, np, N, b, ym); break;
+        }
+      }
+    }
+  });
+}
+
+void check_dtype(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16,
+              "cpu_linear: ", what, " must be float32 or bfloat16, got ", t.scalar_type());
+}
+
+// w [N, K] -> panels (fp32 [P, K, 16], bf16 [P, ceil(K / 2), 16, 2]), zero-padded past N and K
+at::Tensor pack(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.device().is_cpu(), "cpu_linear_pack: w must be a 2-D CPU tensor");
+  check_dtype(w, "w");
+  const int64_t N = w.size(0), K = w.size(1), P = (N + kCols - 1) / kCols;
+  if (w.scalar_type() == at::kFloat) {
+    at::Tensor padded = at::zeros({P * kCols, K}, w.options());
+    padded.narrow(0, 0, N).copy_(w);
+    return padded.view({P, kCols, K}).transpose(1, 2).contiguous();  // [P, K, 16]
+  }
+  const int64_t K2 = (K + 1) / 2;
+  at::Tensor padded = at::zeros({P * kCols, K2 * 2}, w.options());
+  padded.narrow(0, 0, N).narrow(1, 0, K).copy_(w);
+  return padded.view({P, kCols, K2, 2}).permute({0, 2, 1, 3}).contiguous();  // [P, K2, 16, 2]
+}
+
+at::Tensor linear_op(const at::Tensor& x_in, const at::Tensor& packed, int64_t N, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x_in.dim() == 2, "cpu_linear: x must be [M, K]");
+  check_dtype(x_in, "x");
+  TORCH_CHECK(packed.scalar_type() == x_in.scalar_type(), "cpu_linear: x is ", x_in.scalar_type(),
+              " but the packed weight is ", packed.scalar_type());
+  const at::Tensor x = x_in.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), P = (N + kCols - 1) / kCols;
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(packed.is_contiguous() && packed.size(0) == P && packed.numel() == P * kCols * (bf16 ? (K + 1) / 2 * 2 : K),
+              "cpu_linear: the packed weight does not match x [", M, ", ", K, "] and ", N, " outputs");
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  std::optional<at::Tensor> b;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N && bias->scalar_type() == x.scalar_type(), "cpu_linear: bias must be [", N, "] ",
+                x.scalar_type());
+    b = bias->contiguous();
+  }
+  if (bf16) {
+    using T = c10::BFloat16;
+    linear<T>(x.data_ptr<T>(), M, K, packed.data_ptr<T>(), N, b ? b->data_ptr<T>() : nullptr, y.data_ptr<T>());
+  } else {
+    linear<float>(x.data_ptr<float>(), M, K, packed.data_ptr<float>(), N, b ? b->data_ptr<float>() : nullptr,
+                  y.data_ptr<float>());
+  }
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(trt_redrafter_cpu, m) {
+  m.def("pack(Tensor w) -> Tensor");
+  m.def("linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(trt_redrafter_cpu, CPU, m) {
+  m.impl("pack", &pack);
+  m.impl("linear", &linear_op);
+}
