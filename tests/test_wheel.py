@@ -85,12 +85,15 @@ def test_installed_wheel_makes_and_serves_a_repository(tmp_path):
     work.mkdir()
     wheel = build_wheel(tmp_path / "wheel", env)
     python = make_venv(tmp_path / "venv", wheel, env)
-    probe = ("import json, trt_redrafter, trt_redrafter.serving.repo as r; "
-             "print(json.dumps([trt_redrafter.__file__, str(r.TEMPLATES)]))")
+    probe = ("import json, trt_redrafter, trt_redrafter.serving.repo as r, trt_redrafter.cpu as c; "
+             "print(json.dumps([trt_redrafter.__file__, str(r.TEMPLATES), c._SOURCES]))")
     where = _last_json(_check([python, "-c", probe], work, env))
     site = (tmp_path / "venv").resolve()
     assert Path(where[0]).resolve().is_relative_to(site), f"the venv imports trt_redrafter from {where[0]}"
     assert Path(where[1]).resolve().is_relative_to(site), where[1]
+    # the CPU kernels' sources ship in the wheel (they are built at first use; without them auto falls back)
+    assert [Path(p).name for p in where[2] if Path(p).is_file() and Path(p).resolve().is_relative_to(site)] == \
+        ["linear.cpp", "attention.cpp"], where[2]
 
     cli = tmp_path / "venv" / "bin" / "trt-redrafter"
     tiny, ckpt, engine, repo = work / "tiny", work / "ckpt", work / "engine", work / "repo"
