@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import logging
 import os
 import sys
@@ -74,12 +75,15 @@ def ops():
 
 
 def _build_dir() -> str:
-    """One build per torch version and Python (a build links against one libtorch), under torch's extensions
-    directory (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions)."""
+    """One build per torch version and Python (a build links against one libtorch) and per copy of the sources,
+    under torch's extensions directory (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions)."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(os.path.expanduser("~"), ".cache",
                                                                     "torch_extensions")
     tag = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__.replace('+', '_')}"
-    path = os.path.join(root, f"trt_redrafter_cpu-{tag}")
+    # and per installed copy of these sources: two checkouts (or a wheel and a checkout) sharing one build would
+    # rebuild it in turn, since ninja's commands name the source paths
+    where = hashlib.sha1(os.path.dirname(os.path.abspath(__file__)).encode()).hexdigest()[:8]
+    path = os.path.join(root, f"trt_redrafter_cpu-{tag}-{where}")
     os.makedirs(path, exist_ok=True)
     return path
 
