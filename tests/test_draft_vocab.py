@@ -37,10 +37,10 @@ def _with_draft_vocab(out: Path, ids: torch.Tensor) -> Path:
     return out
 
 
-def _engine(drafter: Path, tmp: Path, name: str, tp_args=("--tp", "1")) -> Engine:
+def _engine(drafter: Path, tmp: Path, name: str, tp_args=("--tp", "1"), dtype: str = "float32") -> Engine:
     ck, en = tmp / f"{name}-ck", tmp / f"{name}-en"
     assert cli(["convert", "--base-model", str(SMALL / "base"), "--drafter", str(drafter), "--output", str(ck),
-                *tp_args, "--dtype", "float32", "--num-beams", "4", "--draft-len-per-beam", "4"]) == 0
+                *tp_args, "--dtype", dtype, "--num-beams", "4", "--draft-len-per-beam", "4"]) == 0
     assert cli(["build-engine", "--checkpoint", str(ck), "--output", str(en), "--tokenizer", str(SMALL / "base"),
                 "--max-batch-size", "2", "--max-input-len", "128", "--max-seq-len", "256"]) == 0
     return Engine(en, Dist(0, 1, torch.device("cpu")), RuntimeConfig(device="cpu", compile="off"))
@@ -81,6 +81,26 @@ def test_a_draft_subset_drafts_only_its_tokens_and_output_equals_ar(tmp_path):
     (rd,) = generate(engine, [_prompt()], params, mode="redrafter")
     (ar,) = generate(engine, [_prompt()], params, mode="ar")
     assert rd.output_ids == ar.output_ids
+
+
+@needs_small
+def test_a_bfloat16_engine_keeps_the_draft_vocabulary_ids(tmp_path):
+    """build-engine casts the weights to the engine's dtype, never the token ids: bfloat16 holds integers above 256
+    only to a spacing (8 between 1024 and 2048), so a cast id table repeats ids. Such an engine is refused."""
+    ids = torch.arange(1, 2048, 3)
+    engine = _engine(_with_draft_vocab(tmp_path / "sub", ids), tmp_path, "bf16", dtype="bfloat16")
+    rank0 = tmp_path / "bf16-en" / "rank0.safetensors"
+    stored = load_file(str(rank0))
+    assert stored["drafter.draft_vocab"].dtype == torch.int64 and torch.equal(stored["drafter.draft_vocab"], ids)
+    assert stored["drafter.lm_head.weight"].dtype == torch.bfloat16
+    assert torch.equal(engine.drafter.draft_vocab, ids)
+    params = SamplingConfig(max_tokens=32)
+    (rd,) = generate(engine, [_prompt()], params, mode="redrafter")
+    (ar,) = generate(engine, [_prompt()], params, mode="ar")
+    assert rd.output_ids == ar.output_ids
+    save_file({**stored, "drafter.draft_vocab": ids.bfloat16()}, str(rank0))  # what build-engine wrote before
+    with pytest.raises(UserError, match="stored as torch.bfloat16.*Rebuild the engine"):
+        Engine(tmp_path / "bf16-en", Dist(0, 1, torch.device("cpu")), RuntimeConfig(device="cpu", compile="off"))
 
 
 @needs_small

@@ -80,10 +80,12 @@ def build_torch_engine(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, 
         for r in range(info.tp_size):
             src = ckpt_dir / f"rank{r}.safetensors"
             tensors = load_file(str(src))
-            if all(t.dtype == dtype for t in tensors.values()):
+            # weights take the engine's dtype; integer tensors (a draft vocabulary's token ids) stay as they are
+            if all(t.dtype == dtype for t in tensors.values() if t.is_floating_point()):
                 shutil.copy2(src, tmp / src.name)
             else:
-                save_file({k: v.to(dtype).contiguous() for k, v in tensors.items()}, str(tmp / src.name))
+                save_file({k: v.to(dtype).contiguous() if v.is_floating_point() else v for k, v in tensors.items()},
+                          str(tmp / src.name))
             del tensors
         write_json(tmp / "config.json", engine_config_dict(info, build, "torch", tree, proposer))
         if proposer.model_ngrams != "off":

@@ -29,8 +29,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..checkpoint.drafter import check_draft_vocab
 from ..config import DRAFTER_SEMANTICS, DrafterConfig
 from ..decoding.beam_search import LOG_ZERO
+from ..errors import UserError
 from .linear import Linear
 from .tp import Dist
 
@@ -60,8 +62,8 @@ class DrafterRank(nn.Module):
         self.rnn = nn.ModuleList([lin("rnn_w", bias=False), lin("rnn_u")]) if cfg.rnn else None
         self.vocab_size = cfg.vocab_size
         # token id of each head row (replicated: the gathered head output is in this order); None: row = token id
-        self.draft_vocab = (tensors["drafter.draft_vocab"].to(device=dev, dtype=torch.long).contiguous()
-                            if cfg.draft_vocab_size else None)
+        self.draft_vocab = _draft_vocab(tensors["drafter.draft_vocab"], cfg.vocab_size).to(dev) \
+            if cfg.draft_vocab_size else None
 
     def _col(self, x: torch.Tensor, linear: Linear) -> torch.Tensor:
         """Column-parallel linear with gathered output."""
@@ -93,3 +95,16 @@ class DrafterRank(nn.Module):
             return head[:, :self.vocab_size]
         out = head.new_full((head.shape[0], self.vocab_size), LOG_ZERO)
         return out.index_copy_(1, self.draft_vocab, head)  # [n, V]: LOG_ZERO outside the draft vocabulary
+
+
+def _draft_vocab(stored: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The engine's draft vocabulary as int64 token ids. build-engine before 2bae11d cast it with the weights to the
+    engine's dtype: exact in float32, but bfloat16 / float16 round ids to repeated values; such an engine is refused
+    with what to do."""
+    ids = stored.to(torch.long).contiguous()
+    try:
+        check_draft_vocab(ids, vocab_size, "the engine's drafter.draft_vocab")
+    except UserError as e:
+        raise UserError(f"{e} It is stored as {stored.dtype}: an older build-engine cast the token ids to the "
+                        f"engine's dtype. Rebuild the engine with build-engine.") from None
+    return ids
