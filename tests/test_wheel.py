@@ -91,9 +91,10 @@ def test_installed_wheel_makes_and_serves_a_repository(tmp_path):
     site = (tmp_path / "venv").resolve()
     assert Path(where[0]).resolve().is_relative_to(site), f"the venv imports trt_redrafter from {where[0]}"
     assert Path(where[1]).resolve().is_relative_to(site), where[1]
-    # the CPU kernels' sources ship in the wheel (they are built at first use; without them auto falls back)
+    # the CPU kernels' sources and their header ship in the wheel (built at first use; without them auto falls back)
     assert [Path(p).name for p in where[2] if Path(p).is_file() and Path(p).resolve().is_relative_to(site)] == \
         ["linear.cpp", "attention.cpp"], where[2]
+    assert (Path(where[2][0]).parent / "simd.h").is_file(), "simd.h is not in the wheel"
 
     cli = tmp_path / "venv" / "bin" / "trt-redrafter"
     tiny, ckpt, engine, repo = work / "tiny", work / "ckpt", work / "engine", work / "repo"

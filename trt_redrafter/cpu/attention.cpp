@@ -14,6 +14,8 @@
 #include <torch/library.h>
 #include <torch/types.h>
 
+#include "simd.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -21,17 +23,8 @@
 
 namespace {
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline void store16(c10::BFloat16* p, __m512 v) {  // round to nearest even, as c10::BFloat16(float)
-  __m512i i = _mm512_castps_si512(v);
-  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(i, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(i, _mm512_set1_epi32(0x7FFF)), lsb), 16);
-  _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(r));
-}
+using trt_redrafter_cpu::load16;
+using trt_redrafter_cpu::store16;
 
 // e^x for x <= 0 (scores minus their max), 16 at a time: x = n ln2 + r with |r| <= ln2 / 2 (ln2 in two parts),
 // e^r by its Taylor series to r^7 (error below 1e-8 relative), times 2^n. Below -87.3 the result is 0.

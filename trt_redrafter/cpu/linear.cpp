@@ -18,34 +18,34 @@
 #include <torch/library.h>
 #include <torch/types.h>
 
+#include "simd.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 
 namespace {
 
+using trt_redrafter_cpu::load16;
+using trt_redrafter_cpu::store16;
+
 constexpr int64_t kCols = 16;   // output columns per panel: one zmm of fp32
 constexpr int64_t kGroup = 8;   // panels streamed together by one thread
 constexpr int64_t kGrain = 8;   // panels: below 2 * kGrain a call stays on one thread
 constexpr int64_t kRows = 6;    // rows of x per pass over a group's weights (a tree of 1 x 4 drafts has 5)
 
-inline __mmask16 tail_mask(int64_t n) { return n >= kCols ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
+inline __mmask16 tail_mask(int64_t n) { return n >= kCols ? trt_redrafter_cpu::kAll : (__mmask16)((1u << n) - 1); }
 
-inline void store_row(float* y, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(y, m, v); }
-
-inline void store_row(c10::BFloat16* y, __m512 v, __mmask16 m) {
-  // fp32 -> bf16, round to nearest even (as c10::BFloat16(float) does for finite values)
-  __m512i i = _mm512_castps_si512(v);
-  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(i, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(i, _mm512_set1_epi32(0x7FFF)), lsb), 16);
-  _mm256_mask_storeu_epi16(y, m, _mm512_cvtepi32_epi16(r));
-}
-
-inline __m512 load_bias(const float* b, __mmask16 m) { return _mm512_maskz_loadu_ps(m, b); }
-
-inline __m512 load_bias(const c10::BFloat16* b, __mmask16 m) {
-  __m256i h = _mm256_maskz_loadu_epi16(m, b);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+// the tile's outputs: y[m, n0 + 16 p + c] = acc[m][p][c] (+ b), the panels past N left out
+template <int MR, int NP, typename T>
+inline void store_tile(__m512 (&acc)[MR][NP], int64_t n0, int64_t N, const T* bias, T* y, int64_t ldy) {
+  for (int p = 0; p < NP; ++p) {
+    const int64_t n = n0 + p * kCols;
+    if (n >= N) break;
+    const __mmask16 mk = tail_mask(N - n);
+    const __m512 b = bias ? load16(bias + n, mk) : _mm512_setzero_ps();
+    for (int m = 0; m < MR; ++m) store16(y + m * ldy + n, bias ? _mm512_add_ps(acc[m][p], b) : acc[m][p], mk);
+  }
 }
 
 // ---- fp32: panels [P, K, 16] ----------------------------------------------------------------------------------
@@ -63,13 +63,7 @@ inline void tile_f32(const float* x, int64_t ldx, int64_t K, const float* wp, in
       for (int p = 0; p < NP; ++p) acc[m][p] = _mm512_fmadd_ps(xv, w[p], acc[m][p]);
     }
   }
-  for (int p = 0; p < NP; ++p) {
-    int64_t n = n0 + p * kCols;
-    if (n >= N) break;
-    __mmask16 mk = tail_mask(N - n);
-    __m512 b = bias ? load_bias(bias + n, mk) : _mm512_setzero_ps();
-    for (int m = 0; m < MR; ++m) store_row(y + m * ldy + n, bias ? _mm512_add_ps(acc[m][p], b) : acc[m][p], mk);
-  }
+  store_tile(acc, n0, N, bias, y, ldy);
 }
 
 // ---- bf16: panels [P, ceil(K / 2), 16, 2], VDPBF16PS over k pairs ---------------------------------------------
@@ -98,13 +92,7 @@ __attribute__((target("avx512bf16,avx512bw,avx512vl"))) void tile_bf16(
       for (int p = 0; p < NP; ++p) acc[m][p] = _mm512_dpbf16_ps(acc[m][p], xv, w[p]);
     }
   }
-  for (int p = 0; p < NP; ++p) {
-    int64_t n = n0 + p * kCols;
-    if (n >= N) break;
-    __mmask16 mk = tail_mask(N - n);
-    __m512 b = bias ? load_bias(bias + n, mk) : _mm512_setzero_ps();
-    for (int m = 0; m < MR; ++m) store_row(y + m * ldy + n, bias ? _mm512_add_ps(acc[m][p], b) : acc[m][p], mk);
-  }
+  store_tile(acc, n0, N, bias, y, ldy);
 }
 
 template <typename T>
