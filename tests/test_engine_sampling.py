@@ -78,9 +78,9 @@ class Top2Proposer:
         return torch.stack(rows)
 
 
-def _pvalue(engine_dir, probs, joint, accept_tokens=None, proposer=None, prompt=PROMPT):
+def _pvalue(engine_dir, probs, joint, accept_tokens=None, proposer=None, prompt=PROMPT, **runtime):
     """`proposer`: None drafts with Top2Proposer; a name drafts with the engine's own proposer of that name."""
-    engine = load_engine(engine_dir, None if proposer else Top2Proposer(engine_dir, probs))
+    engine = load_engine(engine_dir, None if proposer else Top2Proposer(engine_dir, probs), **runtime)
     if accept_tokens is not None:  # the step's accept rule is swappable (StepKernels; the kernels use it)
         engine.steps.kernels.accept_tokens = accept_tokens
     params = [SamplingConfig(max_tokens=2, temperature=TEMPERATURE, top_k=TOP_K, seed=s, acceptance="exact")

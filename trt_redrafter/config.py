@@ -434,6 +434,10 @@ class RuntimeConfig(ConfigBase):
 
     device: str = _f("auto", help="auto (CUDA when visible), cpu or cuda", choices=("auto", "cpu", "cuda"))
     dtype: str = _f("", help="compute dtype; empty means the engine's", choices=DTYPES + ("",))
+    drafter_dtype: str = _f("", help="the drafter's compute dtype; empty means the model's. The drafter only "
+                                     "proposes and the model verifies every token, so it changes how many tokens a "
+                                     "step accepts, not which (greedy); bfloat16 halves a float32 engine's drafter "
+                                     "reads", choices=DTYPES + ("",))
     drafter_semantics: str = _f("", help="override the engine's drafter math (build-engine --drafter-semantics): "
                                          "apple or trtllm-0.13; empty means the engine's (model/drafter.py)",
                                 choices=DRAFTER_SEMANTICS + ("",))
@@ -462,6 +466,7 @@ class RuntimeConfig(ConfigBase):
     def validate(self) -> None:
         s = self.SECTION
         for name, allowed in (("device", ("auto", "cpu", "cuda")), ("dtype", DTYPES + ("",)),
+                              ("drafter_dtype", DTYPES + ("",)),
                               ("drafter_semantics", DRAFTER_SEMANTICS + ("",)), ("compile", COMPILE_MODES),
                               ("kernels", KERNEL_CHOICES), ("linear", LINEAR_CHOICES)):
             if getattr(self, name) not in allowed:

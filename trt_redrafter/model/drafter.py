@@ -45,7 +45,7 @@ class DrafterRank(nn.Module):
         """`linear`: the linear layers' implementation, "torch", "onednn" or "avx512" (`linear.resolve_linear`)."""
         super().__init__()
         assert semantics in SEMANTICS, semantics
-        self.cfg, self.dist, self.dtype, self.semantics = cfg, dist, dtype, semantics
+        self.cfg, self.dist, self.dtype, self.semantics, self.linear = cfg, dist, dtype, semantics, linear
         dev = dist.device
 
         def take(name: str) -> torch.Tensor:
@@ -74,7 +74,8 @@ class DrafterRank(nn.Module):
         return torch.zeros(n, self.cfg.hidden_size, dtype=self.dtype, device=self.dist.device)  # [n, H]
 
     def update_state(self, emb: torch.Tensor, state: torch.Tensor, step: int) -> torch.Tensor:
-        """emb, state: [n, H] -> next state [n, H]."""
+        """emb (the model's dtype), state: [n, H] -> next state [n, H]."""
+        emb = emb.to(self.dtype)
         if self.rnn is None:
             return emb + state
         w, u = self.rnn

@@ -124,10 +124,15 @@ class Engine:
         t0 = time.perf_counter()
         self.model = LlamaRank(info.model, tensors, dist, self.dtype, per_seq, self.linear)
         semantics = runtime.drafter_semantics or self.build.drafter_semantics
-        self.drafter = DrafterRank(info.drafter, tensors, dist, self.dtype, semantics, self.linear) \
-            if info.drafter is not None else None
+        self.drafter = None
+        if info.drafter is not None:
+            d_dtype = torch_dtype(runtime.drafter_dtype) if runtime.drafter_dtype else self.dtype
+            d_linear = self.linear if d_dtype == self.dtype else resolve_linear(runtime.linear, dist.device, d_dtype)
+            self.drafter = DrafterRank(info.drafter, tensors, dist, d_dtype, semantics, d_linear)
         logger.info("model loaded in %.1fs (%s, linear layers: %s)", time.perf_counter() - t0, self.dtype,
                     self.linear)
+        if self.drafter is not None and self.drafter.dtype != self.dtype:
+            logger.info("drafter in %s (linear layers: %s)", self.drafter.dtype, self.drafter.linear)
         del tensors
         self.vocab_size = info.model.vocab_size
 

@@ -1,0 +1,78 @@
+"""RuntimeConfig.drafter_dtype (`--drafter-dtype`): the drafter computes in its own dtype. It only proposes and the
+model verifies every token, so greedy output stays the model's; on a float32 engine a bfloat16 drafter reads half
+the bytes per drafted token, and its drafts (so tokens per step) stay close to the float32 drafter's. Sampled
+output still follows the model's distribution: the acceptance rule uses the distribution the drafts came from."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine_utils import load_engine
+from trt_redrafter.cli import main as cli
+from trt_redrafter.config import RuntimeConfig, SamplingConfig
+from trt_redrafter.errors import UserError
+from trt_redrafter.runtime.generate import generate
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = REPO / "models" / "small"
+needs_small = pytest.mark.skipif(not (SMALL / "drafter" / "model.safetensors").is_file(),
+                                 reason="models/small not trained")
+PROMPTS = ["def dedent(text):\n    \"\"\"Remove any common leading whitespace from every line in `text`.\n",
+           "class Fraction(numbers.Rational):\n", "def heappush(heap, item):\n"]
+
+
+@pytest.fixture(scope="module")
+def small_engine(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("drafter-dtype")
+    ck, en = tmp / "ck", tmp / "en"
+    assert cli(["convert", "--base-model", str(SMALL / "base"), "--drafter", str(SMALL / "drafter"), "--output",
+                str(ck), "--tp", "1", "--dtype", "float32", "--num-beams", "4", "--draft-len-per-beam", "4"]) == 0
+    assert cli(["build-engine", "--checkpoint", str(ck), "--output", str(en), "--tokenizer", str(SMALL / "base"),
+                "--max-batch-size", "32", "--max-input-len", "128", "--max-seq-len", "256"]) == 0
+    return en
+
+
+def _prompts() -> list[list[int]]:
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(SMALL / "base"))
+    return [tok(p)["input_ids"] for p in PROMPTS]
+
+
+@needs_small
+@pytest.mark.parametrize("linear", ["torch", "auto"])
+def test_a_bfloat16_drafter_on_a_float32_engine_keeps_the_output_and_the_acceptance(small_engine, linear):
+    fp32 = load_engine(small_engine, linear=linear)
+    bf16 = load_engine(small_engine, linear=linear, drafter_dtype="bfloat16")
+    assert fp32.dtype == bf16.dtype == torch.float32 and fp32.drafter.dtype == torch.float32
+    assert bf16.drafter.dtype == torch.bfloat16
+    head = bf16.drafter.lm_head
+    assert (head.weight if head.packed is None else head.packed).dtype == torch.bfloat16
+    proj = bf16.model.layers[0].mlp.proj
+    assert (proj.weight if proj.packed is None else proj.packed).dtype == torch.float32  # the model's own dtype
+    params = SamplingConfig(max_tokens=48)
+    ar = [r.output_ids for r in generate(fp32, _prompts(), params, mode="ar")]
+    rd32 = generate(fp32, _prompts(), params, mode="redrafter")
+    rd16 = generate(bf16, _prompts(), params, mode="redrafter")
+    assert [r.output_ids for r in rd32] == ar and [r.output_ids for r in rd16] == ar
+    tps32 = sum(r.tokens_per_step for r in rd32) / len(rd32)
+    tps16 = sum(r.tokens_per_step for r in rd16) / len(rd16)
+    assert tps32 > 1.5 and tps16 > 0.9 * tps32, (tps32, tps16)
+
+
+@needs_small
+def test_sampled_output_with_a_bfloat16_drafter_follows_the_ar_distribution(small_engine):
+    from test_engine_sampling import N, _pvalue, _target
+
+    prompt = [1, 321, 530, 265, 11]  # "def main(" in models/small's tokenizer
+    probs, joint = _target(SMALL / "base", prompt)
+    p, accepted = _pvalue(small_engine, probs, joint, proposer="redrafter", prompt=prompt, drafter_dtype="bfloat16")
+    assert accepted > N // 4, accepted
+    assert p > 1e-3, p
+
+
+def test_refusal():
+    with pytest.raises(UserError, match="drafter_dtype"):
+        RuntimeConfig(drafter_dtype="int8").validate()
