@@ -219,6 +219,10 @@ def test_refusals(make_tiny_pair, tmp_path, capsys):
     assert cli(["train-drafter", "--base-model", str(base), "--output", str(tmp_path / "exists")]) == 2
     assert "--force" in capsys.readouterr().err
     assert cli(["train-drafter", "--base-model", str(base), "--output", str(tmp_path / "o"), "--steps", "0"]) == 2
+    for bad, named in ((["--soft-targets", "1.5"], "--soft-targets"), (["--weight-decay", "-1"], "--weight-decay")):
+        capsys.readouterr()
+        assert cli(["train-drafter", "--base-model", str(base), "--output", str(tmp_path / "o"), *bad]) == 2
+        assert named in capsys.readouterr().err
 
 
 HELD_OUT_PROMPT = '''def dedent(text):
@@ -359,3 +363,66 @@ def test_ranks_open_the_same_corpus_at_once(tmp_path):
     assert [p.exitcode for p in procs] == [0, 0]
     assert json.loads((tmp_path / "corpus" / "manifest.json").read_text())["num_shards"] == 4
     assert not list((tmp_path / "corpus").glob("*.tmp"))
+
+
+def test_soft_targets_are_the_bases_distribution_after_each_drafted_token(make_tiny_pair):
+    """--soft-targets: gather's teacher hidden state for step i is the base's at the position whose argmax is step
+    i's target (so its softmax is the distribution the greedy target was taken from), and the loss mixes the two
+    cross-entropies by the weight (draft vocabulary rows included)."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    from trt_redrafter.training import corpus as cm
+    from trt_redrafter.training.drafter_training import Drafter, _loss_and_hits, head_targets
+
+    model = AutoModelForCausalLM.from_pretrained(str(make_tiny_pair() / "base"), dtype=torch.float32).eval()
+    sh = cm.generate_shard(model, [[1, 50, 60, 70], [1, 33], [1, 200, 201, 202, 203]], 12, None, 0,
+                           torch.device("cpu"))
+    T = 4
+    pos = torch.cat([torch.zeros(len(sh.positions()), 1, dtype=torch.long), sh.positions()], 1)
+    embed = model.get_input_embeddings().weight.detach()
+    head = model.get_output_embeddings().weight.detach()
+    h, e, y, th = cm.gather([sh], pos, T, embed, torch.device("cpu"), teacher=True)
+    ok = y != -100
+    assert th.shape == (len(pos), T, h.shape[1]) and ok.sum() > 20 and not ok.all()
+    assert torch.equal((th @ head.T).argmax(-1)[ok], y[ok])  # each step's teacher predicts that step's target
+    assert torch.equal(th[:, 0], cm.gather([sh], pos + torch.tensor([0, 0, 1]), T, embed, torch.device("cpu"))[0])
+
+    V = head.shape[0]
+    torch.manual_seed(0)
+    vocab = torch.randperm(V)[:V // 2].sort().values
+    vocab = torch.unique(torch.cat([vocab, y[ok][: len(y[ok]) // 2]]))  # some targets inside, some outside
+    lookup = torch.full((V,), -100, dtype=torch.long)
+    lookup[vocab] = torch.arange(len(vocab))
+    d = Drafter(h.shape[1], V, 96, 1, True, vocab)
+    with torch.no_grad():
+        for p_ in d.parameters():
+            p_.normal_(0, 0.05)
+        logp = F.log_softmax(d(h, e).float(), -1)
+        rows = head_targets(y, lookup)
+        p = torch.softmax(th @ head[vocab].T, -1)
+        for w in (0.0, 0.3, 1.0):
+            want = 0.0
+            for i in range(T):
+                k = rows[:, i] != -100
+                hard = -logp[:, i][k].gather(1, rows[:, i][k][:, None]).sum()
+                soft = -(p[:, i][k] * logp[:, i][k]).sum()
+                want += ((1 - w) * hard + w * soft) / int(k.sum())
+            got = _loss_and_hits(d, h, e, y, lookup, (th, head[vocab]), w)[0]
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(_loss_and_hits(d, h, e, y, lookup, (th, head[vocab]), 1.0)[0],
+                                  _loss_and_hits(d, h, e, y, lookup)[0])
+
+
+@pytest.mark.skipif(not (SMALL / "base" / "model.safetensors").is_file(), reason="models/small not trained")
+def test_training_on_soft_targets_lowers_the_loss_and_resumes_only_with_them(make_tiny_pair, tmp_path, capsys):
+    # a trained base (a random one's distributions are near uniform: nothing to learn from them)
+    s = _train(SMALL / "base", tmp_path / "kd", "--soft-targets", "1", "--work-dir", tmp_path / "w")
+    assert s["probe_loss_end"] < s["probe_loss_start"] - 1.0, s  # the probe's loss is the hard one
+    assert s["config"]["soft_targets"] == 1.0
+    base = make_tiny_pair() / "base"
+    assert cli(_resume_args(base, tmp_path / "cut", tmp_path / "w2", "--soft-targets", "0.5",
+                            "--stop-after", "4")) == 0
+    assert cli(_resume_args(base, tmp_path / "cut", tmp_path / "w2", "--resume")) == 2
+    assert "soft_targets: 0.5 then, None now" in capsys.readouterr().err

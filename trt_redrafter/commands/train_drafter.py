@@ -37,6 +37,10 @@ def register(subparsers) -> None:
                         "but only --backend torch runs such a drafter")
     p.add_argument("--steps", type=int, default=_D.steps, help="optimizer steps")
     p.add_argument("--lr", type=float, default=_D.lr, help="peak learning rate (AdamW, warmup + cosine)")
+    p.add_argument("--weight-decay", type=float, default=_D.weight_decay, help="AdamW weight decay")
+    p.add_argument("--soft-targets", type=float, default=_D.soft_targets, metavar="W",
+                   help="weight in [0, 1] of the base's whole next-token distribution in each step's loss "
+                        "(knowledge distillation; 0: its greedy token only, Apple's recipe)")
     p.add_argument("--batch-size", type=int, default=_D.batch_size, help="drafting positions per step")
     p.add_argument("--seq-len", type=int, default=_D.seq_len, help="tokens the base generates per sequence")
     p.add_argument("--num-sequences", type=int, default=_D.num_sequences, help="distillation sequences")
@@ -74,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = DrafterTrainConfig(
         draft_len=args.draft_len, num_layers=args.num_layers, rnn=args.rnn, exit_dim=args.exit_dim,
         draft_vocab=args.draft_vocab, steps=args.steps,
-        lr=args.lr, batch_size=args.batch_size, seq_len=args.seq_len, num_sequences=args.num_sequences,
+        lr=args.lr, weight_decay=args.weight_decay, soft_targets=args.soft_targets, batch_size=args.batch_size,
+        seq_len=args.seq_len, num_sequences=args.num_sequences,
         eval_sequences=args.eval_sequences, prompt_min=args.prompt_min, prompt_max=args.prompt_max,
         gen_batch_size=args.gen_batch_size, seed=args.seed, data=args.data, device=args.device,
         threads=args.threads, prompts=args.prompts, magpie=args.magpie, work_dir=args.work_dir,

@@ -186,9 +186,12 @@ def batch_schedule(corpus: ShardedCorpus, batch_size: int, seed: int, group: int
         epoch += 1
 
 
-def gather(loaded: list[Shard], pos: torch.Tensor, T: int, embed: torch.Tensor, device: torch.device):
-    """(h [B, H], embs [B, T, H], targets [B, T]) for positions (shard-in-group, row, t)."""
-    hs, xs, ys = [], [], []
+def gather(loaded: list[Shard], pos: torch.Tensor, T: int, embed: torch.Tensor, device: torch.device,
+           teacher: bool = False):
+    """(h [B, H], embs [B, T, H], targets [B, T]) for positions (shard-in-group, row, t); with `teacher`, a fourth
+    tensor [B, T, H]: the base's hidden states at t+1..t+T, whose logits are each step's teacher distribution (its
+    argmax is the target)."""
+    hs, xs, ys, ns = [], [], [], []
     order = []
     for k, sh in enumerate(loaded):
         sel = (pos[:, 0] == k).nonzero().flatten()
@@ -203,9 +206,14 @@ def gather(loaded: list[Shard], pos: torch.Tensor, T: int, embed: torch.Tensor, 
         xs.append(sh.tokens[rows[:, None], cols_c])
         ys.append(sh.targets[rows[:, None], cols_c].masked_fill(~ok, -100))
         hs.append(sh.hidden[rows, t])
+        if teacher:
+            ns.append(sh.hidden[rows[:, None], cols_c])
     inv = torch.argsort(torch.cat(order))  # back to the batch's own order
     h, x, y = torch.cat(hs)[inv], torch.cat(xs)[inv], torch.cat(ys)[inv]
-    return h.to(device), embed[x.to(device)], y.to(device)
+    out = (h.to(device), embed[x.to(device)], y.to(device))
+    if teacher:
+        out += (torch.cat(ns)[inv].to(device),)
+    return out
 
 
 def eval_batches(corpus: ShardedCorpus, batch: int) -> Iterator[tuple[list[Shard], torch.Tensor]]:

@@ -67,6 +67,7 @@ class DrafterTrainConfig:
     lr: float = 2e-3
     warmup: int = 30
     weight_decay: float = 0.0
+    soft_targets: float = 0.0  # weight of the base's softmax (knowledge distillation) against its greedy token
     batch_size: int = 512  # positions per step
     seq_len: int = 160  # generated tokens per distillation sequence
     prompt_min: int = 16  # prompt window length range (tokens, bos added)
@@ -110,6 +111,11 @@ class DrafterTrainConfig:
                             f"{MIN_DRAFT_VOCAB} tokens.")
         if self.prompt_min > self.prompt_max:
             raise UserError(f"prompt length range {self.prompt_min}..{self.prompt_max} is empty.")
+        if not 0.0 <= self.soft_targets <= 1.0:
+            raise UserError(f"--soft-targets: expected a weight in [0, 1] (0: the base's greedy token only, 1: its "
+                            f"whole distribution), got {self.soft_targets}.")
+        if self.weight_decay < 0:
+            raise UserError(f"--weight-decay: expected a number >= 0, got {self.weight_decay}.")
         if not self.lr > 0:
             raise UserError(f"--lr: expected a positive number, got {self.lr}.")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -326,16 +332,32 @@ def head_targets(y: torch.Tensor, lookup: Optional[torch.Tensor]) -> torch.Tenso
     return torch.where(y >= 0, lookup[y.clamp(min=0)], y)
 
 
-def _loss_and_hits(drafter: Drafter, h, embs, y, lookup: Optional[torch.Tensor] = None):
+def _loss_and_hits(drafter: Drafter, h, embs, y, lookup: Optional[torch.Tensor] = None,
+                   teacher: Optional[tuple[torch.Tensor, torch.Tensor]] = None, soft: float = 0.0):
     """(summed per-step mean cross-entropy, hits [B, T], valid [B, T]); `lookup` maps token ids to head rows
-    (-100: not in the draft vocabulary: left out of the loss, a miss for the accuracies)."""
+    (-100: not in the draft vocabulary: left out of the loss, a miss for the accuracies).
+
+    `soft` > 0 with `teacher` = (the base's hidden states at the targets' positions [B, T, H], its output rows for
+    the head's rows [V or K, H]): each step's loss is (1 - soft) x the cross-entropy to the greedy target + soft x
+    the cross-entropy to the base's own distribution there (its softmax over the head's rows), the soft labels of
+    knowledge distillation: the base's second and third choices are signal too, which a corpus small next to the
+    drafter (it memorizes hard targets) needs most."""
     logits = drafter(h, embs)  # [B, T, V or K]
     T = logits.shape[1]
     rows = head_targets(y, lookup)
+    probs = None
+    if soft > 0:
+        th, tw = teacher
+        with torch.no_grad():
+            probs = torch.softmax(th.float() @ tw.float().T, dim=-1)  # [B, T, V or K]
     losses = []
     for i in range(T):
-        n = int((rows[:, i] != -100).sum())
-        ce = F.cross_entropy(logits[:, i].float(), rows[:, i], ignore_index=-100, reduction="sum")
+        keep = rows[:, i] != -100
+        n = int(keep.sum())
+        logp = F.log_softmax(logits[:, i].float(), dim=-1)
+        ce = F.nll_loss(logp, rows[:, i], ignore_index=-100, reduction="sum")
+        if probs is not None:
+            ce = (1.0 - soft) * ce + soft * -(probs[:, i][keep] * logp[keep]).sum()
         losses.append(ce / max(1, n))
     valid = y != -100
     hit = (logits.argmax(-1) == rows) & valid
@@ -425,7 +447,10 @@ def _build_split(corpus: corpus_mod.ShardedCorpus, source: _Source, model, cfg, 
 def _train_spec(cfg: DrafterTrainConfig, exit_dim: int, world: int) -> dict:
     keys = ("draft_len", "num_layers", "rnn", "draft_vocab", "steps", "lr", "warmup", "weight_decay", "batch_size",
             "seed", "shards_in_memory")
-    return {**{k: getattr(cfg, k) for k in keys}, "exit_dim": exit_dim, "world_size": world}
+    spec = {**{k: getattr(cfg, k) for k in keys}, "exit_dim": exit_dim, "world_size": world}
+    if cfg.soft_targets:  # only when set: checkpoints written before the option resume unchanged
+        spec["soft_targets"] = cfg.soft_targets
+    return spec
 
 
 def _save_checkpoint(path: Path, state: dict) -> None:
@@ -505,6 +530,9 @@ def train_drafter(base_model: str | Path, output: str | Path, cfg: DrafterTrainC
                 rows = out_head[:V] if draft_vocab is None else out_head[draft_vocab]
                 drafter.lm_head[-1].weight[:, :H].copy_(rows)
         opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        teacher_w = None
+        if cfg.soft_targets:  # the base's output rows for the head's rows: its logits from a stored hidden state
+            teacher_w = (out_head[:V] if draft_vocab is None else out_head[draft_vocab]).to(device)
         probe_loaded = [train_corpus.load(0)]
         probe_pos = probe_loaded[0].positions()[:cfg.batch_size]
         probe = corpus_mod.gather(probe_loaded, torch.cat([torch.zeros(len(probe_pos), 1, dtype=torch.long),
@@ -516,7 +544,8 @@ def train_drafter(base_model: str | Path, output: str | Path, cfg: DrafterTrainC
         if cfg.resume:
             state = torch.load(ckpt_path, map_location=device, weights_only=False)
             if state["spec"] != spec:
-                diff = {k: (state["spec"].get(k), v) for k, v in spec.items() if state["spec"].get(k) != v}
+                diff = {k: (state["spec"].get(k), spec.get(k)) for k in {**state["spec"], **spec}
+                        if state["spec"].get(k) != spec.get(k)}
                 raise UserError(f"--resume: {ckpt_path} was written with other settings "
                                 f"({', '.join(f'{k}: {a!r} then, {b!r} now' for k, (a, b) in diff.items())}); "
                                 f"resume with the same ones.")
@@ -539,8 +568,10 @@ def train_drafter(base_model: str | Path, output: str | Path, cfg: DrafterTrainC
                 break
             for group in opt.param_groups:
                 group["lr"] = _lr(step, cfg)
-            h, e, y = corpus_mod.gather(loaded, pos[rank::world], cfg.draft_len, embed, device)
-            loss, hit, ok = _loss_and_hits(model_ddp, h, e, y, lookup)
+            h, e, y, *th = corpus_mod.gather(loaded, pos[rank::world], cfg.draft_len, embed, device,
+                                             teacher=bool(cfg.soft_targets))
+            loss, hit, ok = _loss_and_hits(model_ddp, h, e, y, lookup, (th[0], teacher_w) if th else None,
+                                           cfg.soft_targets)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
