@@ -63,6 +63,20 @@ def test_a_bfloat16_drafter_on_a_float32_engine_keeps_the_output_and_the_accepta
 
 
 @needs_small
+@pytest.mark.slow
+def test_compiled_bfloat16_drafter_on_a_float32_engine_equals_ar(small_engine):
+    """inductor over a step whose drafter runs in another dtype than the model (casts at its input and output)."""
+    torch._dynamo.reset()
+    eager = load_engine(small_engine)
+    params = SamplingConfig(max_tokens=32)
+    ar = [r.output_ids for r in generate(eager, _prompts(), params, mode="ar")]
+    engine = load_engine(small_engine, compile="inductor", drafter_dtype="bfloat16")
+    res = generate(engine, _prompts(), params, mode="redrafter")
+    assert [r.output_ids for r in res] == ar
+    assert sum(r.accepted_draft_tokens for r in res) > 0
+
+
+@needs_small
 def test_sampled_output_with_a_bfloat16_drafter_follows_the_ar_distribution(small_engine):
     from test_engine_sampling import N, _pvalue, _target
 
