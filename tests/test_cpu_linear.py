@@ -1,5 +1,5 @@
 """The CPU linear paths over packed weights (model/linear.py, RuntimeConfig.linear): oneDNN's prepacked GEMM and the
-project's AVX-512 kernel (plugins/cpu_linear.cpp), each against `F.linear`, a row's bits independent of how many
+project's AVX-512 kernel (trt_redrafter/cpu/linear.cpp), each against `F.linear`, a row's bits independent of how many
 rows share the GEMM, the op under torch.compile, and on tiny engines greedy ReDrafter == AR with it (bf16 and fp32,
 eager and compiled) and AR with it == AR with `F.linear`.
 

@@ -421,6 +421,8 @@ def test_training_on_soft_targets_lowers_the_loss_and_resumes_only_with_them(mak
     s = _train(SMALL / "base", tmp_path / "kd", "--soft-targets", "1", "--work-dir", tmp_path / "w")
     assert s["probe_loss_end"] < s["probe_loss_start"] - 1.0, s  # the probe's loss is the hard one
     assert s["config"]["soft_targets"] == 1.0
+    hard = _train(SMALL / "base", tmp_path / "hard", "--work-dir", tmp_path / "w")  # same corpus, seed and steps
+    assert (hard["first_loss"], hard["final_loss"]) != (s["first_loss"], s["final_loss"])  # the loop used them
     base = make_tiny_pair() / "base"
     assert cli(_resume_args(base, tmp_path / "cut", tmp_path / "w2", "--soft-targets", "0.5",
                             "--stop-after", "4")) == 0

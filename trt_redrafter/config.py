@@ -452,7 +452,7 @@ class RuntimeConfig(ConfigBase):
                                    "the PyTorch path", choices=KERNEL_CHOICES)
     linear: str = _f("auto", help="the model's and drafter's linear layers on the CPU, weights packed once at load "
                                   "and a token's logits the same whatever else shares the GEMM: avx512 (this "
-                                  "project's kernel, plugins/cpu_linear.cpp, built at first use; float32 on "
+                                  "project's kernel, trt_redrafter/cpu/linear.cpp, built at first use; float32 on "
                                   "AVX-512, bfloat16 on AVX512-BF16), onednn (one oneDNN GEMM per layer); or torch "
                                   "(F.linear). avx512 and onednn round otherwise than F.linear, so bf16 tokens may "
                                   "differ from torch's. auto: avx512 where the CPU has it, else onednn where oneDNN "

@@ -41,6 +41,11 @@ def available(dtype: torch.dtype) -> bool:
     return False
 
 
+def unavailable_reason(dtype: torch.dtype) -> str:
+    """Why `available(dtype)` is false, for the refusals of an explicit --linear avx512 / --kernels cpu."""
+    return f"this CPU has no AVX-512 for {dtype} (float32 needs AVX-512F, bfloat16 AVX512-BF16)"
+
+
 def attention_supports(head_size: int) -> bool:
     """Head sizes attention.cpp is compiled for (its q and accumulator live in registers)."""
     return head_size % 16 == 0 and 16 <= head_size <= 128

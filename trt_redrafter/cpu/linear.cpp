@@ -10,7 +10,7 @@
 // the thread count. So a token's logits have the same bits in an AR step (M = bs) as at the root of a draft tree
 // (M = bs * T), which greedy ReDrafter == greedy AR needs, with no row padding (model/linear.py).
 //
-// Built at first use by torch.utils.cpp_extension (model/linear.py: cpu_linear_ops); the ops are registered in the
+// Built at first use by torch.utils.cpp_extension (trt_redrafter/cpu/__init__.py: ops()); the ops are registered in the
 // trt_redrafter_cpu namespace, their fake (meta) functions in Python so that torch.compile traces them.
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>

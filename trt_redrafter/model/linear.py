@@ -88,8 +88,7 @@ def resolve_linear(choice: str, device: torch.device, dtype: torch.dtype) -> str
                 raise
             logger.warning("%s; using oneDNN", e)
     elif choice == "avx512":
-        raise UserError(f"--linear avx512: this CPU has no AVX-512 for {dtype} (float32 needs AVX-512F, bfloat16 "
-                        f"AVX512-BF16); use --linear auto, onednn or torch.")
+        raise UserError(f"--linear avx512: {cpu.unavailable_reason(dtype)}; use --linear auto, onednn or torch.")
     if onednn_available(dtype):
         return "onednn"
     if choice == "onednn":

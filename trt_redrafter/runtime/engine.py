@@ -207,8 +207,7 @@ class Engine:
 
     def _resolve_cpu_kernels(self, want: str) -> str:
         """auto / cpu on the CPU -> "cpu" (trt_redrafter/cpu's tree attention) or "torch"."""
-        why = None if cpu_kernels.available(self.dtype) else \
-            f"this CPU has no AVX-512 for {self.dtype} (float32 needs AVX-512F, bfloat16 AVX512-BF16)"
+        why = None if cpu_kernels.available(self.dtype) else cpu_kernels.unavailable_reason(self.dtype)
         if why is None and not cpu_kernels.attention_supports(self.model.D):
             why = f"the model's head size {self.model.D} is not a multiple of 16 from 16 to 128"
         if why is not None:

@@ -525,14 +525,13 @@ def train_drafter(base_model: str | Path, output: str | Path, cfg: DrafterTrainC
         exit_dim = _exit_dim(cfg, H, cfg.draft_vocab or V, base_params)
         torch.manual_seed(cfg.seed)  # the drafter's initialisation does not depend on how the corpus was made
         drafter = Drafter(H, V, exit_dim, cfg.num_layers, cfg.rnn, draft_vocab).to(device)
+        head_rows = out_head[:V] if draft_vocab is None else out_head[draft_vocab]  # the base's rows for the head's
         if exit_dim == 2 * H:  # warm start: the h half of the output head reads like the base's lm_head
             with torch.no_grad():
-                rows = out_head[:V] if draft_vocab is None else out_head[draft_vocab]
-                drafter.lm_head[-1].weight[:, :H].copy_(rows)
+                drafter.lm_head[-1].weight[:, :H].copy_(head_rows)
         opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-        teacher_w = None
-        if cfg.soft_targets:  # the base's output rows for the head's rows: its logits from a stored hidden state
-            teacher_w = (out_head[:V] if draft_vocab is None else out_head[draft_vocab]).to(device)
+        # --soft-targets: the base's logits over the head's rows, from a stored hidden state
+        teacher_w = head_rows.to(device) if cfg.soft_targets else None
         probe_loaded = [train_corpus.load(0)]
         probe_pos = probe_loaded[0].positions()[:cfg.batch_size]
         probe = corpus_mod.gather(probe_loaded, torch.cat([torch.zeros(len(probe_pos), 1, dtype=torch.long),
