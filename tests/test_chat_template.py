@@ -182,9 +182,9 @@ def test_bench_engine_script_prompts(chat_dir, tmp_path):
     tok = load_tokenizer(chat_dir)
     args = argparse.Namespace(prompts=_jsonl(tmp_path / "q.jsonl"), num_prompts=2, chat_template="auto")
     assert script.encode_prompts(tok, args) == ([hf_chat_ids(tok, MSG), tok.encode("def f():")], "tokenizer")
-    args.prompts = tmp_path / "missing.jsonl"  # the built-in prompts: raw
-    ids, applied = script.encode_prompts(tok, args)
-    assert ids[0] == tok.encode(script.BUILTIN_PROMPTS[0]) and applied == "none"
+    args.prompts = tmp_path / "missing.jsonl"  # no silent fallback to other prompts: one clear error
+    with pytest.raises(SystemExit, match="missing.jsonl does not exist"):
+        script.encode_prompts(tok, args)
 
 
 def test_preprocessing_code_as_copied_templates_without_torch(chat_dir, tmp_path):

