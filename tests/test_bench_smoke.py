@@ -56,7 +56,7 @@ def test_bench_end_to_end(tmp_path, capsys):
     out = tmp_path / "bench"
     rc = cli(["bench", "--engines", f"tp1={engines[1]}", "--dataset", str(data), "--qps", "8", "--num-requests", "4",
               "--warmup", "1", "--max-tokens", "12", "--repeats", "1", "--output", str(out), "--no-progress",
-              "--compile", "off", "--modes", "ar,redrafter,ngram,mixed"])
+              "--compile", "off", "--speculate", "full", "--modes", "ar,redrafter,ngram,mixed"])
     assert rc == 0
     stdout = capsys.readouterr().out
     summary = json.loads(stdout.strip().splitlines()[-1])

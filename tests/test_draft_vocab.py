@@ -43,7 +43,7 @@ def _engine(drafter: Path, tmp: Path, name: str, tp_args=("--tp", "1"), dtype: s
                 *tp_args, "--dtype", dtype, "--num-beams", "4", "--draft-len-per-beam", "4"]) == 0
     assert cli(["build-engine", "--checkpoint", str(ck), "--output", str(en), "--tokenizer", str(SMALL / "base"),
                 "--max-batch-size", "2", "--max-input-len", "128", "--max-seq-len", "256"]) == 0
-    return Engine(en, Dist(0, 1, torch.device("cpu")), RuntimeConfig(device="cpu", compile="off"))
+    return Engine(en, Dist(0, 1, torch.device("cpu")), RuntimeConfig(device="cpu", compile="off", speculate="full", drafter_dtype="float32"))
 
 
 def _prompt() -> list[int]:

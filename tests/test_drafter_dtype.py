@@ -44,7 +44,7 @@ def _prompts() -> list[list[int]]:
 @needs_small
 @pytest.mark.parametrize("linear", ["torch", "auto"])
 def test_a_bfloat16_drafter_on_a_float32_engine_keeps_the_output_and_the_acceptance(small_engine, linear):
-    fp32 = load_engine(small_engine, linear=linear)
+    fp32 = load_engine(small_engine, linear=linear, drafter_dtype="float32")
     bf16 = load_engine(small_engine, linear=linear, drafter_dtype="bfloat16")
     assert fp32.dtype == bf16.dtype == torch.float32 and fp32.drafter.dtype == torch.float32
     assert bf16.drafter.dtype == torch.bfloat16
@@ -85,6 +85,16 @@ def test_sampled_output_with_a_bfloat16_drafter_follows_the_ar_distribution(smal
     p, accepted = _pvalue(small_engine, probs, joint, proposer="redrafter", prompt=prompt, drafter_dtype="bfloat16")
     assert accepted > N // 4, accepted
     assert p > 1e-3, p
+
+
+@needs_small
+def test_the_default_drafter_dtype_is_bfloat16_where_the_cpu_computes_it(small_engine):
+    from trt_redrafter import cpu
+
+    engine = load_engine(small_engine)
+    native = cpu.available(torch.bfloat16) and engine.linear == "avx512"
+    assert engine.drafter.dtype == (torch.bfloat16 if native else torch.float32)
+    assert load_engine(small_engine, linear="torch").drafter.dtype == torch.float32  # no native bf16 GEMM there
 
 
 def test_refusal():

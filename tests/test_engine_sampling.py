@@ -15,7 +15,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from engine_utils import _hf_model, build_tiny_engines, load_engine, run_cli
+from engine_utils import HostDrafts, _hf_model, build_tiny_engines, load_engine, run_cli
 from trt_redrafter.config import SamplingConfig
 from trt_redrafter.decoding import acceptance, sampling
 from trt_redrafter.runtime.generate import generate
@@ -54,7 +54,7 @@ def setup(tmp_path_factory):
     return (engines[1], *_target(base, PROMPT))
 
 
-class Top2Proposer:
+class Top2Proposer(HostDrafts):
     """Host proposer (test only): the target's two most likely next tokens as the tree's first level, random
     deeper tokens, so verification both hits and misses."""
 
@@ -66,16 +66,13 @@ class Top2Proposer:
         self.vocab, self.probs = info.model.vocab_size, probs
         self.g = torch.Generator().manual_seed(0)
 
-    def propose(self, seqs):
-        rows = []
-        for s in seqs:
-            top2 = self.probs(s.prompt + s.output).topk(2).indices.tolist()
-            beams = torch.randint(3, self.vocab, (self.num_beams, self.draft_len + 1), generator=self.g)
-            beams[:, 0] = s.true_token
-            for b in range(self.num_beams):
-                beams[b, 1] = top2[b % 2]
-            rows.append(beams)
-        return torch.stack(rows)
+    def beams(self, s):
+        top2 = self.probs(s.prompt + s.output).topk(2).indices.tolist()
+        beams = torch.randint(3, self.vocab, (self.num_beams, self.draft_len + 1), generator=self.g)
+        beams[:, 0] = s.true_token
+        for b in range(self.num_beams):
+            beams[b, 1] = top2[b % 2]
+        return beams
 
 
 def _pvalue(engine_dir, probs, joint, accept_tokens=None, proposer=None, prompt=PROMPT, **runtime):

@@ -74,8 +74,8 @@ def test_rewind_moves_the_accepted_path_down_in_every_layer():
     state.unpacker[0] = torch.tensor([[0, 1, 3, 4], [0, 2, 5, 7]])  # beam 1's packed path
     step = DecodeStep(model=None, proposer=None, cache=c, state=state, dist=Dist(0, 1, torch.device("cpu")))
     decision = Acceptance(torch.tensor([1]), torch.tensor([3]), torch.tensor([9])).pack()
-    last = step.rewind(torch.tensor([0]), decision)
-    assert last.tolist() == [7] and state.ctx_len[0] == 3 + 4 and state.true_tok[0] == 9
+    path = step.rewind(torch.tensor([0]), decision)
+    assert path.tolist() == [[0, 2, 5, 7]] and state.ctx_len[0] == 3 + 4 and state.true_tok[0] == 9
     for li in range(2):
         got = c.k[li][slots][:, 0, 0].tolist()
         assert got[:7] == [100 * li + x for x in [0, 1, 2, 3, 5, 8, 10]]

@@ -5,6 +5,7 @@ batches that mix proposers, an engine built without a drafter, and the refusals.
 from __future__ import annotations
 
 import json
+import math
 import random
 
 import pytest
@@ -15,15 +16,22 @@ from trt_redrafter.config import ProposerConfig, SamplingConfig
 from trt_redrafter.decoding.tree import pack_beams
 from trt_redrafter.errors import UserError
 from trt_redrafter.runtime.generate import generate
-from trt_redrafter.runtime.ngram import (NGRAMS_FILE, ContextNgrams, ModelNgrams, NgramProposer, fill_rows,
-                                         packed_length)
+from trt_redrafter.runtime.ngram import (CONTEXT_DECAY, MODEL_DECAY, MODEL_FIRST, NGRAMS_FILE, ContextNgrams,
+                                         ModelNgrams, NgramProposer, fill_rows)
+from trt_redrafter.runtime.proposer import Draft
 from trt_redrafter.runtime.sequence import Sequence
+from trt_redrafter.runtime.step import SCORE_PAD, SCORE_SCALE
 
 
-def index_of(tokens, kmin=1, kmax=4) -> ContextNgrams:
-    idx = ContextNgrams(kmin, kmax)
-    idx.extend(tokens)
-    return idx
+class index_of:
+    """A context index of `tokens`; `continuations` without their shares (`test_context_draft_scores` checks them)."""
+
+    def __init__(self, tokens, kmin=1, kmax=4):
+        self.idx = ContextNgrams(kmin, kmax)
+        self.idx.extend(tokens)
+
+    def continuations(self, *args):
+        return [c for c, _ in self.idx.continuations(*args)]
 
 
 def seq_of(prompt, output) -> Sequence:
@@ -79,7 +87,7 @@ def test_incremental_index_equals_a_rescan_of_the_context():
     idx = ContextNgrams(1, 3)
     for n in range(1, len(toks) + 1):
         idx.extend(toks[n - 1:n])
-        assert idx.continuations(4, 5) == slow_continuations(toks[:n], 1, 3, 4, 5), n
+        assert [c for c, _ in idx.continuations(4, 5)] == slow_continuations(toks[:n], 1, 3, 4, 5), n
 
 
 def test_sync_indexes_prompt_then_output_once():
@@ -111,36 +119,45 @@ def test_drafts_fill_with_bigram_chains_after_context_matches():
     assert all(len(r) == 4 and r[0] == 3 for r in rows)
 
 
-def test_adaptive_drafting_stops_when_drafts_do_not_pay_and_probes_again():
-    """`adaptive`: a request drafts on a context match only while 1 + its accepted tokens per tree cover the
-    measured cost of a tree step over an AR step; it re-tries after PROBE_EVERY skipped matches."""
-    from trt_redrafter.runtime.ngram import PROBE_EVERY
-
-    prop = NgramProposer(1, 2, ProposerConfig())
-    s = seq_of([1, 2, 1, 2, 1], [2])  # "... 1 2": always a context match
-    assert prop.drafts(s, "adaptive", cost_ratio=1.5) == [[2, 1, 2]]  # optimistic until measured (gain 1.0)
-    for _ in range(10):
-        NgramProposer.observe(s, 0)  # its drafts keep failing
-    assert prop.drafts(s, "adaptive", cost_ratio=1.5) is None
-    assert prop.drafts(s, "matched", cost_ratio=1.5) == [[2, 1, 2]]  # matched ignores the cost
-    skipped = [prop.drafts(s, "adaptive", cost_ratio=1.5) for _ in range(PROBE_EVERY + 1)]
-    assert skipped[:-1] == [None] * PROBE_EVERY and skipped[-1] == [[2, 1, 2]]  # the probe
-    assert prop.drafts(s, "adaptive", cost_ratio=1.0) == [[2, 1, 2]]  # a tree step as cheap as AR: always pays
-    assert NgramProposer(1, 2, ProposerConfig()).drafts(seq_of([1, 2, 3], [4]), "adaptive") is None  # no match
+def test_drafts_are_scored_by_how_often_their_continuation_followed():
+    """A context draft claims count / (occurrences + 1) for its first token, CONTEXT_DECAY less per further token; a
+    model draft MODEL_FIRST, MODEL_DECAY less per further token (what the speculation policy calibrates)."""
+    table = table_of([[1, 3], [2, 0], [0, 1], [1, 2]])
+    prop = NgramProposer(3, 2, ProposerConfig(ngram_min=1, ngram_max=1), table)
+    s = seq_of([3, 0, 1, 3, 0, 2, 3, 0, 1], [3])  # "3" was followed by 0 three times: "0 1" twice, "0 2" once
+    d = prop.compose(s)
+    assert d.rows == [[3, 0, 1], [3, 0, 2], [3, 1, 2]]
+    q = lambda p: round(math.log(p) * SCORE_SCALE)  # noqa: E731
+    assert d.scores[0] == [q(2 / 4), q(2 / 4 * CONTEXT_DECAY)] and d.scores[1] == [q(1 / 4), q(1 / 4 * CONTEXT_DECAY)]
+    assert d.scores[2] == [q(MODEL_FIRST), q(MODEL_FIRST * MODEL_DECAY)]
+    matched = NgramProposer(3, 2, ProposerConfig(ngram_min=1, ngram_max=1), table, when="matched")
+    assert matched.compose(s).rows == [[3, 0, 1], [3, 0, 2], [3, 0, 1]]  # no model drafts: padded with the first
+    assert matched.compose(seq_of([1, 2], [3])) is None  # nothing to propose
 
 
-def test_no_table_no_match_gives_a_one_node_tree():
-    rows = NgramProposer(3, 2, ProposerConfig()).drafts(seq_of([1, 2], [3]))
-    assert rows == [[3, 3, 3]] * 3 and packed_length(rows) == 3
+def test_no_table_no_match_proposes_nothing():
+    assert NgramProposer(3, 2, ProposerConfig()).drafts(seq_of([1, 2], [3])) is None
 
 
-def test_host_tree_length_equals_the_packer():
+def test_host_tree_nodes_equal_the_step_s():
+    """`Draft.nodes` (what the policy weighs a host-composed tree by) lists the nodes as the step numbers them:
+    the packer's node count, and its scores and depths best first (`tree.node_scores` + `tree.order_by_score`)."""
+    from trt_redrafter.decoding.tree import node_scores, order_by_score
+
     rng = random.Random(1)
-    for _ in range(200):
+    for _ in range(300):
         nb, dl = rng.randint(1, 5), rng.randint(1, 4)
         rows = [[7] + [rng.randrange(3) for _ in range(dl)] for _ in range(rng.randint(1, nb))]
-        rows = fill_rows(rows, nb, 7, dl)
-        assert packed_length(rows) == int(pack_beams(torch.tensor([rows])).lengths[0])
+        scores = [sorted((-rng.randrange(4) * 100 for _ in range(dl)), reverse=True) for _ in rows]
+        if rng.random() < 0.3:  # a proposer whose scores for one prefix disagree between rows
+            scores = [[-rng.randrange(4) * 100 for _ in range(dl)] for _ in rows]
+        rows, scores = fill_rows(rows, nb, 7, dl, scores)
+        packed = pack_beams(torch.tensor([rows]), pad_to=1 + nb * dl)
+        ordered, node = order_by_score(packed, node_scores(packed, torch.tensor([scores]), SCORE_PAD))
+        n = int(packed.lengths[0])
+        got_scores, got_depths = Draft(rows, scores).nodes()
+        assert got_scores == node[0, :n].tolist() and got_depths == ordered.position_offsets[0, :n].tolist()
+        assert ordered.tokens.gather(1, ordered.unpacker.flatten(1)).view(1, nb, dl + 1).tolist() == [rows]
 
 
 # ---- engines ----------------------------------------------------------------------------------------------
@@ -151,7 +168,7 @@ MAX_NEW = 40
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     """A tiny base + drafter: a ReDrafter engine and an engine built from the base alone. N-gram requests draft on
-    every context match (`--ngram-when matched`): their acceptance then does not depend on measured step times."""
+    every context match (`--ngram-when matched`) and verify every tree whole (`load_engine`'s default)."""
     root = tmp_path_factory.mktemp("ngram")
     base, engines = build_tiny_engines(root, seed=41, num_beams=4, draft_len=3, num_heads=4, num_kv_heads=2,
                                        rnn=True, build_args=("--ngram-when", "matched"))
@@ -207,17 +224,18 @@ def test_mixed_keeps_the_drafters_best_beams(pair):
     """A mixed tree is the drafter's beams with context matches in place of its lowest-ranked ones only."""
     _, engine_dir, _, prompts, _ = pair
     engine = load_engine(engine_dir)
-    seen = {}  # the drafter's beams (flat, best first) as the step read them back
+    seen = {}  # the drafter's beams (best first) as the step read them back
     compose = engine._compose_on_host
-    engine._compose_on_host = lambda seqs, device, cost: (seen.update(device), compose(seqs, device, cost))
+    engine._compose_on_host = lambda seqs, device: (seen.update(device), compose(seqs, device))
     s = engine.new_sequence(prompts[0], greedy(MAX_NEW), proposer="mixed")
     ctx = []
     while not ctx and not s.finished:
         engine.step([s])  # trees are composed on the host after each step
         ctx = engine.ngram.context_drafts(s, engine.cfg.proposer.ngram_beams)
-    device = [seen[s.seq_id][i * 4:(i + 1) * 4] for i in range(4)]
-    rows = s.pending_beams
-    assert ctx and rows[:4 - len(ctx)] == device[:4 - len(ctx)] and rows[4 - len(ctx):] == ctx
+    device = seen[s.seq_id]
+    rows = s.pending.rows
+    assert ctx and rows[:4 - len(ctx)] == device.rows[:4 - len(ctx)] and rows[4 - len(ctx):] == ctx
+    assert s.pending.scores[:4 - len(ctx)] == device.scores[:4 - len(ctx)]
     engine.release(s)
 
 
@@ -276,8 +294,8 @@ def test_model_table_is_skipped_on_a_cpu_when_it_would_take_hours(pair, tmp_path
 
 
 def test_without_a_context_match_a_request_steps_ar_or_verifies_bigrams(pair, tmp_path):
-    """`--ngram-when matched`: a step with no context match is an AR step (no drafts); `always` verifies the model's
-    bigram drafts on every step. Both give AR's tokens."""
+    """`--ngram-when matched`: a step with no context match is an AR step (no drafts); `always` proposes the model's
+    bigram drafts on every step (verified whole here: `speculate full`). Both give AR's tokens."""
     base, _, plain, prompts, ar = pair
     engine = load_engine(plain)
     assert engine.ngram_when == "matched"

@@ -193,7 +193,7 @@ def engine(tmp_path_factory):
     _, engines = build_tiny_engines(root, seed=11, num_beams=2, draft_len=2, tps=(1,), max_batch_size=4,
                                     max_seq_len=160)
     tokenizer = write_chat_tokenizer(engines[1] / "tokenizer", root / "chat-tokenizer")
-    make_repo(engines[1], root / "repo", tokenizer_dir=tokenizer, runtime=RuntimeConfig(compile="off"))
+    make_repo(engines[1], root / "repo", tokenizer_dir=tokenizer, runtime=RuntimeConfig(compile="off", speculate="full"))
     return engines[1], root / "repo", tokenizer
 
 

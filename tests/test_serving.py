@@ -92,7 +92,7 @@ def engines(tmp_path_factory):
         # eager: these tests check the protocol, and compiling costs ~a minute per server start on 2 cores (the
         # CI perf smoke serves compiled engines)
         make_repo(engine_dir, repos[tp], tokenizer_dir=chat_tokenizer if tp == 1 else None,
-                  runtime=RuntimeConfig(compile="off"))
+                  runtime=RuntimeConfig(compile="off", speculate="full"))
     return engines, repos
 
 

@@ -38,7 +38,7 @@ def setup(tmp_path_factory):
     repos = {}
     for decoupled in (True, False):
         repos[decoupled] = root / f"repo-decoupled-{decoupled}"
-        make_repo(engines[1], repos[decoupled], runtime=RuntimeConfig(compile="off"), decoupled=decoupled,
+        make_repo(engines[1], repos[decoupled], runtime=RuntimeConfig(compile="off", speculate="full"), decoupled=decoupled,
                   max_queue_size=QUEUE)
     codec = TextCodec(engines[1] / "tokenizer")
     engine = load_engine(engines[1])

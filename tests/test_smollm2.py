@@ -53,7 +53,7 @@ def engine(request, smollm2, tmp_path_factory) -> Iterator[tuple[Path, float]]:
 def _run(engine: Path, mode: str, prompts: list[str], capsys) -> list[dict]:
     capsys.readouterr()
     assert cli(["run", "--engine", str(engine), "--mode", mode, "--chat", "--max-tokens", "64", "--json",
-                "--compile", "off", "--prompt", *prompts]) == 0
+                "--compile", "off", "--speculate", "full", "--prompt", *prompts]) == 0
     return [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
 
 

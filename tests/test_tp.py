@@ -63,6 +63,21 @@ def test_tp2_compiled_gives_the_tp1_tokens(engines):
     assert run_json(engines[2], prompts, "redrafter", ["--compile", "inductor"]) == ref
 
 
+def test_tp2_every_tree_width_and_the_policy_give_the_tp1_ar_tokens(engines):
+    """Every width the speculation policy can choose (`--speculate N`) and the policy itself (`auto`: rank 0 decides
+    and broadcasts), greedy and sampled, at TP=2: AR's tokens at TP=1."""
+    from trt_redrafter.runtime.policy import tree_buckets
+
+    prompts = random_prompts(512, [4, 9, 6], seed=3)
+    ref = run_json(engines[1], prompts, "ar")
+    for width in [*map(str, tree_buckets(1 + 4 * 3)), "auto"]:
+        assert run_json(engines[2], prompts, "redrafter", ["--speculate", width]) == ref, width
+    sampled = ["--temperature", "0.8", "--top-k", "50", "--seed", "123"]
+    ref = run_json(engines[1], prompts, "ar", sampled)
+    for width in ("2", "auto"):
+        assert run_json(engines[2], prompts, "redrafter", [*sampled, "--speculate", width]) == ref, width
+
+
 def test_tp_sampled_output_is_reproducible_across_tp(engines):
     prompts = random_prompts(512, [5, 7], seed=4)
     extra = ["--temperature", "0.8", "--top-k", "50", "--seed", "123"]
@@ -138,7 +153,8 @@ def test_tp2_draft_vocabulary_drafter_gives_the_tp1_tokens_and_steps(tmp_path):
         assert cli(["build-engine", "--checkpoint", str(ck), "--output", str(en), "--max-batch-size", "2",
                     "--max-input-len", "64", "--max-seq-len", "128"]) == 0
         cmd = [sys.executable, "-m", "trt_redrafter", "run", "--engine", str(en), "--json", "--max-tokens", "40",
-               "--ignore-eos", "--prompt-ids", "1,400,401,402,403,404,405", "10,11,12,13,14,15,16,17"]
+               "--ignore-eos", "--speculate", "full", "--prompt-ids", "1,400,401,402,403,404,405",
+               "10,11,12,13,14,15,16,17"]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         docs[tp] = [{k: d[k] for k in ("output_ids", "tokens_per_step")}

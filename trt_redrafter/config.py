@@ -340,11 +340,11 @@ class ProposerConfig(ConfigBase):
                                   "num_beams, at least 1)")
     ngram_min: int = _f(1, help="shortest context match in tokens")
     ngram_max: int = _f(4, help="longest context match in tokens (matches are tried longest first)")
-    ngram_when: str = _f("auto", help="when an N-gram request verifies a tree: always (the model's bigram drafts "
-                                      "when the context has no match), matched (on a context match; else an AR "
-                                      "step), adaptive (on a match, while its accepted tokens pay for the measured "
-                                      "cost of a tree step over an AR step); auto: always on a GPU, where a few "
-                                      "more verified tokens cost almost nothing, adaptive on a CPU",
+    ngram_when: str = _f("auto", help="what an N-gram request proposes: always (context matches, then the model's "
+                                      "bigram drafts), matched (context matches only; with none, nothing: an AR "
+                                      "step); auto: always on a GPU, where a few more verified tokens cost almost "
+                                      "nothing, matched on a CPU; adaptive: matched (the speculation policy, "
+                                      "--speculate, now decides what is verified for every proposer)",
                          choices=NGRAM_WHEN)
     mixed_min_match: int = _f(3, help="shortest context match that may take a drafter beam's place in a mixed tree "
                                       "(short matches are right less often than a trained drafter)")
@@ -434,9 +434,10 @@ class RuntimeConfig(ConfigBase):
 
     device: str = _f("auto", help="auto (CUDA when visible), cpu or cuda", choices=("auto", "cpu", "cuda"))
     dtype: str = _f("", help="compute dtype; empty means the engine's", choices=DTYPES + ("",))
-    drafter_dtype: str = _f("", help="the drafter's compute dtype; empty means the model's. The drafter only "
-                                     "proposes and the model verifies every token, so it changes how many tokens a "
-                                     "step accepts, not which (greedy); bfloat16 halves a float32 engine's drafter "
+    drafter_dtype: str = _f("", help="the drafter's compute dtype; empty: bfloat16 for a float32 engine on a CPU "
+                                     "with AVX512-BF16 and the avx512 linear layers, else the model's. The drafter "
+                                     "only proposes and the model verifies every token, so it changes how many tokens "
+                                     "a step accepts, not which (greedy); bfloat16 halves a float32 engine's drafter "
                                      "reads", choices=DTYPES + ("",))
     drafter_semantics: str = _f("", help="override the engine's drafter math (build-engine --drafter-semantics): "
                                          "apple or trtllm-0.13; empty means the engine's (model/drafter.py)",
@@ -462,6 +463,13 @@ class RuntimeConfig(ConfigBase):
     threads: int = _f(0, help="torch CPU threads in this process (0: torch's default)")
     profile_phases: bool = _f(False, help="time each phase of every step (verify/accept/rewind/draft/pack); the "
                                           "phases then run as separate graphs, so steps are a little slower")
+    speculate: str = _f("auto", help="how much of each draft tree a step verifies: auto (the speculation policy: the "
+                                     "nodes whose expected acceptance, from the proposer's own confidence calibrated "
+                                     "on this engine's outcomes, pays for what they add to the step, by a cost model "
+                                     "measured on this machine at load and cached beside the engine; down to AR "
+                                     "steps where nothing pays, as at large batches), full (every tree whole, every "
+                                     "step: what TensorRT-LLM does), or N (the N most confident nodes, root included, "
+                                     "every step). Output is the same whichever; speed is not (runtime/policy.py)")
 
     def validate(self) -> None:
         s = self.SECTION
@@ -475,6 +483,8 @@ class RuntimeConfig(ConfigBase):
             raise _bad(s, "kv_cache_tokens", "0 (the engine's) or a positive integer", self.kv_cache_tokens)
         if self.threads < 0:
             raise _bad(s, "threads", "0 (torch's default) or a positive integer", self.threads)
+        if self.speculate not in ("auto", "full") and not (self.speculate.isdigit() and int(self.speculate) >= 1):
+            raise _bad(s, "speculate", "auto, full or a positive number of tree nodes", self.speculate)
 
 
 def load_recipe(path: str | Path) -> dict:

@@ -10,6 +10,9 @@ Glossary:
                  drafted tokens.
     log_probs    [bs, nb, dl, V] the drafter's normalized log-distribution at every drafted position of every
                  returned beam (Q in the `apple` acceptance rule).
+    scores       [bs, nb, dl] the score of each beam's first j + 1 drafted tokens: the drafter's confidence in
+                 every node of the tree the beams make, which the speculation policy prunes trees by
+                 (runtime/policy.py).
 
 The loop, per drafting step t = 0..dl-1:
     state  <- drafter.update_state(embed(last token of each beam), state, t)
@@ -49,6 +52,7 @@ class DrafterProtocol(Protocol):
 class BeamSearchResult:
     beams: torch.Tensor  # [bs, nb, bl] long; beams[:, :, 0] = true token
     log_probs: Optional[torch.Tensor]  # [bs, nb, dl, V] float32; drafter log-distribution at each drafted position
+    scores: Optional[torch.Tensor] = None  # [bs, nb, dl] float32; log P(beam prefix up to each drafted position)
 
 
 def warp_logits(logits: torch.Tensor, k: Optional[int]) -> torch.Tensor:
@@ -100,8 +104,13 @@ def select_beams_topk(step_logits: torch.Tensor, score: torch.Tensor, num_beams:
     if warp_top_k is not None and warp_top_k < nb:  # warped-out ties would be chosen: keep the literal algorithm
         return select_beams(step_logits, score, nb, warp_top_k, need_log_probs)
     if nb == 1 and nin == 1 and not need_log_probs:
-        # one beam is greedy drafting: the argmax, whatever the normalizer (the score is never compared again)
-        return score, torch.zeros_like(score, dtype=torch.long), step_logits.argmax(dim=-1), None
+        # one beam is greedy drafting: the argmax, and its log-probability for the node's confidence (the normalizer
+        # over the warp's top-k, or over V)
+        logits = step_logits.float()
+        top, token = logits.max(dim=-1)  # [bs, 1]; the first maximal index, as argmax
+        kept = logits.topk(warp_top_k, dim=-1).values if warp_top_k is not None and warp_top_k < V else logits
+        lse = torch.logsumexp(kept - top[..., None], dim=-1)  # [bs, 1]
+        return score - lse, torch.zeros_like(score, dtype=torch.long), token, None
     logits = step_logits.float()
     K = min(max(nb, warp_top_k or 0), V)
     kk = min(nb, K)  # candidates kept per beam
@@ -154,20 +163,31 @@ def beam_search(drafter: DrafterProtocol, embed: Callable[[torch.Tensor], torch.
     score = torch.full((bs, nb), LOG_ZERO, dtype=torch.float32, device=device)  # [bs, nb] log P(beam)
     score[:, 0] = 0.0
     log_probs: Optional[torch.Tensor] = None  # [bs, nb, t, V]
+    history: Optional[torch.Tensor] = None  # [bs, nb, t] scores of each beam's prefixes
 
+    # A draft vocabulary (K token ids, FR-Spec): select among its K columns and map the winners to token ids, which
+    # is the selection over all V with LOG_ZERO outside it (exp(LOG_ZERO) is 0 in every normalizer), without
+    # touching V columns; the `apple` rule reads the distributions over V, so it takes the long way.
+    ids = getattr(drafter, "draft_vocab", None)
+    if keep_log_probs or (ids is not None and warp_top_k is not None and ids.shape[0] <= warp_top_k):
+        ids = None
+    logits = drafter.logits if ids is None else drafter.head_logits
     for t in range(dl):
         if t == 0:  # all beams are [true token] with the same state: run the drafter once and share the row
             state = drafter.update_state(embed(true_token), state, 0)  # [bs, H]
-            step_logits = drafter.logits(h, state)[:, None].expand(bs, nb, -1)  # [bs, nb, V]
+            step_logits = logits(h, state)[:, None].expand(bs, nb, -1)  # [bs, nb, V]
             state = state[:, None].expand(bs, nb, H).reshape(bs * nb, H)
         else:
             state = drafter.update_state(embed(beams[:, :, t].reshape(-1)), state, t)  # [bs*nb, H]
-            step_logits = drafter.logits(context, state).reshape(bs, nb, -1)  # [bs, nb, V] float32
+            step_logits = logits(context, state).reshape(bs, nb, -1)  # [bs, nb, V] float32
         score, parent, token, step_logp = select(step_logits, score, nb, warp_top_k, keep_log_probs)
+        if ids is not None:
+            token = ids[token]
         beams = torch.cat([beams[rows, parent], token[:, :, None]], dim=2)  # [bs, nb, t+2]
+        history = score[:, :, None] if history is None else torch.cat([history[rows, parent], score[:, :, None]], 2)
         state = state.view(bs, nb, -1)[rows, parent].view(bs * nb, -1)
         if keep_log_probs:
             assert step_logp is not None, "this selector does not return log-probs"
             chosen = step_logp[rows, parent][:, :, None]  # [bs, nb, 1, V]
             log_probs = chosen if log_probs is None else torch.cat([log_probs[rows, parent], chosen], dim=2)
-    return BeamSearchResult(beams=beams, log_probs=log_probs)
+    return BeamSearchResult(beams=beams, log_probs=log_probs, scores=history)

@@ -143,3 +143,40 @@ def path_packed_indices(unpacker: torch.Tensor, beam_index: torch.Tensor,
     path = unpacker[rows, beam_index]  # [bs, bl]
     valid = torch.arange(bl, device=path.device)[None, :] < num_tokens[:, None]
     return torch.where(valid, path, 0), num_tokens.clone()
+
+
+def node_scores(tree: PackedTree, scores: torch.Tensor, pad: float) -> torch.Tensor:
+    """The proposer's score of every packed node: scores [bs, nb, dl] (a beam's prefix up to each drafted position)
+    -> [bs, P]; the root scores 0 and padding `pad`. A node takes the score of its first occurrence, capped by its
+    parent's (a beam search gives one prefix one score; this makes it so whatever the proposer returned, and a node
+    never outranks its parent, which `order_by_score` relies on)."""
+    bs, P = tree.tokens.shape
+    nb, bl = tree.num_beams, tree.beam_length
+    per_position = torch.cat([torch.zeros_like(scores[:, :, :1]), scores], dim=2).reshape(bs, -1)  # [bs, nb*bl]
+    node = per_position.gather(1, tree.beam_positions)  # [bs, P] first occurrences
+    along = node.gather(1, tree.unpacker.reshape(bs, nb * bl)).reshape(bs, nb, bl).cummin(dim=2).values
+    node = along.reshape(bs, nb * bl).gather(1, tree.beam_positions)
+    valid = torch.arange(P, device=node.device)[None, :] < tree.lengths[:, None]
+    return torch.where(valid, node, torch.full_like(node, pad))
+
+
+def order_by_score(tree: PackedTree, score: torch.Tensor) -> tuple[PackedTree, torch.Tensor]:
+    """Renumber the packed nodes best score first -> (the reordered tree, its scores [bs, P] in the new order).
+
+    Ties go to the shallower node, then to the earlier one. A node never scores above its parent (a prefix's
+    log-probability), so every ancestor still precedes its descendants: any first k nodes form a tree (the k best, as
+    EAGLE-2 reranks), a path's indices still increase (the KV rewind's contract), and padding, scored lowest, stays
+    last. Only the numbering changes: tokens, offsets and beam positions move with their node, the mask is permuted
+    on both axes and the unpacker points at the new indices.
+    """
+    bs, P = tree.tokens.shape
+    by_depth = torch.sort(tree.position_offsets, dim=1, stable=True).indices
+    order = by_depth.gather(1, torch.sort(score.gather(1, by_depth), dim=1, descending=True, stable=True).indices)
+    new_index = torch.empty_like(order).scatter_(1, order, torch.arange(P, device=order.device).expand(bs, P))
+    nb, bl = tree.num_beams, tree.beam_length
+    mask = tree.mask.gather(1, order[:, :, None].expand(bs, P, P)).gather(2, order[:, None, :].expand(bs, P, P))
+    return PackedTree(tokens=tree.tokens.gather(1, order), lengths=tree.lengths,
+                      beam_positions=tree.beam_positions.gather(1, order),
+                      position_offsets=tree.position_offsets.gather(1, order),
+                      unpacker=new_index.gather(1, tree.unpacker.reshape(bs, nb * bl)).reshape(bs, nb, bl),
+                      mask=mask), score.gather(1, order)

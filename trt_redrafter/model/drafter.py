@@ -86,16 +86,21 @@ class DrafterRank(nn.Module):
 
     def logits(self, h: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
         """h, state: [n, H] -> float32 logits [n, V]."""
+        head = self.head_logits(h, state)
+        if self.draft_vocab is None:
+            return head[:, :self.vocab_size]
+        out = head.new_full((head.shape[0], self.vocab_size), LOG_ZERO)
+        return out.index_copy_(1, self.draft_vocab, head)  # [n, V]: LOG_ZERO outside the draft vocabulary
+
+    def head_logits(self, h: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        """h, state: [n, H] -> float32 logits [n, head rows]: over the draft vocabulary's K ids (in `draft_vocab`
+        order) where the drafter has one, else over the (padded) vocabulary."""
         x = torch.cat([h.to(self.dtype), state], dim=-1)  # [n, 2H]
         if self.input_proj is not None:
             x = self._col(x, self.input_proj)  # [n, exit_dim]
         for layer in self.layers:
             x = x + F.silu(self._col(x, layer))
-        head = self._col(x, self.lm_head).float()
-        if self.draft_vocab is None:
-            return head[:, :self.vocab_size]
-        out = head.new_full((head.shape[0], self.vocab_size), LOG_ZERO)
-        return out.index_copy_(1, self.draft_vocab, head)  # [n, V]: LOG_ZERO outside the draft vocabulary
+        return self._col(x, self.lm_head).float()
 
 
 def _draft_vocab(stored: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -1,29 +1,35 @@
 """The torch engine: load an engine directory, admit requests into batch slots, run batched steps.
 
-`Engine.step(seqs)` runs one step for every given request, grouped by what they need:
+`Engine.step(seqs)` runs one step for every given request:
     prompt phase   `DecodeStep.prefill` (eager; a request's prompt runs once), then the first draft
-    ReDrafter      `DecodeStep.redrafter_step`: verify -> accept -> rewind -> draft -> pack (step.py)
-    AR             `DecodeStep.ar_step`
-The decode steps run through `graphs.Unit`s (eager, inductor, CUDA graphs per batch bucket) and read their state
-from the device (`SlotState`, the paged KV cache's block table); the host reads back one small tensor per group,
-the emitted tokens, and does the bookkeeping (stop conditions, statistics, streaming events).
+    decoding       one launch for all of them, as the speculation policy decides (policy.py): a tree step
+                   (`DecodeStep.redrafter_step`: verify the first T nodes of every tree -> accept -> rewind -> draft ->
+                   pack), each request keeping as many of the T as pay (its root only, for an AR request or one without
+                   a fresh tree), or an AR step (`DecodeStep.ar_step`) when no tree pays
+The decode steps run through `graphs.Unit`s (eager, inductor, CUDA graphs per batch bucket and tree width) and read
+their state from the device (`SlotState`, the paged KV cache's block table); the host reads back one small tensor,
+one row per request (step.RowLayout), and does the bookkeeping (stop conditions, statistics, the policy's
+calibration, streaming events).
 
-Each speculative request has a proposer (config.PROPOSERS; the engine's default, or its own):
-    redrafter  the drafter's beams, drafted and packed inside the step (no host work)
-    ngram      N-gram drafts (runtime/ngram.py) composed on the host after the read-back
-    mixed      the drafter's beams, packed inside the step and read back with the emitted tokens; when the context
-               has N-gram matches, the host puts them in place of the lowest-ranked beams
+Each speculative request has a proposer (proposer.py; the engine's default, or its own), an object that says where
+its trees come from:
+    redrafter  the device drafter's beams, drafted and packed inside the step (no host work)
+    ngram      N-gram drafts (ngram.py) composed on the host after the read-back
+    mixed      the device drafter's beams, packed inside the step and read back with the emitted tokens; when the
+               context has N-gram matches, the host puts them in place of the lowest-ranked beams
 Trees composed on the host are packed at the start of the request's next step, so every step is still one launch
 and one read-back.
 
-Every rank runs the same steps on its shard; rank 0's decisions are broadcast inside the step (step.py).
-The engine knows nothing about text: token ids in, token ids out.
+Every rank runs the same steps on its shard; rank 0's decisions (the policy's, and the acceptance inside the step) are
+broadcast, so ranks never drift apart. The engine knows nothing about text: token ids in, token ids out.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import os
+import statistics
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -45,16 +51,21 @@ from .distributed import Dist
 from .engine_config import EngineConfig, load_engine_config
 from .graphs import Compiler, batch_buckets, bucket_for
 from .kv_cache import PagedKVCache
-from .ngram import NGRAMS_FILE, ModelNgrams, NgramProposer, packed_length
-from .proposer import HostProposer, ReDrafterProposer
-from .sequence import Sequence
-from .state import SlotState
-from .step import DecodeStep, StepKernels
+from .ngram import NGRAMS_FILE, ModelNgrams, NgramProposer
+from .policy import (AR_STEP, Candidate, CostModel, Policy, StepDecision, cost_cache_paths, fingerprint,
+                     load_cost_model, save_cost_model, tree_buckets)
+from .proposer import BeamDrafter, Draft, MixedProposer, Proposer, ReDrafterProposer
+from .sequence import Sequence, TreeNodes
+from .state import SlotState, put_rows
+from .step import DecodeStep, RowLayout, StepKernels
 from .timing import PhaseTimer
 
 logger = get_logger(__name__)
 
 PHASES = ("verify", "accept", "rewind", "draft", "pack")
+COST_CONTEXTS = (32, 1024)  # context lengths the cost model is measured at (the longer one capped by max_seq_len)
+COST_REPEATS = (3, 9)  # timed calls per measured point (after one untimed): fewest, and most for the fastest ones
+COST_POINT_S = 0.25  # ... so that each point takes about this long
 
 
 @dataclass
@@ -68,11 +79,13 @@ class StepEvent:
 
 @dataclass
 class StepTimes:
-    """Wall time of decode steps by kind (launch to read-back, host bookkeeping excluded), for cost ratios; and
-    under "propose" the host's drafting between steps (N-gram proposer, mixed trees)."""
+    """Wall time of decode steps by kind ("ar", "redrafter": a tree step; launch to read-back, host bookkeeping
+    excluded), for cost ratios; and under "propose" the host's drafting between steps (N-gram proposer, mixed
+    trees)."""
 
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     steps: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    widths: dict[int, int] = field(default_factory=lambda: defaultdict(int))  # decode steps by verified width (0: AR)
 
     def add(self, kind: str, seconds: float) -> None:
         self.seconds[kind] += seconds
@@ -84,11 +97,12 @@ class StepTimes:
     def reset(self) -> None:
         self.seconds.clear()
         self.steps.clear()
+        self.widths.clear()
 
 
 class Engine:
     def __init__(self, engine_dir: str | Path, dist: Dist, runtime: RuntimeConfig | None = None,
-                 proposer: Optional[HostProposer] = None, warmup: bool = True):
+                 proposer: Optional[Proposer] = None, warmup: bool = True):
         self.engine_dir = Path(engine_dir)
         cfg = load_engine_config(self.engine_dir)
         if cfg.tp_size != dist.world_size:
@@ -101,7 +115,7 @@ class Engine:
 
     @classmethod
     def from_tensors(cls, cfg: EngineConfig, tensors: dict[str, torch.Tensor], dist: Dist,
-                     runtime: RuntimeConfig | None = None, proposer: Optional[HostProposer] = None,
+                     runtime: RuntimeConfig | None = None, proposer: Optional[Proposer] = None,
                      warmup: bool = True) -> "Engine":
         """An engine over this rank's checkpoint tensors already in memory (benchmarks build random models in
         place); tensors already on the device in the compute dtype are used without a copy."""
@@ -111,7 +125,7 @@ class Engine:
         return engine
 
     def _setup(self, cfg: EngineConfig, tensors: dict[str, torch.Tensor], dist: Dist, runtime: RuntimeConfig,
-               proposer: Optional[HostProposer], warmup: bool) -> None:
+               proposer: Optional[Proposer], warmup: bool) -> None:
         self.cfg, self.runtime, self.dist = cfg, runtime, dist
         info = cfg.checkpoint
         if runtime.threads:
@@ -126,7 +140,7 @@ class Engine:
         semantics = runtime.drafter_semantics or self.build.drafter_semantics
         self.drafter = None
         if info.drafter is not None:
-            d_dtype = torch_dtype(runtime.drafter_dtype) if runtime.drafter_dtype else self.dtype
+            d_dtype = torch_dtype(runtime.drafter_dtype) if runtime.drafter_dtype else self._default_drafter_dtype()
             d_linear = self.linear if d_dtype == self.dtype else resolve_linear(runtime.linear, dist.device, d_dtype)
             self.drafter = DrafterRank(info.drafter, tensors, dist, d_dtype, semantics, d_linear)
         logger.info("model loaded in %.1fs (%s, linear layers: %s)", time.perf_counter() - t0, self.dtype,
@@ -159,29 +173,64 @@ class Engine:
             kernels = StepKernels.triton([*self.cache.k, *self.cache.v], with_mover="inductor" not in runtime.compile)
         elif self.kernels == "cpu":
             self.model.attention_impl = cpu_tree_attention
-        self.host_proposer = proposer  # tests' oracles: it drafts every speculative request's trees
+        self.device_drafter = BeamDrafter(self.drafter, self.model.embed, rd.num_beams, rd.draft_len_per_beam,
+                                          select=select) if self.drafter is not None else None
+        table = self.engine_dir / NGRAMS_FILE if self.engine_dir is not None else None
+        pc = cfg.proposer
+        # what an N-gram request proposes (ngram.py): auto = the model's drafts too on a GPU, context matches on a CPU
+        self.ngram_when = {"auto": "always" if dist.device.type == "cuda" else "matched",
+                           "adaptive": "matched"}.get(pc.ngram_when, pc.ngram_when)
+        self.ngram = NgramProposer(rd.num_beams, rd.draft_len_per_beam, pc,
+                                   ModelNgrams.load(table, info.model.vocab_size) if table and table.is_file() else None,
+                                   when=self.ngram_when)
+        self.proposers: dict[str, Proposer] = {
+            "redrafter": ReDrafterProposer(), "ngram": self.ngram,
+            "mixed": MixedProposer(self.ngram, pc.ngram_beams, pc.mixed_min_match)}
+        assert set(self.proposers) == set(PROPOSERS)
+        self.override = proposer  # a test's oracle: it drafts every speculative request's trees
         if proposer is not None:
             assert (proposer.num_beams, proposer.draft_len) == (rd.num_beams, rd.draft_len_per_beam), \
                 f"proposer drafts {proposer.num_beams}x{proposer.draft_len}, engine trees are " \
                 f"{rd.num_beams}x{rd.draft_len_per_beam}"
-        self.device_proposer = ReDrafterProposer(self.drafter, self.model.embed, rd.num_beams, rd.draft_len_per_beam,
-                                                 select=select) if self.drafter is not None else None
-        table = self.engine_dir / NGRAMS_FILE if self.engine_dir is not None else None
-        self.ngram = NgramProposer(rd.num_beams, rd.draft_len_per_beam, cfg.proposer,
-                                   ModelNgrams.load(table, info.model.vocab_size) if table and table.is_file() else None)
-        # when an N-gram request verifies a tree (ngram.py): auto = always on a GPU, adaptive on a CPU
-        self.ngram_when = cfg.proposer.ngram_when if cfg.proposer.ngram_when != "auto" else (
-            "always" if dist.device.type == "cuda" else "adaptive")
-        self.steps = DecodeStep(self.model, self.device_proposer, self.cache, self.state, dist, kernels)
+        self.steps = DecodeStep(self.model, self.device_drafter, self.cache, self.state, dist, kernels)
         self.compiler = Compiler(runtime.compile, dist.device, dist.world_size)
+        if "inductor" in self.compiler.mode:
+            self._keep_inductor_cache()
         self.buckets = batch_buckets(self.build.max_batch_size)
+        self.widths = tree_buckets(rd.max_tree_tokens)
         self._units: dict[tuple, object] = {}
         self.timer = PhaseTimer(dist.device, enabled=runtime.profile_phases)
         self.step_times = StepTimes()
-        self._step_ms: dict[str, float] = {}  # running mean of step time per kind: what a tree costs over AR
         self._ids = itertools.count()
+        self.policy = Policy(runtime.speculate, rd.max_tree_tokens)
+        self.outcomes: Optional[list[tuple[str, int, int, bool]]] = None  # a list: record verified nodes (tools)
         if warmup and self.compiler.mode != "off":
             self.warmup()
+        if self.policy.mode == "auto":
+            self.policy._costs = self._cost_model()
+
+    def _default_drafter_dtype(self) -> torch.dtype:
+        """The drafter's dtype when none is asked for: bfloat16 for a float32 engine on a CPU whose kernels compute
+        it natively (AVX512-BF16: half the bytes per drafted token; the drafter only proposes, so output is the
+        same), else the model's."""
+        if self.dist.device.type == "cpu" and self.dtype == torch.float32 and self.linear == "avx512" and \
+                cpu_kernels.available(torch.bfloat16):
+            return torch.bfloat16
+        return self.dtype
+
+    def _keep_inductor_cache(self) -> None:
+        """Inductor's compiled kernels go beside the engine (`.cache/inductor`), so that the next process that loads
+        it reuses them instead of compiling for minutes again; unless TORCHINDUCTOR_CACHE_DIR says otherwise, or
+        the engine directory cannot be written (then inductor's default, under /tmp)."""
+        if self.engine_dir is None or "TORCHINDUCTOR_CACHE_DIR" in os.environ:
+            return
+        where = self.engine_dir / ".cache" / "inductor"
+        try:
+            where.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            return
+        if os.access(where, os.W_OK):
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(where)
 
     def _resolve_kernels(self) -> str:
         want = self.runtime.kernels
@@ -224,6 +273,10 @@ class Engine:
         return "cpu"
 
     # ---- requests --------------------------------------------------------------------------------------------
+    def proposer_of(self, seq: Sequence) -> Proposer:
+        """The proposer that fills `seq`'s trees (a test's oracle, when the engine was given one)."""
+        return self.override or self.proposers[seq.proposer]
+
     def new_sequence(self, prompt: list[int], params: SamplingConfig, mode: str = "redrafter",
                      stop_ids: tuple[int, ...] = (), seq_id: int | None = None,
                      stop_sequences: tuple[tuple[int, ...], ...] = (), proposer: str | None = None) -> Sequence:
@@ -231,15 +284,16 @@ class Engine:
         overrides the engine's default for this request."""
         if mode not in DECODING_MODES:
             raise UserError(f"mode must be one of {', '.join(DECODING_MODES)}, got {mode!r}.")
-        proposer = proposer or self.cfg.proposer.proposer
-        if proposer not in PROPOSERS:
-            raise UserError(f"proposer must be one of {', '.join(PROPOSERS)}, got {proposer!r}.")
-        if proposer != "ngram" and self.drafter is None:
-            raise UserError(f"proposer {proposer!r} needs a drafter, and this engine was built without one; use "
+        name = proposer or self.cfg.proposer.proposer
+        if name not in self.proposers:
+            raise UserError(f"proposer must be one of {', '.join(PROPOSERS)}, got {name!r}.")
+        prop = self.proposers[name]
+        if prop.on_device and self.drafter is None:
+            raise UserError(f"proposer {name!r} needs a drafter, and this engine was built without one; use "
                             f"proposer 'ngram' (or rebuild with --drafter DIR).")
-        if mode == "redrafter" and proposer != "redrafter" and params.resolved_acceptance == "apple":
+        if mode == "redrafter" and not prop.drafter_probabilities and params.resolved_acceptance == "apple":
             raise UserError(f"acceptance 'apple' weighs each draft by the drafter's probabilities, which "
-                            f"{proposer!r} drafts do not have; use acceptance 'exact' (distribution-exact).")
+                            f"{name!r} drafts do not have; use acceptance 'exact' (distribution-exact).")
         if not prompt:
             raise UserError("the prompt is empty; give at least one token.")
         if len(prompt) > self.build.max_input_len:
@@ -254,12 +308,13 @@ class Engine:
                             f"{self.build.max_seq_len - len(prompt)} tokens.")
         sid = next(self._ids) if seq_id is None else seq_id
         return Sequence(sid, list(prompt), params, mode, frozenset(stop_ids), self.build.max_seq_len,
-                        stop_sequences=tuple(tuple(q) for q in stop_sequences if q), proposer=proposer)
+                        stop_sequences=tuple(tuple(q) for q in stop_sequences if q), proposer=name)
 
     def release(self, seq: Sequence) -> None:
         """Give back `seq`'s KV blocks and batch slot."""
         self.cache.free(seq.seq_id)
-        seq.pending_beams = None
+        seq.pending = seq.tree = None
+        seq.tree_fresh = False
         if seq.slot >= 0:
             self._free_slots.append(seq.slot)
             seq.slot = -1
@@ -273,15 +328,30 @@ class Engine:
         """KV positions `seq` needs for its next step."""
         if seq.in_prompt_phase:
             return len(seq.prompt) + len(seq.output)
-        if seq.mode == "redrafter":
+        if seq.speculative:
             return seq.ctx_len + self.redrafter.max_tree_tokens  # the padded tree is written whole
-        return seq.ctx_len + 1
+        return seq.ctx_len + 1  # a tree step writes its other positions to the cache's scratch block (kv_cache.py)
 
     # ---- the step --------------------------------------------------------------------------------------------
+    def decide(self, seqs: list[Sequence]) -> StepDecision:
+        """The policy's step for these requests (all past their prompt); the scheduler calls it on rank 0 and
+        broadcasts the decision with the step plan."""
+        decode = [s for s in seqs if not s.in_prompt_phase]
+        if not decode:
+            return AR_STEP
+        cands = []
+        for s in decode:
+            spec = s.speculative
+            cands.append(Candidate(
+                s.seq_id, spec, s.tree.scores if spec and s.tree else None,
+                self.policy.calibration(s.proposer, s.sampling.greedy) if spec else None,
+                fresh=s.tree_fresh, whole_tree=s.apple, context=s.ctx_len))
+        return self.policy.decide(cands, self._drafts_on_device(decode))
+
     @torch.inference_mode()
-    def step(self, seqs: list[Sequence], tree_cost_ratio: Optional[float] = None) -> list[StepEvent]:
-        """One step for every given request. `tree_cost_ratio` (default: this rank's measurement) is what the
-        N-gram proposer weighs its next trees with; under TP every rank is given rank 0's."""
+    def step(self, seqs: list[Sequence], decision: Optional[StepDecision] = None) -> list[StepEvent]:
+        """One step for every given request, as `decision` says (default: this rank's policy decides; under TP every
+        rank is given rank 0's)."""
         assert seqs and all(not s.finished for s in seqs), [s.seq_id for s in seqs]
         for s in seqs:
             self.cache.reserve(s.seq_id, self.tokens_needed(s))
@@ -289,38 +359,20 @@ class Engine:
                 assert self._free_slots, "more admitted requests than batch slots"
                 s.slot = self._free_slots.pop()
                 self.cache.bind(s.seq_id, s.slot)
-                self.state.set_params([s.slot], [s.sampling])
+                self.state.set_params([s.slot], [s.sampling], [s.apple])
         self.cache.sync()
         prompt = [s for s in seqs if s.in_prompt_phase]
-        kinds = {s.seq_id: self._step_kind(s) for s in seqs if not s.in_prompt_phase}
-        groups = [(kind, [s for s in seqs if kinds.get(s.seq_id) == kind]) for kind in DECODING_MODES]
-        launched = [(kind, g, self._launch(kind, g)) for kind, g in groups if g]  # all groups, then read back
+        decode = [s for s in seqs if not s.in_prompt_phase]
         emitted: dict[int, list[int]] = {}
-        compose: dict[int, Optional[list[int]]] = {}  # seq_id -> the device's beams (flat) or None: next tree on host
-        bl = self.redrafter.beam_length
-        for kind, group, (out, t0) in launched:
-            rows = out.cpu().tolist()  # the step's one host sync
-            dt = time.perf_counter() - t0
-            self.step_times.add(kind, dt)
-            self._step_ms[kind] = 0.9 * self._step_ms.get(kind, dt) + 0.1 * dt
-            if kind == "ar":  # [token | 1 | 1]
-                for s, row in zip(group, rows):
-                    emitted[s.seq_id] = row[:1]
-                    if self._on_host(s):  # a speculative request that had nothing to draft this step
-                        compose[s.seq_id] = None
-                continue
-            for s, row in zip(group, rows):  # [tokens (bl) | count | next tree length | device beams (mixed)]
-                emitted[s.seq_id] = row[:row[bl]]
-                s.tree_len = row[bl + 1]
-                if self._on_host(s):
-                    compose[s.seq_id] = row[bl + 2:] or None
+        compose: dict[int, Optional[Draft]] = {}  # seq_id -> the device's draft (mixed) or None: next tree on host
+        if decode:
+            decision = decision if decision is not None else self.decide(decode)
+            self._run_decode(decode, decision, emitted, compose)
         if prompt:
-            for s, (tok, tree_len) in zip(prompt, self._prefill(prompt, compose)):
+            for s, tok in zip(prompt, self._prefill(prompt, compose)):
                 emitted[s.seq_id] = [tok]
-                s.tree_len = tree_len
 
         events = []
-        dl = self.redrafter.draft_len_per_beam
         for s in seqs:
             toks = emitted[s.seq_id]
             was_prompt = s.in_prompt_phase
@@ -328,11 +380,6 @@ class Engine:
                 s.prefilled, s.ctx_len = True, len(s.prompt) + len(s.output)
             else:
                 s.ctx_len += len(toks)
-                if kinds[s.seq_id] == "redrafter":
-                    s.stats.accepted_draft_tokens += len(toks) - 1
-                    s.stats.draft_tokens += dl
-                    if s.proposer == "ngram":
-                        self.ngram.observe(s, len(toks) - 1)
             appended = s.append(toks)
             now = time.perf_counter()
             if was_prompt:
@@ -341,70 +388,80 @@ class Engine:
                 s.stats.steps += 1
                 s.stats.generated_in_steps += len(appended)
             events.append(StepEvent(s.seq_id, appended, s.finished))
-        self._compose_on_host([s for s in seqs if s.seq_id in compose and not s.finished], compose,
-                              self.tree_cost_ratio() if tree_cost_ratio is None else tree_cost_ratio)
+        self._compose_on_host([s for s in seqs if s.seq_id in compose and not s.finished], compose)
+        for cal in self.policy.calibrations.values():
+            cal.decay()
         return events
 
+    def _run_decode(self, group: list[Sequence], decision: StepDecision, emitted: dict[int, list[int]],
+                    compose: dict[int, Optional[Draft]]) -> None:
+        """Launch one decode step for `group`, read it back, and record what it did for each request."""
+        t0 = time.perf_counter()
+        out, layout = self._launch(decision, group)
+        rows = out.cpu().tolist()  # the step's one host sync
+        kind = "redrafter" if decision.is_tree else "ar"
+        self.step_times.add(kind, time.perf_counter() - t0)
+        self.step_times.widths[decision.width] += 1
+        nb = self.redrafter.num_beams
+        for s, row in zip(group, rows):
+            spec = s.speculative
+            prop = self.proposer_of(s) if spec else None
+            verified = s.tree if s.tree_fresh else None
+            s.tree_fresh, s.pending = False, None  # the tree is the last one it had, until a new one is drafted
+            if layout is None:  # AR step: [token | 1 | 0]
+                emitted[s.seq_id] = row[:1]
+                if spec and prop.on_host:
+                    compose[s.seq_id] = None
+                continue
+            r = layout.parse(row)
+            emitted[s.seq_id] = r.tokens
+            kept = decision.keep.get(s.seq_id, 1)
+            if spec and kept > 1 and verified is not None:
+                self._record(s, verified, kept, r.path)
+            if not spec:
+                continue
+            if r.scores and prop.on_device:
+                s.tree, s.tree_fresh = TreeNodes(r.scores, r.depths), True
+            if prop.on_host:
+                compose[s.seq_id] = Draft.of_flat(r.beams, r.beam_scores, nb) if r.beams else None
+
+    def _record(self, s: Sequence, verified: TreeNodes, kept: int, path: list[int]) -> None:
+        """Statistics and the policy's calibration from one verified tree: its first `kept` nodes were verified, the
+        ones at tree indices path[1:] accepted."""
+        n = min(kept, len(verified))
+        s.stats.accepted_draft_tokens += len(path) - 1
+        s.stats.draft_tokens += max(verified.depths[:n])
+        self.policy.calibration(s.proposer, s.sampling.greedy).observe(
+            verified.scores[1:n], [verified.scores[i] for i in path[1:]])
+        if self.outcomes is not None:  # every verified node: (proposer, score, depth, accepted)
+            accepted = set(path[1:])
+            self.outcomes += [(s.proposer, verified.scores[i], verified.depths[i], i in accepted) for i in range(1, n)]
+
     # ---- trees composed on the host --------------------------------------------------------------------------
-    def _step_kind(self, s: Sequence) -> str:
-        """"redrafter" (verify a tree) or "ar": AR requests, and speculative ones with nothing drafted this step
-        (an N-gram request with nothing worth verifying, `ngram_when`: tree_len 1 = the root alone)."""
-        return "ar" if s.mode == "ar" or s.tree_len == 1 else "redrafter"
+    def _drafts_on_device(self, seqs) -> bool:
+        """Whether the device drafter runs for these requests (one of them is speculative with an on-device
+        proposer)."""
+        return self.override is None and self.drafter is not None and any(
+            s.speculative and self.proposers[s.proposer].on_device for s in seqs)
 
-    def tree_cost_ratio(self) -> float:
-        """What a tree step has been costing over an AR step (1 until both have run)."""
-        ar, tree = self._step_ms.get("ar"), self._step_ms.get("redrafter")
-        return tree / ar if ar and tree else 1.0
-
-    def _on_host(self, s: Sequence) -> bool:
-        """Whether `s`'s next tree is composed on the host (else drafted and packed inside the step)."""
-        return s.mode == "redrafter" and (self.host_proposer is not None or s.proposer != "redrafter")
-
-    def _drafts_on_device(self, proposers) -> bool:
-        """Whether the drafter runs for requests with these proposer names (any that is not ngram)."""
-        return self.host_proposer is None and self.drafter is not None and any(p != "ngram" for p in proposers)
-
-    def _compose_on_host(self, seqs: list[Sequence], device_beams: dict[int, Optional[list[int]]],
-                         cost_ratio: float) -> None:
-        """The next tree of each of `seqs` (drafts, packed by its next step): the test oracle's, the N-gram
-        proposer's, or (mixed) the device's beams with context N-gram matches in place of its lowest-ranked ones;
-        a mixed request without a match keeps the tree the step packed."""
+    def _compose_on_host(self, seqs: list[Sequence], device: dict[int, Optional[Draft]]) -> None:
+        """The next tree of each of `seqs` (drafts, packed by its next tree step): its proposer's `compose`, from the
+        device's draft where the proposer wants it; None keeps the tree the step packed (or leaves none)."""
         if not seqs:
             return
         t0 = time.perf_counter()
-        nb, bl = self.redrafter.num_beams, self.redrafter.beam_length
-        if self.host_proposer is not None:
-            beams = self.host_proposer.propose(seqs)
-            assert beams.shape == (len(seqs), nb, bl), \
-                f"host proposer returned {tuple(beams.shape)}, expected {(len(seqs), nb, bl)}"
-            rows_of = beams.tolist()
-        else:
-            rows_of = []
-            pc = self.cfg.proposer
-            for s in seqs:
-                if s.proposer == "ngram":  # []: nothing worth verifying
-                    rows_of.append(self.ngram.drafts(s, self.ngram_when, cost_ratio) or [])
-                    continue
-                ctx = self.ngram.context_drafts(s, pc.ngram_beams, pc.mixed_min_match)
-                if not ctx:
-                    rows_of.append(None)  # the tree the step packed stays
-                    continue
-                flat = device_beams[s.seq_id]
-                rows = [flat[i * bl:(i + 1) * bl] for i in range(nb)]
-                ctx = [c for c in ctx if c not in rows]
-                rows_of.append(rows[:nb - len(ctx)] + ctx if ctx else None)
-        for s, rows in zip(seqs, rows_of):
-            if rows:
-                s.pending_beams, s.tree_len = rows, packed_length(rows)
-            elif rows is not None:  # the next step is an AR step (`_step_kind`)
-                s.pending_beams, s.tree_len = None, 1
+        for s in seqs:
+            draft = self.proposer_of(s).compose(s, device.get(s.seq_id))
+            if draft is not None:
+                s.pending, s.tree, s.tree_fresh = draft, TreeNodes(*draft.nodes()), True
         self.step_times.add("propose", time.perf_counter() - t0)
 
     def _rule(self, group: list[Sequence]) -> str:
-        rules = {s.sampling.resolved_acceptance for s in group}
-        if "apple" in rules and group[0].mode == "redrafter":
+        """The batch's acceptance variant: apple (some speculative request asks for it), greedy (every request is
+        greedy) or sample (counter-based draws per node; greedy rows take their argmax through them)."""
+        if any(s.apple for s in group):
             return "apple"
-        return "greedy" if rules == {"greedy"} else "sample"
+        return "greedy" if all(s.sampling.greedy for s in group) else "sample"
 
     def _key_blocks(self, longest: int) -> torch.Tensor:
         """[nblk]: how many KV blocks per request the attention is given. All of them under CUDA graphs (static
@@ -420,59 +477,69 @@ class Engine:
         block it is given, outside CUDA graphs (static shapes). The kernels stop at each request's length."""
         return not (self.compiler.uses_graphs or self.kernels in ("triton", "cpu"))
 
-    def _launch(self, kind: str, group: list[Sequence]) -> tuple[torch.Tensor, float]:
-        """Start one decode step for `group` -> (its output rows on the device, maybe still running; start time)."""
-        t0 = time.perf_counter()
+    def _launch(self, decision: StepDecision, group: list[Sequence]) -> tuple[torch.Tensor, Optional[RowLayout]]:
+        """Start one decode step for `group` -> (its output rows on the device, maybe still running; their layout,
+        None for an AR step)."""
         rule = self._rule(group)
+        slots = [s.slot for s in group]
+        if not decision.is_tree:
+            args = self._step_inputs(slots, 1, max(s.ctx_len for s in group) + 1)
+            return self._unit("ar")(*args[:2], rule)[:len(group)], None
         if rule == "apple":
             self.state.ensure_draft_logp(self.vocab_size)
-        T = self._tree_width(group) if kind == "redrafter" else 1
-        args = self._step_inputs([s.slot for s in group], T, max(s.ctx_len for s in group) + T)
-        if kind == "ar":
-            return self._unit(kind)(*args, rule, False)[:len(group)], t0
-        draft = self._drafts_on_device(s.proposer for s in group)
-        mixed = draft and any(s.proposer == "mixed" for s in group)  # the host needs the device's beams
-        variant = (rule, draft, mixed, *self._host_inputs(group, args[0].shape[0]))
+        keep = [decision.keep.get(s.seq_id, 1) for s in group]
+        T = self._verify_width(decision.width, max(keep))
+        args = self._step_inputs(slots, T, max(s.ctx_len for s in group) + T, keep)
+        draft = decision.draft and self._drafts_on_device(group)
+        ret = draft and any(s.speculative and self.proposer_of(s).wants_device_beams for s in group)
+        variant = (rule, draft, ret, *self._host_inputs(group, args[0].shape[0]))
+        layout = RowLayout(self.redrafter.beam_length, self.redrafter.max_tree_tokens, draft,
+                           self.redrafter.num_beams * self.redrafter.beam_length if ret else 0)
         if self.timer.enabled:  # each phase its own unit, timed
             out = self.steps.redrafter_step(*args, *variant, run=self._timed_phase)
             self.timer.end_step()
         else:
-            out = self._unit(kind)(*args, *variant)
-        return out[:len(group)], t0
+            out = self._unit("redrafter")(*args, *variant)
+        return out[:len(group)], layout
 
-    def _host_inputs(self, group: list[Sequence], n: int) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-        """(host_beams [n, nb, bl], host_mask [n]) of the group's trees composed on the host (None if none); taken:
-        the step packs them."""
-        pending = [s.pending_beams for s in group]
+    def _verify_width(self, width: int, kept: int) -> int:
+        """Tree nodes a step verifies: the bucket's width under CUDA graphs (captured shapes), else just the nodes
+        some request keeps, at least 2: inductor compiles one graph for every width >= 2 (a width of 1 would
+        specialize, and cost a compilation of its own for what one more node costs)."""
+        return width if self.compiler.uses_graphs else max(2, kept)
+
+    def _host_inputs(self, group: list[Sequence], n: int
+                     ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """(host_beams [n, nb, bl], host_scores [n, nb, dl], host_mask [n]) of the group's trees composed on the host
+        (None if none); taken: the step packs them."""
+        pending = [s.pending for s in group]
         if all(p is None for p in pending):
-            return None, None
+            return None, None, None
         nb, bl = self.redrafter.num_beams, self.redrafter.beam_length
-        empty = [[0] * bl] * nb
-        rows = [p if p is not None else empty for p in pending] + [empty] * (n - len(group))
+        empty_rows, empty_scores = [[0] * bl] * nb, [[0] * (bl - 1)] * nb
+        rows = [p.rows if p is not None else empty_rows for p in pending] + [empty_rows] * (n - len(group))
+        scores = [p.scores if p is not None else empty_scores for p in pending] + [empty_scores] * (n - len(group))
         mask = [p is not None for p in pending] + [False] * (n - len(group))
         for s in group:
-            s.pending_beams = None
+            s.pending = None
         dev = self.dist.device
-        beams, mask = torch.tensor(rows, dtype=torch.long).to(dev), torch.tensor(mask).to(dev)
-        self.compiler.mark_dynamic(beams, mask)
-        return beams, mask
+        beams = torch.tensor(rows, dtype=torch.long).to(dev)
+        scores_t, mask_t = torch.tensor(scores, dtype=torch.long).to(dev), torch.tensor(mask).to(dev)
+        self.compiler.mark_dynamic(beams, scores_t, mask_t)
+        return beams, scores_t, mask_t
 
-    def _step_inputs(self, slots: list[int], T: int, longest: int) -> tuple[torch.Tensor, ...]:
-        """(slots, key_blocks, tree_width) of a decode step: slots padded to a batch bucket under CUDA graphs, and
-        every varying size marked dynamic for inductor."""
-        if self.compiler.uses_graphs:
-            slots = slots + [self.state.padding_slot] * (bucket_for(len(slots), self.buckets) - len(slots))
-        args = (torch.tensor(slots, dtype=torch.long, device=self.dist.device), self._key_blocks(longest),
-                torch.arange(T, device=self.dist.device))
+    def _step_inputs(self, slots: list[int], T: int, longest: int, keep: Optional[list[int]] = None
+                     ) -> tuple[torch.Tensor, ...]:
+        """(slots, key_blocks, tree_width, keep) of a decode step: slots padded to a batch bucket under CUDA graphs
+        (padding rows keep their root), and every varying size marked dynamic for inductor."""
+        pad = bucket_for(len(slots), self.buckets) - len(slots) if self.compiler.uses_graphs else 0
+        keep = (keep or [1] * len(slots)) + [1] * pad
+        dev = self.dist.device
+        args = (torch.tensor(slots + [self.state.padding_slot] * pad, dtype=torch.long, device=dev),
+                self._key_blocks(longest), torch.arange(T, device=dev), torch.tensor(keep, dtype=torch.long, device=dev))
         # key_blocks varies only where the attention reads every block it is given (`_key_blocks`)
-        self.compiler.mark_dynamic(*(args if self._trims_key_blocks() else args[::2]))
+        self.compiler.mark_dynamic(*(args if self._trims_key_blocks() else (args[0], args[2], args[3])))
         return args
-
-    def _tree_width(self, group: list[Sequence]) -> int:
-        """Packed tokens a ReDrafter step verifies per request: the longest tree of the batch (the host knows the
-        lengths: each step returns them), or max_tree_tokens under CUDA graphs (static shapes)."""
-        P = self.redrafter.max_tree_tokens
-        return P if self.compiler.uses_graphs else min(P, max(2, max(s.tree_len for s in group)))
 
     def _unit(self, kind: str):
         unit = self._units.get(kind)
@@ -494,9 +561,10 @@ class Engine:
         """The same call on padding slots only (what a CUDA-graph capture may run for real)."""
         return (torch.full_like(slots, self.state.padding_slot), *rest)
 
-    def _prefill(self, seqs: list[Sequence], compose: dict[int, Optional[list[int]]]) -> list[tuple[int, int]]:
-        """Prompt step (eager) for newly admitted (or preempted) requests -> (first true token, tree length); rows
-        whose first tree the host composes go into `compose` (with the device's beams, where it drafted)."""
+    def _prefill(self, seqs: list[Sequence], compose: dict[int, Optional[Draft]]) -> list[int]:
+        """Prompt step (eager) for newly admitted (or preempted) requests -> their first true tokens; their first trees
+        drafted on the device (their nodes in `seq.tree`), and the rows whose first tree the host composes put into
+        `compose` (with the device's draft, where the proposer wants it)."""
         dev = self.dist.device
         texts = [s.prompt + s.output for s in seqs]
         lengths = torch.tensor([len(t) for t in texts], dtype=torch.long)
@@ -507,48 +575,160 @@ class Engine:
         rule = self._rule(seqs)
         prompt_len = torch.tensor([len(s.prompt) for s in seqs], dtype=torch.long)  # < lengths after a preemption
         h = self.steps.prefill(slots, ids.to(dev), lengths.to(dev), rule, prompt_len.to(dev))
-        rd = [i for i, s in enumerate(seqs) if s.mode == "redrafter" and self._drafts_on_device([s.proposer])]
-        tree_len = [0] * len(seqs)
+        rd = [i for i, s in enumerate(seqs) if self._drafts_on_device([s])]
+        P = self.redrafter.max_tree_tokens
         if rd:
             if rule == "apple":
                 self.state.ensure_draft_logp(self.vocab_size)
             idx = torch.tensor(rd, device=dev)
-            for i, n in zip(rd, self.steps.draft_from_prompt(slots[idx], h[idx], rule == "apple").tolist()):
-                tree_len[i] = n
-        host = [i for i, s in enumerate(seqs) if self._on_host(s)]
-        compose.update((seqs[i].seq_id, None) for i in host)
-        drafted = [i for i in host if i in rd]  # mixed: the host composes with the device's beams, read once
-        if drafted:
-            flat = self.state.beams[slots[torch.tensor(drafted, device=dev)]].flatten(1).tolist()
-            compose.update((seqs[i].seq_id, row) for i, row in zip(drafted, flat))
-        return list(zip(self.state.true_tok[slots].tolist(), tree_len))
+            packed = self.steps.draft_from_prompt(slots[idx], h[idx], rule == "apple").tolist()
+            want = [i for i in rd if self.proposer_of(seqs[i]).wants_device_beams]
+            beams = {}
+            if want:  # mixed: the host composes with the device's beams, read once
+                w = slots[torch.tensor(want, device=dev)]
+                beams = dict(zip(want, zip(self.state.beams[w].flatten(1).tolist(),
+                                           self.state.scores[w].flatten(1).tolist())))
+            for i, row in zip(rd, packed):
+                n = row[0]
+                seqs[i].tree, seqs[i].tree_fresh = TreeNodes(row[1:1 + n], row[1 + P:1 + P + n]), True
+                if i in beams:
+                    compose[seqs[i].seq_id] = Draft.of_flat(*beams[i], self.redrafter.num_beams)
+        for s in seqs:
+            if s.speculative and self.proposer_of(s).on_host and s.seq_id not in compose:
+                compose[s.seq_id] = None
+        return self.state.true_tok[slots].tolist()
 
-    # ---- warm-up ------------------------------------------------------------------------------------------
+    # ---- warm-up and the cost model ---------------------------------------------------------------------------
     def warmup(self) -> None:
         """Compile / capture the greedy decode steps of the engine's default proposer before the first request
-        (padding-slot batches only; other proposers' variants compile when first asked for)."""
+        (padding-slot batches only; other proposers' variants compile when first asked for): the AR step and the tree
+        step at every tree width the policy may choose (CUDA graphs: per batch bucket)."""
+        from tqdm import tqdm
+
         t0 = time.perf_counter()
         sizes = self.buckets if self.compiler.uses_graphs else sorted({1, min(2, self.build.max_batch_size)})
-        default = self.cfg.proposer.proposer
-        draft = self._drafts_on_device([default])
-        mixed = draft and default == "mixed"
+        prop = self.override or self.proposers[self.cfg.proposer.proposer]
+        draft = self.override is None and self.drafter is not None and prop.on_device
+        ret = draft and prop.wants_device_beams
         # (draft, return beams, host-composed trees in): see `_launch`; a mixed tree is host-composed on some steps
-        variants = [(draft, mixed, False)] if default == "redrafter" and self.host_proposer is None else \
-            [(draft, mixed, True)] + ([(draft, mixed, False)] if mixed else [])
+        variants = [(draft, ret, False)] if not prop.on_host else \
+            [(draft, ret, True)] + ([(draft, ret, False)] if prop.on_device else [])
+        widths = self.widths if self.compiler.uses_graphs else [self._verify_width(0, self.redrafter.max_tree_tokens)]
         nb, bl = self.redrafter.num_beams, self.redrafter.beam_length
-        with torch.inference_mode():
-            for kind in DECODING_MODES:
-                T = self.redrafter.max_tree_tokens if kind == "redrafter" else 1
-                for bs in sorted(sizes, reverse=True):  # largest first: later captures reuse its pool memory
-                    args = self._step_inputs([self.state.padding_slot] * bs, T, T)
-                    if kind == "ar":
-                        self._unit(kind)(*args, "greedy", False).cpu()
-                        continue
-                    for d, ret, host in variants:
-                        beams = mask = None
-                        if host:
-                            beams = torch.zeros(bs, nb, bl, dtype=torch.long, device=self.dist.device)
-                            mask = torch.ones(bs, dtype=torch.bool, device=self.dist.device)
-                            self.compiler.mark_dynamic(beams, mask)
-                        self._unit(kind)(*args, "greedy", d, ret, beams, mask).cpu()
-        logger.info("engine warm-up (%s, buckets %s) took %.1fs", self.compiler.mode, sizes, time.perf_counter() - t0)
+        work = [(bs, None) for bs in sorted(sizes, reverse=True)] + \
+               [(bs, (T, v)) for bs in sorted(sizes, reverse=True) for T in widths for v in variants]
+        dev = self.dist.device
+        with torch.inference_mode():  # largest batches first: later captures reuse their pool memory
+            for bs, tree_variant in tqdm(work, desc=f"compiling decode steps ({self.compiler.mode})", unit="graph",
+                                         disable=not self.dist.is_driver or None, leave=False):
+                if tree_variant is None:
+                    args = self._step_inputs([self.state.padding_slot] * bs, 1, 1)
+                    self._unit("ar")(*args[:2], "greedy").cpu()
+                    continue
+                T, (d, r, host) = tree_variant
+                args = self._step_inputs([self.state.padding_slot] * bs, T, T)
+                beams = scores = mask = None
+                if host:
+                    beams = torch.zeros(bs, nb, bl, dtype=torch.long, device=dev)
+                    scores = torch.zeros(bs, nb, bl - 1, dtype=torch.long, device=dev)
+                    mask = torch.ones(bs, dtype=torch.bool, device=dev)
+                    self.compiler.mark_dynamic(beams, scores, mask)
+                self._unit("redrafter")(*args, "greedy", d, r, beams, scores, mask).cpu()
+        logger.info("engine warm-up (%s, buckets %s, tree widths %s) took %.1fs", self.compiler.mode, sizes, widths,
+                    time.perf_counter() - t0)
+
+    def _cost_model(self) -> CostModel:
+        """The policy's cost model: from the cache beside the engine (or the user's cache) when one was measured for
+        this machine and these settings, else measured now (every rank takes part: the steps are collective)."""
+        key = fingerprint(device=self.dist.device, engine=self._identity(), dtype=str(self.dtype),
+                          drafter_dtype=str(self.drafter.dtype) if self.drafter is not None else None,
+                          kernels=self.kernels, linear=self.linear, compile=self.compiler.mode,
+                          threads=torch.get_num_threads(), tp=self.dist.world_size)
+        paths = cost_cache_paths(self.engine_dir)
+        model = load_cost_model(paths, key) if self.dist.is_driver else None
+        if self.dist.broadcast_object(model is not None):
+            return model
+        model = self.measure_costs()
+        model.key = key
+        if self.dist.is_driver:
+            where = save_cost_model(paths, model)
+            logger.info("step cost model measured and saved to %s", where or "(nowhere writable)")
+        return model
+
+    def _identity(self) -> str:
+        """What identifies the engine's step costs: its configuration (shapes, limits, tree)."""
+        return json.dumps({"build": self.build.to_dict(), "tree": self.redrafter.to_dict(),
+                           "model": self.cfg.checkpoint.model.to_dict(),
+                           "drafter": self.cfg.checkpoint.drafter.to_dict() if self.cfg.checkpoint.drafter else None},
+                          sort_keys=True)
+
+    @torch.inference_mode()
+    def measure_costs(self) -> CostModel:
+        """Time the decode steps on this machine: an AR step, and a tree step (verifying T nodes, drafting the next
+        trees) at every tree width, for every batch bucket, at two context lengths (COST_CONTEXTS). Runs on free batch
+        slots with throw-away KV; a width that could not pay even if every node were accepted (its step costs more
+        than 1 + dl AR steps) ends the widths of that batch size (the rest are extrapolated, proportionally). Under
+        TP every rank takes part (the steps are collective) and rank 0's timings decide how many steps run."""
+        from tqdm import tqdm
+
+        t0 = time.perf_counter()
+        rd = self.redrafter
+        P, dl = rd.max_tree_tokens, rd.draft_len_per_beam
+        hi = max(COST_CONTEXTS[0] + 1, min(COST_CONTEXTS[1], self.build.max_seq_len - P - 1))
+        contexts = [min(COST_CONTEXTS[0], hi - 1), hi]
+        batches = [b for b in self.buckets if b <= len(self._free_slots)]
+        free = sorted(self._free_slots)[:batches[-1]]
+        ids = [-1 - i for i in range(len(free))]  # throw-away sequences (real ones count from 0)
+        for sid, slot in zip(ids, free):
+            self.cache.reserve(sid, hi + P)
+            self.cache.bind(sid, slot)
+        self.cache.sync()
+        draft = self.drafter is not None and self.override is None and \
+            self.proposers[self.cfg.proposer.proposer].on_device
+        dev = self.dist.device
+
+        def timed(call, slots: torch.Tensor, ctx: int) -> float:
+            times: list[float] = []
+            repeats = COST_REPEATS[0]
+            while len(times) < repeats + 1:
+                put_rows(self.state.ctx_len, slots, torch.full_like(slots, ctx))
+                t = time.perf_counter()
+                call().cpu()
+                times.append(time.perf_counter() - t)
+                if len(times) == 2:  # rank 0's count: every step is collective, every rank runs as many
+                    repeats = self.dist.broadcast_object(
+                        max(COST_REPEATS[0], min(COST_REPEATS[1], int(COST_POINT_S / times[1]))))
+            return 1e3 * statistics.median(times[1:])
+
+        # untimed first: the first steps after loading fault the weights in and build lazily made things
+        warm = self._step_inputs(free[:1], self._verify_width(P, P), contexts[0] + P, [P])
+        for _ in range(3):
+            self._unit("ar")(*warm[:2], "greedy").cpu()
+            self._unit("redrafter")(*warm, "greedy", draft, False, None, None, None).cpu()
+
+        ar = [[0.0] * len(batches) for _ in contexts]
+        tree = [[[0.0] * len(self.widths) for _ in batches] for _ in contexts]
+        grid = [(c, b) for c in range(len(contexts)) for b in range(len(batches))]
+        for c, b in tqdm(grid, desc="measuring step costs", unit="point", disable=not self.dist.is_driver or None,
+                         leave=False):
+            ctx, bs = contexts[c], batches[b]
+            slots = [free[i] for i in range(bs)]
+            a = self._step_inputs(slots, 1, ctx + 1)
+            ar[c][b] = timed(lambda: self._unit("ar")(*a[:2], "greedy"), a[0], ctx)
+            last = None
+            for w, T in enumerate(self.widths):
+                if self.dist.broadcast_object(last is not None and last[1] > (1 + dl) * ar[c][b]):
+                    tree[c][b][w] = last[1] * T / last[0]
+                    continue
+                t = self._step_inputs(slots, self._verify_width(T, T), ctx + T, [T] * bs)
+                tree[c][b][w] = timed(lambda: self._unit("redrafter")(*t, "greedy", draft, False, None, None, None),
+                                      t[0], ctx)
+                last = (T, tree[c][b][w])
+        for sid in ids:
+            self.cache.free(sid)
+        put_rows(self.state.ctx_len, torch.tensor(free, device=dev), torch.zeros(len(free), dtype=torch.long,
+                                                                                 device=dev))
+        model = CostModel(batches, list(self.widths), contexts, ar, tree)
+        logger.info("step costs measured in %.1fs (%d batch sizes x %d tree widths x %d contexts)",
+                    time.perf_counter() - t0, len(batches), len(self.widths), len(contexts))
+        return model

@@ -20,16 +20,17 @@ speedup of a trained drafter at no training cost. Hugging Face's prompt-lookup d
 A context continuation that runs into the end of the context is continued periodically (text that repeated with
 period p so far is guessed to go on repeating), which is what a model stuck in a loop does.
 
-Where verifying a tree costs noticeably more than an AR step (a CPU: each verified token is a share of a step),
-drafting only pays when enough is accepted. `when` says when a request verifies a tree: `always` (model drafts
-without a context match), `matched` (only on a context match; otherwise the caller takes an AR step, as Hugging
-Face's prompt lookup drafts nothing without a match), `adaptive` (on a match, and only while the request's own
-accepted tokens per verified tree, a running mean, cover the measured cost of a tree step over an AR step; re-trying
-every `PROBE_EVERY` skipped matches, so that a context that starts repeating is noticed).
+Every draft carries a score, as the drafter's beams do, so the one speculation policy (policy.py) verifies what pays
+and learns how far to trust them: a context continuation seen c times among the m earlier occurrences of its match
+claims c / (m + 1) for its first token, CONTEXT_DECAY less per token after; a model draft claims MODEL_FIRST for its
+first token, MODEL_DECAY less per token after. `when` (ProposerConfig.ngram_when) says what is proposed: the model's
+drafts only with `always` (on a GPU, where a few more verified tokens cost almost nothing: `auto`), context matches
+only otherwise, as Hugging Face's prompt lookup drafts nothing without a match.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,28 +42,28 @@ from safetensors.torch import load_file, save_file
 from ..config import ProposerConfig
 from ..errors import UserError
 from ..log import get_logger
+from .proposer import Draft, Proposer
 from .sequence import Sequence
+from .step import SCORE_FLOOR, quantize_scores
 
 logger = get_logger(__name__)
 
 NGRAMS_FILE = "ngrams.safetensors"
 MAX_OCCURRENCES = 8  # most recent occurrences of one k-gram a lookup looks at (bounded cost per step)
 TABLE_TOP_K = 8  # successors kept per vocabulary entry (the most beams a bigram draft set can use)
-GAIN_DECAY = 0.7  # running mean of accepted tokens per verified tree: weight of the past
-PROBE_EVERY = 8  # a request that stopped drafting drafts again after this many skipped context matches
+CONTEXT_DECAY = 0.85  # claimed confidence of each further token of a context continuation
+MODEL_FIRST, MODEL_DECAY = 0.1, 0.5  # claimed confidence of a model draft's first token, and of each further one
 
 
 class ContextNgrams:
-    """A request's context and, for each k in [kmin, kmax], k-gram -> end positions (in order of occurrence); and
-    how its drafts fared (`gain`: running mean of accepted tokens per verified tree; `skips`: matches not drafted)."""
+    """A request's context and, for each k in [kmin, kmax], k-gram -> end positions (in order of occurrence)."""
 
-    __slots__ = ("tokens", "kmin", "kmax", "index", "gain", "skips")
+    __slots__ = ("tokens", "kmin", "kmax", "index")
 
     def __init__(self, kmin: int, kmax: int):
         self.tokens: list[int] = []
         self.kmin, self.kmax = kmin, kmax
         self.index: dict[int, dict[tuple[int, ...], list[int]]] = {k: {} for k in range(kmin, kmax + 1)}
-        self.gain, self.skips = 1.0, 0  # optimistic until measured
 
     def extend(self, tokens: list[int]) -> None:
         toks = self.tokens
@@ -82,19 +83,21 @@ class ContextNgrams:
         if n - np_ < len(seq.output):
             self.extend(seq.output[n - np_:])
 
-    def continuations(self, length: int, limit: int, min_k: int = 0) -> list[list[int]]:
+    def continuations(self, length: int, limit: int, min_k: int = 0) -> list[tuple[list[int], float]]:
         """Up to `limit` distinct continuations of `length` tokens of the context's last k tokens (k >= min_k),
-        longest k first; within one k ranked by count, then recency."""
+        longest k first; within one k ranked by count, then recency; each with the share of the k-gram's earlier
+        occurrences it followed (count / (occurrences + 1))."""
         toks = self.tokens
         n = len(toks)
-        out: list[list[int]] = []
+        out: list[tuple[list[int], float]] = []
         seen: set[tuple[int, ...]] = set()
         for k in range(min(self.kmax, n - 1), max(self.kmin, min_k) - 1, -1):
             ends = self.index[k].get(tuple(toks[n - k:]))
             if not ends or len(ends) < 2:  # the last k tokens themselves are always one occurrence
                 continue
             ranked: dict[tuple[int, ...], list[int]] = {}  # continuation -> [count, recency rank]
-            for r, i in enumerate(reversed(ends[-1 - MAX_OCCURRENCES:-1])):  # most recent first, not position n-1
+            earlier = ends[-1 - MAX_OCCURRENCES:-1]
+            for r, i in enumerate(reversed(earlier)):  # most recent first, not position n-1
                 period = n - 1 - i  # tokens after this occurrence up to the true token (>= 1)
                 cont = tuple(toks[i + 1 + j % period] for j in range(length))
                 entry = ranked.get(cont)
@@ -102,10 +105,10 @@ class ContextNgrams:
                     ranked[cont] = [1, r]
                 else:
                     entry[0] += 1
-            for cont, _ in sorted(ranked.items(), key=lambda kv: (-kv[1][0], kv[1][1])):
+            for cont, (count, _) in sorted(ranked.items(), key=lambda kv: (-kv[1][0], kv[1][1])):
                 if cont not in seen:
                     seen.add(cont)
-                    out.append(list(cont))
+                    out.append((list(cont), count / (len(earlier) + 1)))
                     if len(out) == limit:
                         return out
         return out
@@ -159,13 +162,18 @@ class ModelNgrams:
         return table
 
 
-class NgramProposer:
-    """Host proposer: `nb` drafts of `dl` tokens per request from its context and the model's N-grams."""
+class NgramProposer(Proposer):
+    """Host proposer: `nb` drafts of `dl` tokens per request from its context and the model's N-grams, scored."""
 
-    def __init__(self, num_beams: int, draft_len: int, cfg: ProposerConfig, table: Optional[ModelNgrams] = None):
+    name = "ngram"
+    on_host = True
+
+    def __init__(self, num_beams: int, draft_len: int, cfg: ProposerConfig, table: Optional[ModelNgrams] = None,
+                 when: str = "always"):
         self.num_beams, self.draft_len = num_beams, draft_len
         self.kmin, self.kmax = cfg.ngram_min, cfg.ngram_max
         self.table = table
+        self.when = when  # always: model drafts too; matched: context matches only
         self._chain = table.chains(draft_len) if table is not None else None
 
     def _index(self, seq: Sequence, min_k: int) -> ContextNgrams:
@@ -177,56 +185,60 @@ class NgramProposer:
 
     def context_drafts(self, seq: Sequence, limit: int, min_k: int = 0) -> list[list[int]]:
         """Up to `limit` drafts [true token, dl drafted tokens] from context matches (of >= min_k tokens) only."""
-        true = seq.true_token
-        return [[true, *c] for c in self._index(seq, min_k).continuations(self.draft_len, limit, min_k)]
+        return self.context_draft(seq, limit, min_k, fill=False).rows
 
-    def drafts(self, seq: Sequence, when: str = "always", cost_ratio: float = 1.0) -> Optional[list[list[int]]]:
-        """Exactly nb drafts (rows of bl tokens, column 0 the true token): context, then bigram, then unigram; or
-        None: nothing worth verifying this step (see the module docstring for `when`; `cost_ratio` is the measured
-        cost of a tree step over an AR step), the caller steps AR."""
+    def context_draft(self, seq: Sequence, limit: int, min_k: int = 0, fill: bool = True) -> Optional[Draft]:
+        """Context matches only, scored (None without one); `fill`: padded to nb rows (`fill_rows`)."""
+        true, dl = seq.true_token, self.draft_len
+        found = self._index(seq, min_k).continuations(dl, limit, min_k)
+        if not found:
+            return None if fill else Draft([], [])
+        rows = [[true, *c] for c, _ in found]
+        scores = [_chain_scores(share, CONTEXT_DECAY, dl) for _, share in found]
+        return Draft(*fill_rows(rows, self.num_beams, true, dl, scores)) if fill else Draft(rows, scores)
+
+    def compose(self, seq: Sequence, device: Optional[Draft] = None) -> Optional[Draft]:
+        """Exactly nb drafts: context, then (`when` always) bigram, then unigram; None without any."""
         nb, dl = self.num_beams, self.draft_len
-        rows = self.context_drafts(seq, nb)
-        if when != "always":
-            idx = seq.context_index
-            if not rows:
-                return None
-            if when == "adaptive" and 1.0 + idx.gain < cost_ratio and idx.skips < PROBE_EVERY:
-                idx.skips += 1
-                return None
-            idx.skips = 0
-        if len(rows) < nb and self.table is not None:
+        ctx = self.context_draft(seq, nb, fill=False)
+        rows, scores = ctx.rows, ctx.scores
+        if self.when == "always" and len(rows) < nb and self.table is not None:
             true, chain = seq.true_token, self._chain
             have = {r[1] for r in rows}  # one model draft per distinct first token
+            model = _chain_scores(MODEL_FIRST, MODEL_DECAY, dl)
             for first in self.table.starts(true):
                 if len(rows) == nb:
                     break
                 if first not in have:
                     have.add(first)
                     rows.append([true, first, *chain[first][:dl - 1]])
-        return fill_rows(rows, nb, seq.true_token, dl)
+                    scores.append(model)
+        if not rows:
+            return None
+        return Draft(*fill_rows(rows, nb, seq.true_token, dl, scores))
 
-    @staticmethod
-    def observe(seq: Sequence, accepted: int) -> None:
-        """Record how many drafted tokens the last verified tree of `seq` gave."""
-        idx = seq.context_index
-        if idx is not None:
-            idx.gain = GAIN_DECAY * idx.gain + (1.0 - GAIN_DECAY) * accepted
-
-    def propose(self, seqs: list[Sequence]) -> torch.Tensor:
-        """The HostProposer contract (always nb drafts per request)."""
-        return torch.tensor([self.drafts(s) for s in seqs], dtype=torch.long)
+    def drafts(self, seq: Sequence) -> Optional[list[list[int]]]:
+        """The rows of `compose` (tests and tools that want the token rows alone)."""
+        d = self.compose(seq)
+        return d.rows if d is not None else None
 
 
-def fill_rows(rows: list[list[int]], nb: int, true: int, dl: int) -> list[list[int]]:
-    """Pad a draft set to nb rows by repeating its first row (duplicates add no tree node), or the true token."""
+def _chain_scores(first: float, decay: float, dl: int) -> list[int]:
+    """Quantized log-confidence of a draft's prefixes: `first` for its first token, `decay` times less per token."""
+    lf, ld = math.log(max(first, 1e-9)), math.log(decay)
+    return quantize_scores(torch.tensor([lf + j * ld for j in range(dl)])).tolist()
+
+
+def fill_rows(rows: list[list[int]], nb: int, true: int, dl: int, scores: Optional[list[list[int]]] = None):
+    """Pad a draft set to nb rows by repeating its first row (duplicates add no tree node), or the true token;
+    with `scores`, -> (rows, scores) padded alike."""
     if not rows:
         rows = [[true] * (dl + 1)]
-    return rows + [rows[0]] * (nb - len(rows))
-
-
-def packed_length(rows: list[list[int]]) -> int:
-    """Packed tree length of a draft set (`decoding.tree.pack_beams` lengths): the root + every distinct prefix."""
-    return 1 + len({tuple(r[1:j + 1]) for r in rows for j in range(1, len(r))})
+        scores = [[SCORE_FLOOR] * dl] if scores is not None else None
+    rows = rows + [rows[0]] * (nb - len(rows))
+    if scores is None:
+        return rows
+    return rows, scores + [scores[0]] * (nb - len(scores))
 
 
 # ---- building the model's table ------------------------------------------------------------------------------

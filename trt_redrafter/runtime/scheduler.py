@@ -28,6 +28,7 @@ from ..log import get_logger
 from .distributed import COLLECTIVE_TIMEOUT_S
 from .engine import Engine
 from .kv_cache import KVCacheFull
+from .policy import AR_STEP, StepDecision
 from .sequence import Sequence
 
 logger = get_logger(__name__)
@@ -59,11 +60,12 @@ class PlannedRequest:
 
 @dataclass
 class StepPlan:
-    """What rank 0 broadcasts before each step: the requests of the step, in batch order, and rank 0's measured cost
-    of a tree step over an AR step (every rank decides the next N-gram trees with it, so they cannot differ)."""
+    """What rank 0 broadcasts before each step: the requests of the step, in batch order, and its speculation
+    policy's decision for the step (every rank runs the same step: a policy fed by per-rank timings could not
+    differ)."""
 
     requests: list[PlannedRequest]
-    tree_cost_ratio: float = 1.0
+    decision: StepDecision = field(default_factory=lambda: AR_STEP)
 
 
 @dataclass
@@ -221,9 +223,9 @@ class Scheduler:
             assert not self._waiting, "a waiting request cannot be admitted into an empty batch"
             return
         seqs = self._reserve(batch)
-        plan = StepPlan([PlannedRequest.of(s) for s in seqs], self.engine.tree_cost_ratio())
+        plan = StepPlan([PlannedRequest.of(s) for s in seqs], self.engine.decide(seqs))
         self.engine.dist.broadcast_object(("step", plan))
-        events = self.engine.step(seqs, plan.tree_cost_ratio)
+        events = self.engine.step(seqs, plan.decision)
         self._steps += 1
         for req, ev in zip([self._req_of(s) for s in seqs], events):
             if req.on_tokens is not None:
@@ -336,6 +338,6 @@ def follow(engine: Engine) -> None:
                 s.output = list(r.output)
                 seqs[r.seq_id] = s
             batch.append(s)
-        for ev in engine.step(batch, body.tree_cost_ratio):
+        for ev in engine.step(batch, body.decision):
             if ev.finished:
                 engine.release(seqs.pop(ev.seq_id))

@@ -22,7 +22,7 @@ class SeqStats:
     steps: int = 0  # generation steps after the prompt step
     generated_in_steps: int = 0  # tokens those steps emitted
     accepted_draft_tokens: int = 0
-    draft_tokens: int = 0  # dl per ReDrafter step: the most a step can accept
+    draft_tokens: int = 0  # per tree step, the most it could accept: the depth of the deepest node it verified
 
     @property
     def tokens_per_step(self) -> float:
@@ -31,6 +31,18 @@ class SeqStats:
     @property
     def acceptance_rate(self) -> float:
         return self.accepted_draft_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+
+@dataclass
+class TreeNodes:
+    """A request's next draft tree, node by node as the step numbers them (best first, the root first): each node's
+    quantized score (step.quantize_scores) and depth."""
+
+    scores: list[int]
+    depths: list[int]
+
+    def __len__(self) -> int:
+        return len(self.scores)
 
 
 @dataclass
@@ -46,13 +58,24 @@ class Sequence:
     ctx_len: int = 0  # committed KV entries (mirror of the device's SlotState.ctx_len)
     slot: int = -1  # batch slot while admitted (-1: none)
     prefilled: bool = False  # its prompt has been processed (it has a true token and, for ReDrafter, a tree)
-    tree_len: int = 0  # packed length of its next draft tree (ReDrafter)
     proposer: str = "redrafter"  # what drafts its trees (config.PROPOSERS), when mode == "redrafter"
-    pending_beams: Optional[list[list[int]]] = None  # next tree's drafts composed on the host, packed by the next step
+    tree: Optional[TreeNodes] = None  # its next draft tree as the policy sees it (or its last one, if not fresh)
+    tree_fresh: bool = False  # `tree` was drafted after its last step (else a step since made it stale)
+    pending: Optional[object] = None  # next tree's drafts composed on the host (proposer.Draft), packed by the next step
     context_index: Optional[object] = None  # the N-gram proposer's index of its tokens (ngram.ContextNgrams)
     finished: bool = False
     finish_reason: Optional[str] = None  # "stop" | "length" | "cancelled"
     stats: SeqStats = field(default_factory=SeqStats)
+
+    @property
+    def speculative(self) -> bool:
+        """Decoded with draft trees (mode redrafter, whatever its proposer), not one token per step."""
+        return self.mode == "redrafter"
+
+    @property
+    def apple(self) -> bool:
+        """A speculative request under the `apple` rule: its whole tree is verified every step (policy.py)."""
+        return self.speculative and self.sampling.resolved_acceptance == "apple"
 
     @property
     def in_prompt_phase(self) -> bool:

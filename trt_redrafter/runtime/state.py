@@ -10,7 +10,8 @@ Shapes (S = max_batch_size + 1 slots, P = max_tree_tokens = 1 + nb*dl):
     ctx_len [S]            committed KV entries
     true_tok [S]           the root of the next tree (the last emitted token)
     beams [S, nb, bl]      the drafts of the next tree (column 0 = true_tok)
-    tree_tokens [S, P]     packed tree (decoding.tree.PackedTree, padded to P)
+    scores [S, nb, dl]     the proposer's quantized score of each beam's prefixes (step.quantize_scores)
+    tree_tokens [S, P]     packed tree (decoding.tree.PackedTree, padded to P), numbered best node first
     tree_offsets [S, P]    depth of each packed token
     tree_mask [S, P, P]    ancestor-or-self mask
     unpacker [S, nb, bl]   packed index of every beam position
@@ -40,6 +41,7 @@ class SlotState:
     ctx_len: torch.Tensor
     true_tok: torch.Tensor
     beams: torch.Tensor
+    scores: torch.Tensor
     tree_tokens: torch.Tensor
     tree_offsets: torch.Tensor
     tree_mask: torch.Tensor
@@ -58,7 +60,7 @@ class SlotState:
         z = dict(device=device, dtype=torch.long)
         return cls(
             ctx_len=torch.zeros(num_slots, **z), true_tok=torch.zeros(num_slots, **z),
-            beams=torch.zeros(num_slots, nb, bl, **z),
+            beams=torch.zeros(num_slots, nb, bl, **z), scores=torch.zeros(num_slots, nb, draft_len, **z),
             tree_tokens=torch.zeros(num_slots, P, **z), tree_offsets=torch.zeros(num_slots, P, **z),
             tree_mask=torch.eye(P, dtype=torch.bool, device=device).repeat(num_slots, 1, 1),
             unpacker=torch.zeros(num_slots, nb, bl, **z),
@@ -85,20 +87,22 @@ class SlotState:
             self.draft_logp = torch.zeros(S, nb, bl - 1, vocab_size, dtype=torch.float32, device=self.beams.device)
         return self.draft_logp
 
-    def set_params(self, slots: list[int], params: list[SamplingConfig]) -> None:
-        """Write admitted requests' sampling parameters (host -> device, once per request)."""
+    def set_params(self, slots: list[int], params: list[SamplingConfig], apple: list[bool]) -> None:
+        """Write admitted requests' sampling parameters and whether each takes the `apple` rule (host -> device,
+        once per request)."""
         dev = self.seed.device
         idx = torch.tensor(slots, dtype=torch.long, device=dev)
         put_rows(self.seed, idx, torch.tensor([p.seed for p in params], dtype=torch.long).to(dev))
         put_rows(self.temperature, idx, torch.tensor([p.temperature for p in params]).to(dev))
         put_rows(self.top_k, idx, torch.tensor([p.top_k for p in params], dtype=torch.long).to(dev))
         put_rows(self.top_p, idx, torch.tensor([p.top_p for p in params]).to(dev))
-        put_rows(self.apple, idx, torch.tensor([p.resolved_acceptance == "apple" for p in params]).to(dev))
+        put_rows(self.apple, idx, torch.tensor(apple, dtype=torch.bool).to(dev))
 
-    def store_tree(self, slots: torch.Tensor, beams: torch.Tensor, tree: PackedTree,
+    def store_tree(self, slots: torch.Tensor, beams: torch.Tensor, scores: torch.Tensor, tree: PackedTree,
                    log_probs: Optional[torch.Tensor] = None) -> None:
-        """Make `tree` (packed from `beams`, padded to P) the next tree of `slots` [bs]."""
+        """Make `tree` (packed from `beams` with their `scores`, padded to P) the next tree of `slots` [bs]."""
         put_rows(self.beams, slots, beams)
+        put_rows(self.scores, slots, scores)
         put_rows(self.tree_tokens, slots, tree.tokens)
         put_rows(self.tree_offsets, slots, tree.position_offsets)
         put_rows(self.tree_mask, slots, tree.mask)

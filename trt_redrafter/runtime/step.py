@@ -5,14 +5,25 @@ P = max_tree_tokens), no Python loop over requests or tree levels and no host sy
 or capture the whole step (`redrafter_step`, `ar_step`) or, for a phase profile, each phase on its own. State
 between steps is `SlotState` (rows gathered and scattered by slot) and the paged KV cache.
 
-    verify  the base model over each request's packed tree (tree attention over the paged cache) -> hidden, logits
+    verify  the base model over the first T nodes of each request's packed tree (tree attention over the paged
+            cache) -> hidden, logits
     accept  the target's token after every tree node (argmax; or one counter-based draw per node for sampling),
-            then the longest drafted prefix that matches it (`accept_tokens`; `accept_apple` for that rule)
+            then the longest drafted prefix that matches it among the request's first `keep` nodes (`accept_tokens`;
+            `accept_apple` for that rule)
     rewind  move the accepted path's K/V entries to the next committed positions; advance ctx_len, true token
-    draft   the proposer's beams from the hidden state at the last accepted position and the next token
-    pack    dedup the beams into the next packed tree (`pack_beams`, padded to P) and store it in the slot rows
+    draft   the proposer's beams and their scores from the hidden state at the last accepted position and the next
+            token
+    pack    dedup the beams into the next packed tree (`pack_beams`, padded to P), number its nodes best score first
+            (`tree.order_by_score`) and store it in the slot rows
 An AR step is the same with a one-token tree and no draft/pack. The prompt step (`prefill`) is eager: its
 length varies per request, and it runs once per request.
+
+Trees are numbered best node first, so the first k nodes of a tree are its k most confident ones and themselves a
+tree: the speculation policy (policy.py) prunes a tree by choosing how many nodes a step verifies (T, a few static
+buckets, for the batch) and how many of them count for each request (`keep`, <= T: a request with nothing worth
+verifying keeps only its root, an AR step inside the tree step). Pruning removes candidates only, so the tokens
+emitted never change. The root verified is always the slot's true token, so a request whose stored tree is older
+than its last step (an AR step in between) can still take a tree step with `keep` 1.
 
 With TP > 1, rank 0's acceptance and beams are broadcast (they are equal anyway: every rank sees the same
 all-gathered logits), so ranks can never drift apart.
@@ -31,10 +42,9 @@ from ..model.attention import AttentionMeta
 from ..model.llama import LlamaRank
 from ..model.tp import Dist
 from .kv_cache import PagedKVCache
-from .proposer import DeviceProposer
+from .proposer import DeviceDrafter
 from .state import SlotState, put_rows
 
-RULES = ("greedy", "sample", "apple")  # batch-level acceptance variants; see `DecodeStep.accept`
 
 
 @dataclass
@@ -49,8 +59,64 @@ class Accepted:
     emitted: torch.Tensor  # [bs, bl + 1] long: emitted tokens (bl columns) and their count (last column)
 
 
-# What a decode step returns to the host, one row per request: [emitted tokens (bl columns) | their count |
-# the length of the request's next packed tree (0 when a host proposer drafts it)].
+SCORE_SCALE = 1024  # node scores (log-probabilities) travel as integers: round(score * SCORE_SCALE)
+SCORE_FLOOR = -64 * SCORE_SCALE  # and no lower (e^-64: nothing), so LOG_ZERO beams stay comparable
+SCORE_PAD = SCORE_FLOOR - 1  # the score of a padding node: below every real one
+
+
+def quantize_scores(scores: torch.Tensor) -> torch.Tensor:
+    """Log-probabilities -> int64 in [SCORE_FLOOR, 0]: what TP ranks broadcast, sort by and the host reads back, so
+    every rank orders a tree the same way."""
+    return (scores * SCORE_SCALE).round().clamp(SCORE_FLOOR, 0).long()
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """What a decode step returns to the host: one int64 row per request, read back in the step's one host sync.
+
+        tokens [bl]      emitted tokens (the first `count` are valid)
+        count            how many tokens the step emitted (accepted drafts + 1)
+        tree_len         packed length of the request's next tree (0: the device drafted none this step)
+        path [bl]        tree indices of the verified tree's accepted path, root first (0 past the accepted ones)
+        scores [P]       quantized scores of the next tree's nodes, best first (when the device drafted)
+        depths [P]       and their depths
+        beams [nb * bl]  the device's beams of the next tree, flat, and their scores [nb * dl] (return_beams: the host
+                         composes mixed trees from them)
+    An AR step returns [next token | 1 | 0].
+    """
+
+    bl: int
+    P: int
+    draft: bool = True
+    beams: int = 0  # nb * bl when the beams come back too
+
+    @property
+    def width(self) -> int:
+        return 2 * self.bl + 2 + (2 * self.P if self.draft else 0) + (2 * self.beams - self.beams // self.bl
+                                                                      if self.beams else 0)
+
+    def parse(self, row: list[int]) -> "StepRow":
+        bl = self.bl
+        count = row[bl]
+        at = 2 * bl + 2
+        tree_len = row[bl + 1]
+        scores = row[at:at + tree_len] if self.draft else []
+        depths = row[at + self.P:at + self.P + tree_len] if self.draft else []
+        at += 2 * self.P if self.draft else 0
+        nbeam = self.beams
+        return StepRow(tokens=row[:count], tree_len=tree_len, path=row[bl + 2:bl + 2 + count], scores=scores,
+                       depths=depths, beams=row[at:at + nbeam] or None, beam_scores=row[at + nbeam:] or None)
+
+
+@dataclass
+class StepRow:
+    tokens: list[int]
+    tree_len: int
+    path: list[int]  # tree indices of the accepted path: root, then one per accepted draft
+    scores: list[int]  # the next tree's node scores, best first (empty: the device drafted none)
+    depths: list[int]
+    beams: Optional[list[int]] = None
+    beam_scores: Optional[list[int]] = None
 
 
 for _cls in (Verified, Accepted):
@@ -94,7 +160,7 @@ def _call(name: str, phase: Callable, *args):
 class DecodeStep:
     """The batched step of one engine; holds references to its model, proposer, KV cache and slot state."""
 
-    def __init__(self, model: LlamaRank, proposer: Optional[DeviceProposer], cache: PagedKVCache,
+    def __init__(self, model: LlamaRank, proposer: Optional[DeviceDrafter], cache: PagedKVCache,
                  state: SlotState, dist: Dist, kernels: Optional[StepKernels] = None):
         self.model, self.proposer, self.cache, self.state, self.dist = model, proposer, cache, state, dist
         self.kernels = kernels or StepKernels()
@@ -123,12 +189,14 @@ class DecodeStep:
         return Verified(hidden=hidden, logits=self.model.logits(hidden) if with_logits else hidden[..., :0])
 
     def verify_tree(self, slots: torch.Tensor, key_blocks: torch.Tensor, tree_width: torch.Tensor) -> Verified:
-        """verify over the slots' stored draft trees, cut to the first P = len(tree_width) packed tokens (the
-        longest tree of the batch, or max_tree_tokens under CUDA graphs: padding positions are harmless)."""
+        """verify over the slots' stored draft trees, cut to their first T = len(tree_width) nodes (the best T: trees
+        are numbered best first; padding positions are harmless)."""
         st, w = self.state, tree_width  # index_select by arange(P), not [:, :P]: a strided slice would make
         # torch.compile specialize P while checking contiguity
-        return self.verify(slots, key_blocks, st.tree_tokens[slots].index_select(1, w),
-                           st.tree_offsets[slots].index_select(1, w),
+        tokens = st.tree_tokens[slots].index_select(1, w)
+        # the root is the true token: the stored tree's own root, unless an AR step came after the tree was drafted
+        tokens = torch.where(w[None, :] == 0, st.true_tok[slots][:, None], tokens)
+        return self.verify(slots, key_blocks, tokens, st.tree_offsets[slots].index_select(1, w),
                            st.tree_mask[slots].index_select(1, w).index_select(2, w))
 
     def targets(self, slots: torch.Tensor, logits: torch.Tensor, offsets: torch.Tensor, rule: str
@@ -148,13 +216,17 @@ class DecodeStep:
         tokens = self.kernels.draw(probs, rep(st.seed), position).view(bs, T)
         return tokens, probs.view(bs, T, V)
 
-    def accept(self, slots: torch.Tensor, logits: torch.Tensor, rule: str) -> Accepted:
-        """Choose beam, accepted count and next token for every request; pack the emitted tokens."""
+    def accept(self, slots: torch.Tensor, logits: torch.Tensor, rule: str, keep: torch.Tensor) -> Accepted:
+        """Choose beam, accepted count and next token for every request among its first keep [bs] (<= T) tree nodes;
+        pack the emitted tokens. A node past `keep` is never accepted: its drafted token is replaced by -1, which no
+        target token equals (`apple` rows verify whole trees: the policy gives them keep = T = P)."""
         st = self.state
         P = logits.shape[1]
         beams, unpacker = st.beams[slots], st.unpacker[slots]  # [bs, nb, bl]
         offsets = st.tree_offsets[slots].index_select(1, torch.arange(P, device=slots.device))
         node_tok, probs = self.targets(slots, logits, offsets, rule)  # [bs, P]
+        beams = torch.where(unpacker < keep[:, None, None], beams, -1)
+        unpacker = unpacker.clamp(max=P - 1)  # pruned positions read some verified node's value: never used
         acc = self.kernels.accept_tokens(beams, tree.unpack(unpacker, node_tok))  # tokens in beam layout
         if rule == "apple":
             target_logp = tree.unpack(unpacker, probs).log()  # [bs, nb, bl, V]
@@ -168,7 +240,8 @@ class DecodeStep:
     def rewind(self, slots: torch.Tensor, decision: torch.Tensor) -> torch.Tensor:
         """Keep the accepted path's K/V (move path entries to ctx+1..ctx+n), advance ctx_len and the true token.
 
-        -> path_last [bs]: packed index of the last accepted token (whose hidden state the drafter reads).
+        -> path [bs, bl]: packed indices of the root and the accepted tokens (0 past them); path[num_accepted] is the
+        last accepted token, whose hidden state the drafter reads.
         """
         st, cache = self.state, self.cache
         acc = Acceptance.unpack(decision)
@@ -185,62 +258,76 @@ class DecodeStep:
         dst = table.gather(1, dst_pos // bsz) * bsz + dst_pos % bsz
         self.kernels.move_kv([*cache.k, *cache.v], src, dst)
         st.advance(slots, ctx + acc.num_accepted + 1, acc.next_token)
-        return path[rows, acc.num_accepted]
+        return path
 
-    def draft(self, hidden: torch.Tensor, path_last: torch.Tensor, decision: torch.Tensor, keep_log_probs: bool
-              ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """The proposer's beams [bs, nb, bl] (and drafter log-probs for `apple`) for each request's next tree."""
+    def draft(self, hidden: torch.Tensor, path: torch.Tensor, decision: torch.Tensor, keep_log_probs: bool
+              ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """The proposer's beams [bs, nb, bl], their quantized scores [bs, nb, dl] (and drafter log-probs for `apple`)
+        for each request's next tree."""
         rows = torch.arange(hidden.shape[0], device=hidden.device)
-        return self._propose(hidden[rows, path_last], Acceptance.unpack(decision).next_token, keep_log_probs)
+        acc = Acceptance.unpack(decision)
+        return self._propose(hidden[rows, path[rows, acc.num_accepted]], acc.next_token, keep_log_probs)
 
     def _propose(self, h: torch.Tensor, true_token: torch.Tensor, keep_log_probs: bool
-                 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         res = self.proposer.draft(h, true_token, keep_log_probs)
-        return self.dist.broadcast(res.beams.contiguous()), res.log_probs
+        bl = res.beams.shape[2]
+        # beams and scores in one collective: every rank orders the tree by rank 0's scores
+        both = self.dist.broadcast(torch.cat([res.beams, quantize_scores(res.scores)], dim=2).contiguous())
+        return both[:, :, :bl], both[:, :, bl:], res.log_probs
 
-    def pack(self, slots: torch.Tensor, beams: torch.Tensor, log_probs: Optional[torch.Tensor]) -> torch.Tensor:
-        """Dedup the beams into the next packed tree, padded to P, and store it in the slot rows -> lengths [bs]."""
+    def pack(self, slots: torch.Tensor, beams: torch.Tensor, scores: torch.Tensor, log_probs: Optional[torch.Tensor]
+             ) -> torch.Tensor:
+        """Dedup the beams into the next packed tree, padded to P, numbered best node first by `scores` [bs, nb, dl]
+        (quantized), and store it in the slot rows -> [bs, 1 + 2P]: lengths, node scores best first, node depths."""
         packed = self.kernels.pack_beams(beams, pad_to=self.state.max_tree_tokens)
-        self.state.store_tree(slots, beams, packed, log_probs)
-        return packed.lengths
+        packed, node = tree.order_by_score(packed, tree.node_scores(packed, scores, SCORE_PAD))
+        self.state.store_tree(slots, beams, scores, packed, log_probs)
+        return torch.cat([packed.lengths[:, None], node, packed.position_offsets], dim=1)
 
-    def pack_host(self, slots: torch.Tensor, host_beams: torch.Tensor, host_mask: torch.Tensor) -> torch.Tensor:
-        """Pack the trees the host composed (rows where host_mask; the others keep their stored beams)."""
-        beams = torch.where(host_mask[:, None, None], self.dist.broadcast(host_beams), self.state.beams[slots])
-        return self.pack(slots, beams, None)
+    def pack_host(self, slots: torch.Tensor, host_beams: torch.Tensor, host_scores: torch.Tensor,
+                  host_mask: torch.Tensor) -> None:
+        """Pack the trees the host composed (rows where host_mask; the others repack their stored beams and scores,
+        which gives their stored tree back)."""
+        st = self.state
+        both = self.dist.broadcast(torch.cat([host_beams, host_scores], dim=2).contiguous())
+        bl = host_beams.shape[2]
+        use = host_mask[:, None, None]
+        self.pack(slots, torch.where(use, both[:, :, :bl], st.beams[slots]),
+                  torch.where(use, both[:, :, bl:], st.scores[slots]), None)
 
     # ---- whole steps -----------------------------------------------------------------------------------
-    def redrafter_step(self, slots: torch.Tensor, key_blocks: torch.Tensor, tree_width: torch.Tensor, rule: str,
-                       draft: bool, return_beams: bool = False, host_beams: Optional[torch.Tensor] = None,
+    def redrafter_step(self, slots: torch.Tensor, key_blocks: torch.Tensor, tree_width: torch.Tensor,
+                       keep: torch.Tensor, rule: str, draft: bool, return_beams: bool = False,
+                       host_beams: Optional[torch.Tensor] = None, host_scores: Optional[torch.Tensor] = None,
                        host_mask: Optional[torch.Tensor] = None, run: Optional[Callable] = None) -> torch.Tensor:
-        """One speculative step for [bs] slots -> [bs, bl + 2] (emitted tokens, their count, next tree length), and
-        the device proposer's beams [bs, nb * bl] after those when `draft and return_beams`.
+        """One speculative step for [bs] slots over the first T = len(tree_width) nodes of their trees, of which each
+        request keeps keep [bs] -> [bs, RowLayout(...).width] rows (RowLayout).
 
         Drafts composed on the host (N-gram proposers, mixed trees, test oracles) arrive as `host_beams` [bs, nb, bl]
-        for the rows in `host_mask` [bs] and are packed first. `draft` runs the device proposer after rewind and packs
-        its beams into the next trees; `return_beams` also returns them, for the host to compose mixed trees with.
-        `run(name, phase, *args)` calls each phase: directly by default; the engine's phase profile passes one that
-        runs each phase as its own timed unit.
+        and `host_scores` [bs, nb, dl] (quantized) for the rows in `host_mask` [bs] and are packed first. `draft` runs
+        the device proposer after rewind and packs its beams into the next trees; `return_beams` also returns them,
+        for the host to compose mixed trees with. `run(name, phase, *args)` calls each phase: directly by default;
+        the engine's phase profile passes one that runs each phase as its own timed unit.
         """
         run = run or _call
         if host_beams is not None:
-            run("pack", self.pack_host, slots, host_beams, host_mask)
+            run("pack", self.pack_host, slots, host_beams, host_scores, host_mask)
         v = run("verify", self.verify_tree, slots, key_blocks, tree_width)
-        a = run("accept", self.accept, slots, v.logits, rule)
-        path_last = run("rewind", self.rewind, slots, a.decision)
-        tree_len = torch.zeros_like(slots)
-        out = [a.emitted, tree_len[:, None]]
+        a = run("accept", self.accept, slots, v.logits, rule, keep)
+        path = run("rewind", self.rewind, slots, a.decision)
+        out = [a.emitted, torch.zeros_like(slots)[:, None], path]
         if draft:
-            beams, log_probs = run("draft", self.draft, v.hidden, path_last, a.decision, rule == "apple")
-            out[1] = run("pack", self.pack, slots, beams, log_probs)[:, None]
+            beams, scores, log_probs = run("draft", self.draft, v.hidden, path, a.decision, rule == "apple")
+            packed = run("pack", self.pack, slots, beams, scores, log_probs)  # [bs, 1 + 2P]
+            out[1] = packed[:, :1]
+            out.append(packed[:, 1:])
             if return_beams:
-                out.append(beams.flatten(1))
+                out += [beams.flatten(1), scores.flatten(1)]
         return torch.cat(out, dim=1)
 
-    def ar_step(self, slots: torch.Tensor, key_blocks: torch.Tensor, tree_width: torch.Tensor, rule: str,
-                draft: bool = False) -> torch.Tensor:
-        """One auto-regressive step for [bs] slots -> [bs, 3] (the next token, 1, 1); the same call signature as
-        `redrafter_step` (tree_width and draft are unused)."""
+    def ar_step(self, slots: torch.Tensor, key_blocks: torch.Tensor, rule: str) -> torch.Tensor:
+        """One auto-regressive step for [bs] slots -> [bs, 3]: the next token, 1 (tokens emitted), 0 (no tree)."""
         st = self.state
         bs = slots.shape[0]
         tok = st.true_tok[slots][:, None]  # [bs, 1]
@@ -250,7 +337,7 @@ class DecodeStep:
         nxt, _ = self.targets(slots, v.logits, zeros, rule)  # [bs, 1]
         nxt = self.dist.broadcast(nxt.contiguous())
         st.advance(slots, st.ctx_len[slots] + 1, nxt[:, 0])
-        return torch.cat([nxt, torch.ones_like(nxt), torch.ones_like(nxt)], dim=1)
+        return torch.cat([nxt, torch.ones_like(nxt), zeros], dim=1)
 
     def prefill(self, slots: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor, rule: str,
                 prompt_len: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -282,5 +369,6 @@ class DecodeStep:
         return h
 
     def draft_from_prompt(self, slots: torch.Tensor, h: torch.Tensor, keep_log_probs: bool) -> torch.Tensor:
-        """Draft + pack the first tree of newly prefilled requests (their true token is in the slot state)."""
+        """Draft + pack the first tree of newly prefilled requests (their true token is in the slot state) ->
+        [bs, 1 + 2P]: each tree's length, its node scores best first and their depths (`pack`)."""
         return self.pack(slots, *self._propose(h, self.state.true_tok[slots], keep_log_probs))

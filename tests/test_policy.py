@@ -1,0 +1,317 @@
+"""The speculation policy (runtime/policy.py): the cost model's lookups and cache, the calibration, the decisions on
+synthetic costs, and engines deciding for themselves: greedy == AR and sampled == sampled AR in every tree width the
+policy can choose (eager and compiled), an AR step for a drafter that is never right, and the whole tree for an
+oracle that always is."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from engine_utils import OracleProposer, build_tiny_engines, greedy, load_engine, random_prompts
+from trt_redrafter.config import RuntimeConfig, SamplingConfig
+from trt_redrafter.errors import UserError
+from trt_redrafter.runtime import policy as pol
+from trt_redrafter.runtime.generate import generate
+from trt_redrafter.runtime.policy import (PROBE_MAX, PROBE_MIN, Calibration, Candidate, CostModel, Policy,
+                                          load_cost_model, save_cost_model, tree_buckets)
+from trt_redrafter.runtime.step import SCORE_SCALE
+
+
+def q(p: float) -> int:
+    """A probability as a quantized score."""
+    return round(math.log(p) * SCORE_SCALE)
+
+
+# ---- the cost model ---------------------------------------------------------------------------------------------
+
+def test_tree_buckets():
+    assert tree_buckets(1) == [1]
+    assert tree_buckets(2) == [1, 2]
+    assert tree_buckets(5) == [1, 2, 3, 5]
+    assert tree_buckets(13) == [1, 2, 3, 5, 9, 13]
+    assert tree_buckets(17) == [1, 2, 3, 5, 9, 17]
+    assert tree_buckets(26) == [1, 2, 3, 5, 9, 17, 26]
+
+
+def model(ar=((10.0, 12.0, 20.0), (14.0, 18.0, 30.0)), tree=None) -> CostModel:
+    """Batches 1, 2, 4; widths 1, 2, 3; contexts 100 and 1100."""
+    if tree is None:
+        tree = [[[a * 1.1, a * 1.2, a * 1.5] for a in row] for row in ar]
+    return CostModel([1, 2, 4], [1, 2, 3], [100, 1100], [list(r) for r in ar], tree, {"k": 1})
+
+
+def test_cost_lookup_interpolates_batches_and_contexts():
+    m = model()
+    assert m.ar_ms(2, 100) == 12.0 and m.ar_ms(2, 1100) == 18.0
+    assert m.ar_ms(3, 100) == pytest.approx(16.0)  # halfway between batches 2 and 4
+    assert m.ar_ms(2, 600) == pytest.approx(15.0)  # halfway between the contexts
+    assert m.ar_ms(2, 2100) == pytest.approx(24.0)  # past the longer context: the same slope
+    assert m.ar_ms(8, 100) == pytest.approx(40.0)  # past the largest batch: proportional
+    assert m.tree_ms(4, 3, 100) == pytest.approx(30.0) and m.tree_ms(1, 2, 1100) == pytest.approx(16.8)
+    assert m.ar_ms(1, 0) == pytest.approx(9.6)
+
+
+def test_cost_cache_round_trip_and_keys(tmp_path):
+    m = model()
+    engine_dir = tmp_path / "engine"
+    engine_dir.mkdir()
+    paths = pol.cost_cache_paths(engine_dir)
+    assert paths[0] == engine_dir / pol.COST_MODEL_FILE
+    assert save_cost_model(paths, m) == paths[0]
+    other = model(ar=((1.0, 2.0, 3.0), (4.0, 5.0, 6.0)))
+    other.key = {"k": 2}
+    save_cost_model(paths, other)  # a second machine's (or setting's) model beside the first
+    assert load_cost_model(paths, {"k": 1}).to_dict() == m.to_dict()
+    assert load_cost_model(paths, {"k": 2}).ar == other.ar
+    assert load_cost_model(paths, {"k": 3}) is None
+    assert not list(engine_dir.glob(".*tmp"))  # written under a temporary name, then renamed
+    paths[0].write_text("{not json")
+    assert load_cost_model(paths, {"k": 1}) is None  # a damaged file is measured again, not trusted
+
+
+def test_cost_cache_falls_back_to_the_user_cache_for_a_read_only_engine(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    engine_dir = tmp_path / "engine"
+    engine_dir.mkdir()
+    paths = pol.cost_cache_paths(engine_dir)
+    (tmp_path / "a-file").write_text("")
+    paths[0] = tmp_path / "a-file" / pol.COST_MODEL_FILE  # an engine dir that cannot be written (even as root)
+    assert save_cost_model(paths, model()) == paths[1] and paths[1].is_relative_to(tmp_path / "cache")
+    assert load_cost_model(paths, {"k": 1}) is not None
+
+
+# ---- calibration -------------------------------------------------------------------------------------------------
+
+def test_calibration_starts_at_the_claim_and_learns_the_truth():
+    cal = Calibration()
+    assert cal.probability(q(0.9)) == pytest.approx(0.9, abs=1e-3)  # a drafter's word, until measured
+    for _ in range(200):  # claims 0.9, right a third of the time
+        cal.observe([q(0.9)] * 3, [q(0.9)])
+    assert cal.probability(q(0.9)) == pytest.approx(1 / 3, abs=0.02)
+    # a bin not seen yet: the claim, scaled by how far the claims held elsewhere (a third of 0.9 accepted)
+    assert cal.trust() == pytest.approx((200 + 1) / (600 * 0.9 + 1), rel=1e-3)
+    assert cal.probability(q(0.05)) == pytest.approx(0.05 * cal.trust(), rel=1e-2)
+    for _ in range(8000):  # nothing observed for a long time: the evidence fades back towards the claim
+        cal.decay()
+    assert cal.probability(q(0.9)) > 0.8
+
+
+def test_calibration_bins_are_ordered():
+    scores = [0, q(0.95), q(0.8), q(0.6), q(0.4), q(0.3), q(0.2), q(0.1), q(0.03), q(1e-6)]
+    bins = [Calibration.bin(s) for s in scores]
+    assert bins == sorted(bins) and bins[0] == 0 and bins[-1] == len(pol.SCORE_BINS)
+
+
+# ---- decisions ---------------------------------------------------------------------------------------------------
+
+def cands(n: int, scores, cal: Calibration, fresh: bool = True) -> list[Candidate]:
+    return [Candidate(i, True, list(scores), cal, fresh=fresh, context=100) for i in range(n)]
+
+
+def flat_costs(ar=10.0, per_node=0.2, batches=(1, 2, 4, 8)) -> CostModel:
+    """A bandwidth-bound machine: a tree step costs the AR step, a drafter pass and a little per node."""
+    widths = tree_buckets(13)
+    row_ar = [ar * (1 + 0.05 * b) for b in batches]
+    tree = [[a + 1.0 + per_node * w * b for w in widths] for a, b in zip(row_ar, batches)]
+    return CostModel(list(batches), widths, [100, 1100], [row_ar, row_ar], [tree, tree])
+
+
+def test_confident_trees_are_verified_as_far_as_they_pay():
+    policy = Policy("auto", 13, flat_costs())
+    chain = [0] + [q(0.95 ** d) for d in range(1, 5)] + [q(0.01)] * 8  # a sure chain of 4, then noise
+    d = policy.decide(cands(2, chain, Calibration()), can_draft=True)
+    assert d.is_tree and d.width == 5 and d.draft and d.keep == {0: 5, 1: 5}
+    assert d.expected == pytest.approx(sum(0.95 ** k for k in range(1, 5)), rel=0.02)
+
+
+def test_a_weak_tree_among_good_ones_is_not_verified_but_drafting_goes_on():
+    policy = Policy("auto", 13, flat_costs())
+    good, weak = [0, q(0.9), q(0.8), q(0.7)], [0, q(0.01)]
+    d = policy.decide(cands(1, good, Calibration()), True)
+    assert d.width == 5 and d.keep == {0: 4}  # the whole 4-node tree: the bucket of 5 nodes
+    d = policy.decide(cands(1, weak, Calibration()), True)
+    assert d.is_tree and d.width == 1 and d.keep == {0: 1} and d.draft  # verify nothing, draft the next tree
+    for _ in range(20):  # weak trees only: drafting stops paying on average
+        d = policy.decide(cands(1, weak, Calibration()), True)
+    assert not d.is_tree
+
+
+def never_right() -> Calibration:
+    cal = Calibration()
+    for _ in range(100):
+        cal.observe([q(0.9), q(0.5), q(0.2)], [])
+    return cal
+
+
+def rest_kinds(policy, stale, steps) -> list[int]:
+    """Decisions while every request's tree is stale: 1 = a probe, 0 = an AR step; after a probe the fresh tree
+    (weak) is not worth drafting on."""
+    kinds = []
+    for _ in range(steps):
+        d = policy.decide(stale, True)
+        kinds.append(d.width if d.is_tree else 0)
+        if d.is_tree:
+            assert d.width == 1 and d.keep == {0: 1} and d.draft
+            assert not policy.decide(cands(1, [0, q(0.01)], never_right()), True).is_tree
+    return kinds
+
+
+def test_a_drafter_that_is_never_right_is_probed_rarely():
+    policy = Policy("auto", 13, flat_costs())
+    weak = [0, q(0.9), q(0.5), q(0.2)]
+    assert not policy.decide(cands(1, weak, never_right()), True).is_tree  # its tree is not verified: rest
+    kinds = rest_kinds(policy, cands(1, weak, never_right(), fresh=False), 3 * PROBE_MAX)
+    assert [i for i, k in enumerate(kinds) if k] == [PROBE_MAX - 1, 2 * PROBE_MAX - 1, 3 * PROBE_MAX - 1]
+    assert not policy.decide(cands(1, weak, never_right(), fresh=False), can_draft=False).is_tree
+
+
+def test_probes_back_off_while_they_find_nothing():
+    """Requests whose last trees would pay (if drafted again) are probed after PROBE_MIN steps, then after twice as
+    many each time the probe's tree does not pay."""
+    policy = Policy("auto", 13, flat_costs())
+    policy.decide(cands(1, [0, q(0.01)], never_right()), True)  # not worth it: rest
+    hopeful = cands(1, [0, q(0.9), q(0.8)], Calibration(), fresh=False)
+    kinds = rest_kinds(policy, hopeful, 1 + PROBE_MIN + 2 * PROBE_MIN + 4 * PROBE_MIN + 3)
+    probes = [i for i, k in enumerate(kinds) if k]
+    assert probes[0] == PROBE_MIN - 1
+    assert [b - a for a, b in zip(probes, probes[1:])] == [2 * PROBE_MIN, 4 * PROBE_MIN]
+    assert pol.PROBE_MIN < PROBE_MAX
+
+
+def test_large_batches_on_a_compute_bound_machine_take_ar_steps():
+    """Where a verified node costs what an AR token does (a CPU at batch 8), even a good drafter does not pay."""
+    costs = flat_costs(per_node=10.0 / 8)
+    policy = Policy("auto", 13, costs)
+    good = [0, q(0.8), q(0.6), q(0.45), q(0.3)]
+    assert policy.decide(cands(1, good, Calibration()), True).is_tree
+    assert not policy.decide(cands(8, good, Calibration()), True).is_tree
+
+
+def test_fixed_modes_and_apple_verify_what_they_say():
+    costs = flat_costs()
+    weak = [0, q(0.01), q(0.001)]
+    d = Policy("full", 13, costs).decide(cands(2, weak, Calibration()), True)
+    assert d.width == 13 and d.keep == {0: 3, 1: 3}  # a 3-node tree keeps its 3
+    d = Policy("5", 13, costs).decide(cands(1, [0] * 13, Calibration()), True)
+    assert d.width == 5 and d.keep == {0: 5}
+    assert Policy("40", 13, costs).fixed_width() == 13
+    apple = cands(1, weak, Calibration())
+    apple[0].whole_tree = True
+    d = Policy("auto", 13, costs).decide(apple + [Candidate(9, False, None)], True)
+    assert d.width == 13 and d.keep == {0: 3, 9: 1}  # an AR request in the batch keeps its root
+    assert not Policy("auto", 13, costs).decide([Candidate(9, False, None)], True).is_tree
+
+
+def test_speculate_setting_is_validated():
+    assert RuntimeConfig(speculate="7").speculate == "7"
+    for bad in ("0", "-1", "some", "2.5"):
+        with pytest.raises(UserError, match="runtime.speculate"):
+            RuntimeConfig(speculate=bad).validate()
+
+
+# ---- engines -----------------------------------------------------------------------------------------------------
+
+PROMPT_LENS = [5, 11, 3, 8, 14]
+MAX_NEW = 30
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("policy")
+    _, engines = build_tiny_engines(root / "wide", seed=71, num_beams=4, draft_len=3, num_heads=4, num_kv_heads=2,
+                                    rnn=True, kv_block_size=16)
+    _, chain = build_tiny_engines(root / "chain", seed=72, num_beams=1, draft_len=4, num_heads=4, num_kv_heads=2,
+                                  rnn=True)
+    prompts = random_prompts(384, PROMPT_LENS, seed=71)
+    engine = load_engine(engines[1])
+    greedy_ar = [r.output_ids for r in generate(engine, prompts, greedy(MAX_NEW), "ar")]
+    sampled = [SamplingConfig(max_tokens=MAX_NEW, temperature=0.8, top_k=50, seed=s) for s in range(len(prompts))]
+    sampled_ar = [r.output_ids for r in generate(engine, prompts, sampled, "ar")]
+    return dict(engine_dir=engines[1], chain_dir=chain[1], prompts=prompts, greedy_ar=greedy_ar, sampled=sampled,
+                sampled_ar=sampled_ar)
+
+
+def widths_chosen(engine) -> list[int]:
+    """Wrap engine.step to record each step's decision width (0: an AR step)."""
+    seen = []
+    step = engine.step
+
+    def recording(seqs, decision=None):
+        decision = decision if decision is not None else engine.decide(seqs)
+        seen.append(decision.width if any(not s.in_prompt_phase for s in seqs) else None)
+        return step(seqs, decision)
+
+    engine.step = recording
+    return seen
+
+
+def check_every_width(engine, tiny) -> None:
+    P = engine.redrafter.max_tree_tokens
+    for w in tree_buckets(P):
+        engine.policy.mode = str(w)
+        seen = widths_chosen(engine)
+        got = [r.output_ids for r in generate(engine, tiny["prompts"], greedy(MAX_NEW))]
+        assert got == tiny["greedy_ar"], f"greedy, {w} nodes"
+        got = [r.output_ids for r in generate(engine, tiny["prompts"], tiny["sampled"])]
+        assert got == tiny["sampled_ar"], f"sampled, {w} nodes"
+        assert set(seen) - {None} == {w}
+        del engine.step
+
+
+def test_every_tree_width_gives_ar_tokens_greedy_and_sampled(tiny):
+    check_every_width(load_engine(tiny["engine_dir"]), tiny)
+
+
+@pytest.mark.slow
+def test_every_tree_width_gives_ar_tokens_compiled(tiny):
+    engine = load_engine(tiny["engine_dir"], compile="inductor")
+    assert engine.compiler.mode == "inductor"
+    check_every_width(engine, tiny)
+
+
+def test_the_policy_gives_ar_tokens_and_measures_its_costs_once(tiny):
+    engine = load_engine(tiny["engine_dir"], speculate="auto")
+    cached = tiny["engine_dir"] / pol.COST_MODEL_FILE
+    assert cached.is_file()
+    costs = engine.policy.costs
+    assert costs.batches == [1, 2, 4] and costs.widths == tree_buckets(13)
+    assert all(x > 0 for row in costs.ar for x in row)
+    doc = json.loads(cached.read_text())
+    assert len(doc["entries"]) == 1
+    again = load_engine(tiny["engine_dir"], speculate="auto")  # the cache: no second measurement
+    assert again.policy.costs.to_dict() == costs.to_dict()
+    assert [r.output_ids for r in generate(engine, tiny["prompts"], greedy(MAX_NEW))] == tiny["greedy_ar"]
+    assert [r.output_ids for r in generate(engine, tiny["prompts"], tiny["sampled"])] == tiny["sampled_ar"]
+
+
+def test_a_drafter_that_is_never_right_gets_ar_steps(tiny):
+    """The tiny engine's random drafter: nothing it drafts is accepted. After a few steps of learning that, the
+    policy takes AR steps (and an occasional probe); the output is AR's."""
+    engine = load_engine(tiny["engine_dir"], speculate="auto")
+    seen = widths_chosen(engine)
+    res = generate(engine, tiny["prompts"] * 4, greedy(MAX_NEW))
+    assert [r.output_ids for r in res] == tiny["greedy_ar"] * 4
+    decode = [w for w in seen if w is not None]
+    late = decode[len(decode) // 2:]
+    assert late.count(0) >= 0.8 * len(late), late  # AR steps
+    assert all(w <= 1 for w in late if w)  # what is not an AR step is a probe (it drafts, verifies the root)
+    cal = engine.policy.calibration("redrafter", True)
+    assert sum(s["accepted"] * s["verified"] for s in cal.summary() if s["verified"]) < 1
+
+
+def test_an_oracle_gets_its_whole_tree(tiny):
+    """A proposer that always drafts the continuation, certain of it: every step verifies and accepts the whole
+    tree (one beam of 4: 5 nodes)."""
+    ar = {i: out for i, out in enumerate(generate(load_engine(tiny["chain_dir"]), tiny["prompts"], greedy(MAX_NEW),
+                                                  "ar"))}
+    engine = load_engine(tiny["chain_dir"], OracleProposer(tiny["chain_dir"], {i: r.output_ids for i, r in ar.items()}),
+                         speculate="auto")
+    seen = widths_chosen(engine)
+    res = generate(engine, tiny["prompts"], greedy(MAX_NEW))
+    assert [r.output_ids for r in res] == [r.output_ids for r in ar.values()]
+    assert [w for w in seen if w is not None] and all(w == 5 for w in seen if w is not None)
+    assert min(r.tokens_per_step for r in res) > 4.0

@@ -1,0 +1,401 @@
+"""The speculation policy: how much of each draft tree a step verifies, down to none.
+
+A tree is worth verifying only where the tokens it is expected to add pay for what verifying it adds to the step.
+Both sides are measured, not assumed:
+
+    CostModel    step time by batch size and verified tree nodes T, measured on this machine for this engine (its
+                 device, dtype, kernels, linear layers, compile mode and threads) at two context lengths, and cached
+                 beside the engine: `ar` (an AR step) and `tree` (a step that verifies T nodes of every request's tree
+                 and drafts the next trees).
+    Calibration  P(a drafted node is accepted | the proposer's score for it), learned from every verified node's
+                 outcome, per proposer and acceptance rule. A node's score is its proposer's confidence in the whole
+                 path to it (ReDrafter: the drafter's log-probability of the beam prefix, which its beam search
+                 computes anyway); the expected tokens a tree adds are the sum of its nodes' acceptance probabilities,
+                 EAGLE-2's argument: a node adds a token exactly when its whole path is accepted.
+    Policy       per step, for the whole batch: an AR step, or a tree step over T (one of a few static buckets)
+                 nodes with a `keep` per request (<= T: requests without a fresh tree keep their root only). Trees are
+                 numbered best node first (step.py), so the first T nodes are the T worth most, and pruning removes
+                 candidates only: output never changes.
+
+Two decisions, each by tokens per millisecond. Which width: the T (1 included: verify nothing, draft the next trees)
+whose step emits the most per millisecond for the trees at hand. Whether to draft at all (a tree step drafts the next
+trees, an AR step does not): while the running means of what drafting steps emit and cost, in AR steps, say they pay.
+When they do not (a drafter that is wrong, a batch so large that verifying is compute-bound), the policy takes AR
+steps; as those draft nothing, it probes (a tree step of width 1) after PROBE_MIN steps, backing off to PROBE_MAX
+while probes find nothing worth verifying, and waits PROBE_MAX where the requests' last trees, drafted again, would
+not pay either. The published anchors: EAGLE-2 (trees from draft confidence), SpecDec++ (stop drafting when
+acceptance is unlikely), SmartSpec and vLLM's dynamic speculation (speculate only while goodput gains: less under
+load).
+
+Every TP rank runs the decisions rank 0 made (the scheduler broadcasts them with the step plan), so a cost model
+measured per rank, or a float rounded differently, can never make ranks disagree.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import math
+import os
+import platform
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Optional
+
+from ..log import get_logger
+from .step import SCORE_SCALE
+
+logger = get_logger(__name__)
+
+COST_MODEL_FILE = "cost_model.json"
+COST_MODEL_VERSION = 1
+PROBE_MIN, PROBE_MAX = 4, 64  # AR steps between probes while resting (doubling while probes find nothing)
+PROBE_HOPE = 0.95  # probe sooner than PROBE_MAX only where the last trees, drafted again, would nearly pay
+MEAN_DECAY = 0.8  # running means of a drafting step's gain and cost: weight of the past
+
+# calibration: bins of a node's score (log-probability), best first; the prior is the score itself (a calibrated
+# drafter), worth PRIOR_WEIGHT observations; old outcomes fade by DECAY per step, so a drafter that starts or stops
+# fitting the text is followed, and a stale pessimism gives way to the prior again
+SCORE_BINS = (-0.1, -0.25, -0.5, -0.75, -1.0, -1.5, -2.0, -3.0, -4.5)
+PRIOR_WEIGHT = 1.0
+DECAY = 0.998
+
+
+def tree_buckets(max_tree_tokens: int) -> list[int]:
+    """Tree widths a step may verify: 1 (the root: a probe), 2, 3, 5, 9, 17, ... (1 + powers of two) and the whole
+    tree. Few, so that CUDA graphs capture each; spaced so that the next bucket roughly doubles the drafted nodes."""
+    out, k = [1], 1
+    while 1 + k < max_tree_tokens:
+        out.append(1 + k)
+        k *= 2
+    return out + [max_tree_tokens] if max_tree_tokens > 1 else out
+
+
+# ---- the cost model -----------------------------------------------------------------------------------------------
+
+@dataclass
+class CostModel:
+    """Measured step times (ms): `ar[b]` and `tree[b][T]` at context lengths `contexts` (two), for the batch sizes
+    `batches` (the engine's buckets). Lookups interpolate linearly between measured batch sizes and contexts (and
+    extrapolate past the longer context)."""
+
+    batches: list[int]
+    widths: list[int]
+    contexts: list[int]
+    ar: list[list[float]]  # [context][batch]
+    tree: list[list[list[float]]]  # [context][batch][width]
+    key: dict = field(default_factory=dict)  # what it was measured for (`fingerprint`)
+
+    def ar_ms(self, batch: int, context: float) -> float:
+        return self._lookup([row for row in self.ar], batch, context)
+
+    def tree_ms(self, batch: int, width: int, context: float) -> float:
+        w = self.widths.index(width)
+        return self._lookup([[per_b[w] for per_b in row] for row in self.tree], batch, context)
+
+    def _lookup(self, table: list[list[float]], batch: int, context: float) -> float:
+        at_ctx = [_interp(self.batches, row, batch) for row in table]
+        (c0, c1), (v0, v1) = self.contexts, at_ctx
+        return max(v0 + (v1 - v0) * (context - c0) / (c1 - c0), min(v0, v1) * 0.5)
+
+    def to_dict(self) -> dict:
+        return {"batches": self.batches, "widths": self.widths, "contexts": self.contexts, "ar": self.ar,
+                "tree": self.tree, "key": self.key}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CostModel":
+        return cls(d["batches"], d["widths"], d["contexts"], d["ar"], d["tree"], d.get("key", {}))
+
+    def table(self) -> str:
+        """The measurement as a markdown table: ms per step by batch and width, at each context."""
+        lines = []
+        for c, ctx in enumerate(self.contexts):
+            lines.append(f"step ms at context {ctx}: | batch | AR | " + " | ".join(f"T={w}" for w in self.widths) +
+                         " |")
+            for b, bs in enumerate(self.batches):
+                lines.append(f"| {bs} | {self.ar[c][b]:.2f} | " +
+                             " | ".join(f"{x:.2f}" for x in self.tree[c][b]) + " |")
+        return "\n".join(lines)
+
+
+def _interp(xs: list[int], ys: list[float], x: float) -> float:
+    if x <= xs[0]:
+        return ys[0]
+    if x >= xs[-1]:
+        return ys[-1] * x / xs[-1]  # past the largest measured batch: proportional (compute-bound)
+    i = bisect.bisect_left(xs, x)
+    if xs[i] == x:
+        return ys[i]
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+def fingerprint(**parts) -> dict:
+    """What a cost model depends on besides the engine's weights: the machine and how the engine runs."""
+    import torch
+
+    device = parts.pop("device")
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = _cpu_name()
+    return {"version": COST_MODEL_VERSION, "device": name, "torch": torch.__version__, **parts}
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip() + f" x{os.cpu_count()}"
+    except OSError:
+        pass
+    return f"{platform.processor() or platform.machine()} x{os.cpu_count()}"
+
+
+def cost_cache_paths(engine_dir: Optional[Path]) -> list[Path]:
+    """Where a cost model is looked up and written: beside the engine, else the user's cache (an engine directory
+    may be read-only, e.g. mounted into a container)."""
+    home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "trt-redrafter" / "cost-models"
+    out = []
+    if engine_dir is not None:
+        out.append(engine_dir / COST_MODEL_FILE)
+        ident = hashlib.sha256(str(engine_dir.resolve()).encode()).hexdigest()[:16]
+        out.append(home / f"{ident}.json")
+    return out
+
+
+def _key_id(key: dict) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def load_cost_model(paths: Iterable[Path], key: dict) -> Optional[CostModel]:
+    kid = _key_id(key)
+    for path in paths:
+        try:
+            entries = json.loads(path.read_text()).get("entries", {})
+        except (OSError, ValueError, AttributeError):
+            continue
+        if kid in entries:
+            try:
+                return CostModel.from_dict(entries[kid])
+            except (KeyError, TypeError):
+                continue
+    return None
+
+
+def save_cost_model(paths: Iterable[Path], model: CostModel) -> Optional[Path]:
+    """Add `model` to the first writable cache file (written under a temporary name, then renamed)."""
+    kid = _key_id(model.key)
+    for path in paths:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                doc = json.loads(path.read_text())
+                if not isinstance(doc.get("entries"), dict):
+                    raise ValueError
+            except (OSError, ValueError, AttributeError):
+                doc = {"entries": {}}
+            doc["entries"][kid] = model.to_dict()
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(doc, indent=1))
+            tmp.replace(path)
+            return path
+        except OSError:
+            continue
+    return None
+
+
+# ---- calibration --------------------------------------------------------------------------------------------------
+
+class Calibration:
+    """P(accepted | score bin): (accepted + PRIOR_WEIGHT * prior) / (verified + PRIOR_WEIGHT) per bin. The prior of a
+    bin is what the proposer claimed there (its mean probability), scaled by how far its claims have held overall
+    (all accepted / all claimed, itself starting at 1): a drafter found overconfident in some bins is trusted less in
+    the bins it has not been seen in yet."""
+
+    def __init__(self):
+        n = len(SCORE_BINS) + 1
+        self.accepted, self.verified, self.claimed = [0.0] * n, [0.0] * n, [0.0] * n
+
+    @staticmethod
+    def bin(score: int) -> int:
+        """Bin of a quantized score (step.quantize_scores): 0 = most confident."""
+        x = score / SCORE_SCALE
+        for i, edge in enumerate(SCORE_BINS):
+            if x >= edge:
+                return i
+        return len(SCORE_BINS)
+
+    def trust(self) -> float:
+        """All accepted / all claimed, with one claimed-and-accepted node as its prior."""
+        return (sum(self.accepted) + 1.0) / (sum(self.claimed) + 1.0)
+
+    def probability(self, score: int) -> float:
+        i = self.bin(score)
+        claimed = self.claimed[i] / self.verified[i] if self.verified[i] > 0 else math.exp(score / SCORE_SCALE)
+        prior = min(1.0, claimed * self.trust())
+        return (self.accepted[i] + PRIOR_WEIGHT * prior) / (self.verified[i] + PRIOR_WEIGHT)
+
+    def observe(self, verified: list[int], accepted: list[int]) -> None:
+        """One step's outcome for one request: the scores of the drafted nodes it verified and of those accepted."""
+        for s in verified:
+            i = self.bin(s)
+            self.verified[i] += 1.0
+            self.claimed[i] += math.exp(s / SCORE_SCALE)
+        for s in accepted:
+            self.accepted[self.bin(s)] += 1.0
+
+    def decay(self) -> None:
+        for arr in (self.accepted, self.verified, self.claimed):
+            for i in range(len(arr)):
+                arr[i] *= DECAY
+
+    def summary(self) -> list[dict]:
+        """Per bin: the claimed probability, the observed acceptance, and the observations (decayed counts)."""
+        out = []
+        for i in range(len(self.verified)):
+            n = self.verified[i]
+            out.append({"bin": i, "claimed": self.claimed[i] / n if n else None,
+                        "accepted": self.accepted[i] / n if n else None, "verified": n})
+        return out
+
+
+# ---- the decision -------------------------------------------------------------------------------------------------
+
+@dataclass
+class Candidate:
+    """One decoding request as the policy sees it."""
+
+    seq_id: int
+    speculative: bool  # mode redrafter (an AR request rides along with keep 1)
+    scores: Optional[list[int]]  # its tree's node scores, best first (root first), or None: no tree yet
+    calibration: Optional[Calibration] = None
+    fresh: bool = True  # its tree was drafted after its last step (else it is the last tree it had: a forecast)
+    whole_tree: bool = False  # `apple` acceptance: verifies its whole tree every step
+    context: int = 0
+
+
+@dataclass
+class StepDecision:
+    """What a decode step does, decided on rank 0 and broadcast with the step plan: an AR step (`width` 0) or a
+    tree step over `width` nodes that keeps keep[seq_id] of them per request and drafts the next trees (`draft`)."""
+
+    width: int
+    keep: dict[int, int] = field(default_factory=dict)
+    draft: bool = True
+    expected: float = 0.0  # tokens per request the policy expected (tree steps), for the record
+
+    @property
+    def is_tree(self) -> bool:
+        return self.width > 0
+
+
+AR_STEP = StepDecision(0, {}, False)
+
+
+class Policy:
+    """Chooses each step's StepDecision. `mode`: auto (the cost model), full (every tree whole, every step: what
+    TensorRT-LLM does) or an integer T (the T best nodes of every tree, every step)."""
+
+    def __init__(self, mode: str, max_tree_tokens: int, costs=None):
+        self.mode = mode
+        self.P = max_tree_tokens
+        self.widths = tree_buckets(max_tree_tokens)
+        self._costs = costs  # CostModel, or a callable that measures one the first time it is needed
+        self.rest, self.probe_every = 0, PROBE_MIN
+        self.speculating, self.mean_gain, self.mean_cost, self.mean_batch = False, 1.0, 1.0, 0
+        self.calibrations: dict[tuple[str, bool], Calibration] = {}
+
+    @property
+    def costs(self) -> CostModel:
+        if callable(self._costs):
+            self._costs = self._costs()
+        return self._costs
+
+    def calibration(self, proposer: str, greedy: bool) -> Calibration:
+        key = (proposer, greedy)
+        cal = self.calibrations.get(key)
+        if cal is None:
+            cal = self.calibrations[key] = Calibration()
+        return cal
+
+    def fixed_width(self) -> Optional[int]:
+        if self.mode == "auto":
+            return None
+        return self.P if self.mode == "full" else min(int(self.mode), self.P)
+
+    def decide(self, cands: list[Candidate], can_draft: bool) -> StepDecision:
+        """The step for these decoding requests. `can_draft`: some request's next tree is drafted on the device (a
+        tree step drafts, an AR step does not; without it, trees come from the host whatever the step)."""
+        spec = [c for c in cands if c.speculative]
+        if not spec:
+            return AR_STEP
+        fresh = [c for c in spec if c.scores and c.fresh]
+        whole = any(c.whole_tree for c in spec)
+        fixed = self.P if whole else self.fixed_width()
+        if fixed is not None:
+            if not fresh and not can_draft:
+                return AR_STEP
+            width = fixed if fresh else 1
+            return StepDecision(width, self._keep(cands, width), can_draft)
+        B = len(cands)
+        context = sum(c.context for c in cands) / B
+        costs = self.costs
+        ar_ms = costs.ar_ms(B, context)
+        if not fresh:  # resting: AR steps, and a probe (a step that drafts) when trees might pay again
+            self.rest += 1
+            if not can_draft or self.rest < self.probe_every:
+                return AR_STEP
+            stale = [c for c in spec if c.scores]  # their last trees, as if drafted again now
+            width, expected, ms = self._best(stale, B, context, widths=self.widths)
+            hopeful = (B + expected) / ms >= PROBE_HOPE * B / ar_ms
+            if hopeful or self.rest >= PROBE_MAX:
+                self.rest, self.probe_every = 0, min(2 * self.probe_every, PROBE_MAX)
+                self.speculating = False
+                return StepDecision(1, {c.seq_id: 1 for c in cands}, True)
+            return AR_STEP
+        widths = self.widths if can_draft else self.widths[1:]  # width 1: verify nothing, draft the next trees
+        width, expected, ms = self._best(fresh, B, context, widths)
+        if not can_draft:  # trees from the host: verify the best part of them, or take an AR step
+            if (B + expected) / ms > B / ar_ms:
+                return StepDecision(width, self._keep(cands, width), False, expected / B)
+            return AR_STEP
+        # drafting: worth its cost while the trees it makes pay on average (running means, at this batch size, of
+        # what a step emits and costs in AR steps); a run of trees with nothing worth verifying stops it
+        gain, cost = 1 + expected / B, ms / ar_ms
+        if not self.speculating or B != self.mean_batch:  # the means hold for one batch size
+            self.mean_gain, self.mean_cost, self.mean_batch, self.speculating = gain, cost, B, True
+        else:
+            self.mean_gain = MEAN_DECAY * self.mean_gain + (1 - MEAN_DECAY) * gain
+            self.mean_cost = MEAN_DECAY * self.mean_cost + (1 - MEAN_DECAY) * cost
+        if self.mean_gain >= self.mean_cost:
+            self.rest, self.probe_every = 0, PROBE_MIN
+            return StepDecision(width, self._keep(cands, width), True, expected / B)
+        self.rest, self.speculating = 0, False
+        return AR_STEP
+
+    def _best(self, cands: list[Candidate], B: int, context: float, widths: list[int]) -> tuple[int, float, float]:
+        """The width whose step emits the most tokens per millisecond for these trees -> (width, expected drafted
+        tokens accepted over the batch, step ms)."""
+        gains = [self._gains(c) for c in cands]
+        best = None
+        for w in widths:
+            expected = sum(g[min(w, len(g)) - 1] for g in gains)
+            ms = self.costs.tree_ms(B, w, context)
+            if best is None or (B + expected) / ms > (B + best[1]) / best[2]:
+                best = (w, expected, ms)
+        return best
+
+    def _gains(self, c: Candidate) -> list[float]:
+        """g[k - 1]: tokens expected from the request's first k nodes (the root adds none)."""
+        out, total = [0.0], 0.0
+        for s in c.scores[1:]:
+            total += c.calibration.probability(s)
+            out.append(total)
+        return out
+
+    @staticmethod
+    def _keep(cands: list[Candidate], width: int) -> dict[int, int]:
+        return {c.seq_id: (min(width, len(c.scores)) if c.speculative and c.scores and c.fresh else 1)
+                for c in cands}
