@@ -161,3 +161,42 @@ def test_tp2_draft_vocabulary_drafter_gives_the_tp1_tokens_and_steps(tmp_path):
                     for d in map(json.loads, filter(lambda s: s.startswith("{"), proc.stdout.splitlines()))]
     assert len(docs[1]) == 2 and docs[2] == docs[1]
     assert max(d["tokens_per_step"] for d in docs[1]) > 1.0
+
+
+def test_tp2_replicated_drafter_gives_the_tp1_tokens_and_steps(tmp_path):
+    """A TP size that does not divide the drafter (vocabulary 511 here; SmolLM2's exit_dim 512 at TP=3): `convert`
+    gives every rank the whole drafter (draft TP 1), flags it in config.json, and each rank runs it alone; the
+    tokens and tokens/step are TP=1's, and TensorRT-LLM's build is refused."""
+    pytest.importorskip("mpi4py", reason="mpi4py is not installed")
+    from safetensors.torch import load_file
+
+    from trt_redrafter.backends.trtllm import check_buildable
+    from trt_redrafter.checkpoint.trtllm_config import REPLICATED_KEY, parse_checkpoint_config
+    from trt_redrafter.config import BuildConfig
+    from trt_redrafter.errors import UserError
+
+    _, engines = build_tiny_engines(tmp_path, seed=9, num_beams=2, draft_len=3, tps=(1, 2), num_heads=4,
+                                    num_kv_heads=2, rnn=True, vocab_size=511)
+    config = json.loads((tmp_path / "ckpt-tp2" / "config.json").read_text())
+    assert config[REPLICATED_KEY] is True and REPLICATED_KEY not in json.loads(
+        (tmp_path / "ckpt-tp1" / "config.json").read_text())
+    r0, r1 = (load_file(str(tmp_path / "ckpt-tp2" / f"rank{r}.safetensors")) for r in (0, 1))
+    whole = load_file(str(tmp_path / "ckpt-tp1" / "rank0.safetensors"))
+    for name in [n for n in whole if n.startswith("drafter.")]:
+        assert r0[name].equal(whole[name]) and r1[name].equal(whole[name]), name
+    assert r0["transformer.layers.0.mlp.fc.weight"].shape[0] * 2 == whole["transformer.layers.0.mlp.fc.weight"].shape[0]
+    prompts = random_prompts(511, [4, 9], seed=2)
+    extra = ["--speculate", "full"]
+    docs = {}
+    for tp in (1, 2):
+        cmd = [sys.executable, "-m", "trt_redrafter", "run", "--engine", str(engines[tp]), "--json", "--max-tokens",
+               "24", "--ignore-eos", *extra, "--prompt-ids", *[",".join(map(str, p)) for p in prompts]]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        docs[tp] = [{k: d[k] for k in ("output_ids", "tokens_per_step")}
+                    for d in map(json.loads, filter(lambda s: s.startswith("{"), proc.stdout.splitlines()))]
+    assert len(docs[1]) == 2 and docs[2] == docs[1]
+    info = parse_checkpoint_config(config, "ckpt-tp2")
+    assert info.drafter.replicated
+    with pytest.raises(UserError, match="whole drafter"):
+        check_buildable(info, BuildConfig(), tmp_path / "ckpt-tp2")

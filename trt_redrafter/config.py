@@ -230,6 +230,9 @@ class DrafterConfig(ConfigBase):
     draft_vocab_size: int = _f(0, help="0: the head scores the whole vocabulary (Apple's and TensorRT-LLM's "
                                        "format); K: it scores only the K token ids of its `draft_vocab` tensor "
                                        "(a frequency-ranked draft vocabulary, FR-Spec; this project's runtime only)")
+    replicated: bool = _f(False, help="every TP rank holds the whole drafter and runs it alone, where the TP size does "
+                                      "not divide its dimensions (draft TP 1, as vLLM runs draft models; this "
+                                      "project's runtime only: TensorRT-LLM splits the drafter)", cli=False)
 
     def validate(self) -> None:
         for n in ("vocab_size", "hidden_size", "exit_dim"):

@@ -121,6 +121,10 @@ def check_buildable(info, build: BuildConfig, ckpt_dir: Path) -> None:
     from ..checkpoint.trtllm_config import REDRAFTER_ARCH
 
     where = f"{ckpt_dir}/config.json"
+    if info.drafter is not None and info.drafter.replicated:
+        raise UserError(f"{where}: every rank holds the whole drafter (convert replicates it where --tp {info.tp_size} "
+                        f"does not divide its dimensions), which TensorRT-LLM cannot build (it splits the drafter); "
+                        f"use --backend torch, or a TP size that divides the drafter's exit_dim and vocabulary.")
     # a plain LLaMA checkpoint (no drafter) builds TensorRT-LLM's auto-regressive engine: the AR baseline
     if info.redrafter is not None and info.architecture != REDRAFTER_ARCH["1.x"]:
         # PretrainedConfig.from_dict indexes MODEL_MAP[config['architecture']] first: a bare KeyError otherwise

@@ -177,7 +177,13 @@ def convert_checkpoint(drafter: str | Path, output: str | Path, opts: ConvertCon
                             f"(TensorRT-LLM requires drafter dtype == model dtype); pass --dtype {model.dtype}.")
     d: DrafterCheckpoint = read_drafter(drafter)
     check_pair(model, d.config, d.path)
-    sharding.check_tp(tp, model, d.config)
+    sharding.check_tp(tp, model)
+    if not sharding.drafter_splits(tp, d.config):
+        d.config = d.config.replace(replicated=True)
+        log.warning("--tp %d does not divide the drafter's dimensions (%s): every rank holds the whole drafter "
+                    "(draft TP 1). This project's torch backend runs it; TensorRT-LLM splits the drafter and cannot "
+                    "build this checkpoint.", tp, ", ".join(f"{w}={v}" for w, v, _ in sharding.drafter_needs(d.config)
+                                                            if v % tp))
     cast = _caster(model.dtype)
     fmt = opts.trtllm_format
 

@@ -194,9 +194,11 @@ def drafter_name_table(d: DrafterConfig) -> list[tuple[str, str]]:
 
 def shard_drafter(tensors: TMapping[str, torch.Tensor], d: DrafterConfig, m: Mapping,
                   cast: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, torch.Tensor]:
-    """One rank's `drafter.*` tensors: every weight split on dim 0 (ColumnLinear with gather_output); the draft
-    vocabulary, if any, whole on every rank (the gathered head rows are in its order)."""
-    out = {trt: cast(split(tensors[apple], m.tp_size, m.rank, COLUMN)) for trt, apple in drafter_name_table(d)}
+    """One rank's `drafter.*` tensors: every weight split on dim 0 (ColumnLinear with gather_output), or whole for a
+    replicated drafter; the draft vocabulary, if any, whole on every rank (the gathered head rows are in its order)."""
+    tp = 1 if d.replicated else m.tp_size
+    out = {trt: cast(split(tensors[apple], tp, 0 if d.replicated else m.rank, COLUMN))
+           for trt, apple in drafter_name_table(d)}
     if d.draft_vocab_size:
         out[DRAFTER_PREFIX + DRAFT_VOCAB] = tensors[DRAFT_VOCAB].to(torch.int64).contiguous()
     return out
@@ -204,13 +206,30 @@ def shard_drafter(tensors: TMapping[str, torch.Tensor], d: DrafterConfig, m: Map
 
 def unshard_drafter(ranks: list[TMapping[str, torch.Tensor]], d: DrafterConfig) -> dict[str, torch.Tensor]:
     """Canonical Apple-named drafter tensors rebuilt from every rank (inverse of `shard_drafter`)."""
-    out = {apple: unsplit([r[trt] for r in ranks], COLUMN) for trt, apple in drafter_name_table(d)}
+    held = ranks[:1] if d.replicated else ranks  # a replicated drafter: rank 0 holds it whole
+    out = {apple: unsplit([r[trt] for r in held], COLUMN) for trt, apple in drafter_name_table(d)}
     if d.draft_vocab_size:
         out[DRAFT_VOCAB] = ranks[0][DRAFTER_PREFIX + DRAFT_VOCAB]
     return out
 
 
 # ---- what TP sizes a model admits -----------------------------------------------------------------------------
+
+def drafter_needs(drafter: DrafterConfig) -> list[tuple[str, int, str]]:
+    """The drafter dimensions a TP size must divide to split the drafter as TensorRT-LLM does."""
+    return [
+        ("drafter exit_dim", drafter.exit_dim, "every drafter ResBlock linear is split on its output dim"),
+        ("drafter draft_vocab_size", drafter.draft_vocab_size, "the drafter lm_head is split without padding")
+        if drafter.draft_vocab_size else
+        ("drafter vocab_size", drafter.vocab_size, "TensorRT-LLM splits the drafter lm_head without padding it"),
+        ("drafter hidden_size", drafter.hidden_size, "the drafter rnn_u/rnn_w split it"),
+    ]
+
+
+def drafter_splits(tp: int, drafter: DrafterConfig) -> bool:
+    """Whether `tp` ranks can split the drafter (else `convert` replicates it on every rank)."""
+    return all(value % tp == 0 for _, value, _ in drafter_needs(drafter))
+
 
 def check_tp(tp: int, model: ModelConfig, drafter: DrafterConfig | None = None) -> None:
     """Raise UserError naming the first dimension that TensorRT-LLM cannot split tp ways, and why."""
@@ -223,13 +242,8 @@ def check_tp(tp: int, model: ModelConfig, drafter: DrafterConfig | None = None) 
         ("hidden_size", model.hidden_size, "row-parallel attention.dense and the drafter rnn_u/rnn_w split it"),
         ("intermediate_size", model.intermediate_size, "mlp.fc/mlp.gate/mlp.proj split it"),
     ]
-    if drafter is not None:
-        needs += [
-            ("drafter exit_dim", drafter.exit_dim, "every drafter ResBlock linear is split on its output dim"),
-            ("drafter draft_vocab_size", drafter.draft_vocab_size, "the drafter lm_head is split without padding")
-            if drafter.draft_vocab_size else
-            ("drafter vocab_size", drafter.vocab_size, "TensorRT-LLM splits the drafter lm_head without padding it"),
-        ]
+    if drafter is not None and not drafter.replicated:
+        needs += drafter_needs(drafter)
     for what, value, why in needs:
         if value % tp:
             raise UserError(f"--tp {tp} does not divide {what}={value} ({why}); choose a TP size that divides it.")

@@ -34,6 +34,8 @@ REDRAFTER_ARCH = {"1.x": "ReDrafterForLLaMALM", "legacy": "ReDrafterForCausalLM"
 # a drafter whose head scores a frequency-ranked draft vocabulary (tensor `drafter.draft_vocab`): this project's
 # runtime only; absent for Apple-format drafters, so every other checkpoint is TensorRT-LLM's format unchanged
 DRAFT_VOCAB_KEY = "redrafter_draft_vocab_size"
+# a drafter held whole by every TP rank (a TP size that does not divide its dimensions): this project's runtime only
+REPLICATED_KEY = "redrafter_drafter_replicated"
 REDRAFTER_KEYS = ("redrafter_num_layers", "redrafter_hidden_size", "redrafter_exit_dim", "redrafter_is_rnn",
                   "redrafter_num_beams", "redrafter_draft_len_per_beam", "redrafter_greedy_search")
 LOGITS_DTYPE = "float32"  # TensorRT-LLM's default logits_dtype
@@ -149,6 +151,8 @@ def add_redrafter_keys(base: dict, drafter: DrafterConfig, redrafter: ReDrafterC
     })
     if drafter.draft_vocab_size:  # this project's extension (FR-Spec draft vocabulary); TensorRT-LLM has no such key
         out[DRAFT_VOCAB_KEY] = drafter.draft_vocab_size
+    if drafter.replicated:  # this project's extension too (draft TP 1)
+        out[REPLICATED_KEY] = True
     q = out.get("quantization") or {}
     if q.get("exclude_modules") is not None:  # a quantized base: keep the drafter unquantized
         q["exclude_modules"] += ["drafter", "drafter.layers", "drafter.lm_head"]
@@ -245,7 +249,8 @@ def parse_checkpoint_config(d: dict, where: str) -> CheckpointInfo:
     drafter = DrafterConfig.from_dict(dict(
         vocab_size=model.vocab_size, hidden_size=d["redrafter_hidden_size"], exit_dim=d["redrafter_exit_dim"],
         num_draft_layers=d["redrafter_num_layers"], rnn=d["redrafter_is_rnn"],
-        draft_vocab_size=d.get(DRAFT_VOCAB_KEY, 0)), where=f"{where} (redrafter_*)")
+        draft_vocab_size=d.get(DRAFT_VOCAB_KEY, 0), replicated=d.get(REPLICATED_KEY, False)),
+        where=f"{where} (redrafter_*)")
     redrafter = ReDrafterConfig.from_dict(dict(
         num_beams=d["redrafter_num_beams"], draft_len_per_beam=d["redrafter_draft_len_per_beam"],
         greedy_search=d["redrafter_greedy_search"]), where=f"{where} (redrafter_*)")

@@ -66,8 +66,8 @@ class DrafterRank(nn.Module):
             if cfg.draft_vocab_size else None
 
     def _col(self, x: torch.Tensor, linear: Linear) -> torch.Tensor:
-        """Column-parallel linear with gathered output."""
-        return self.dist.all_gather(linear(x), dim=-1)
+        """Column-parallel linear with gathered output (a replicated drafter's rank computes it whole)."""
+        return linear(x) if self.cfg.replicated else self.dist.all_gather(linear(x), dim=-1)
 
     # ---- the protocol `decoding.beam_search` drives ---------------------------------------------------------
     def init_state(self, n: int) -> torch.Tensor:
