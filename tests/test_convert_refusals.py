@@ -146,12 +146,24 @@ def test_rnn_false_with_rnn_tensors(capsys, tmp_path, tiny_pair):
 @pytest.mark.parametrize("sizes,tp,needles", [
     ({}, 3, ("--tp 3", "num_attention_heads=4")),
     ({"intermediate_size": 126}, 4, ("intermediate_size=126",)),
-    ({"exit_dim": 98}, 4, ("exit_dim=98",)),
-    ({"vocab_size": 390}, 4, ("vocab_size=390", "without padding")),
     ({"hidden_size": 96, "num_heads": 12, "num_kv_heads": 6}, 4, ("num_key_value_heads=6", "duplicates")),
 ])
 def test_tp_not_shardable(capsys, tmp_path, make_tiny_pair, sizes, tp, needles):
     refused(capsys, tmp_path, conv(make_tiny_pair(**sizes), "--tp", tp), *needles)
+
+
+@pytest.mark.parametrize("sizes", [{"exit_dim": 98}, {"vocab_size": 390}])
+def test_tp_not_dividing_the_drafter_replicates_it(tmp_path, make_tiny_pair, sizes):
+    """Not a refusal: every rank holds the whole drafter (draft TP 1), flagged in config.json."""
+    from safetensors.torch import load_file
+
+    from trt_redrafter.checkpoint.trtllm_config import REPLICATED_KEY
+
+    assert cli([str(a) for a in conv(make_tiny_pair(**sizes), "--tp", 4, "--output", tmp_path / "out")]) == 0
+    assert json.loads((tmp_path / "out" / "config.json").read_text())[REPLICATED_KEY] is True
+    r0, r3 = (load_file(str(tmp_path / "out" / f"rank{r}.safetensors")) for r in (0, 3))
+    drafter = [n for n in r0 if n.startswith("drafter.")]
+    assert drafter and all(r0[n].equal(r3[n]) for n in drafter)
 
 
 # ---- flags -----------------------------------------------------------------------------------------------------
