@@ -121,7 +121,7 @@ def test_tp2_checkpoint_replicates_the_draft_vocabulary_and_splits_the_head(tmp_
 
 
 @needs_small
-def test_refusals_name_what_is_wrong(tmp_path, capsys):
+def test_refusals_name_what_is_wrong(tmp_path):
     from trt_redrafter.backends.trtllm import check_buildable
     from trt_redrafter.checkpoint.drafter import read_drafter
     from trt_redrafter.backends.torch_build import check_checkpoint
@@ -148,11 +148,15 @@ def test_refusals_name_what_is_wrong(tmp_path, capsys):
     info = check_checkpoint(ck, None)
     with pytest.raises(UserError, match="TensorRT-LLM's ReDrafter cannot run"):
         check_buildable(info, BuildConfig(), ck)
-    # --tp must divide the draft vocabulary (the head is split without padding)
+    # a draft vocabulary --tp does not divide: the drafter is replicated (warned, flagged), and TensorRT-LLM,
+    # which splits the head without padding, refuses the checkpoint
     odd = _with_draft_vocab(tmp_path / "odd", torch.arange(65))
     assert cli(["convert", "--base-model", str(SMALL / "base"), "--drafter", str(odd), "--output",
-                str(tmp_path / "ck-odd"), "--tp", "2", "--dtype", "float32"]) == 2
-    assert "draft_vocab_size=65" in capsys.readouterr().err
+                str(tmp_path / "ck-odd"), "--tp", "2", "--dtype", "float32"]) == 0
+    cfg = json.loads((tmp_path / "ck-odd" / "config.json").read_text())
+    assert cfg["redrafter_drafter_replicated"] is True
+    with pytest.raises(UserError, match="TensorRT-LLM"):
+        check_buildable(check_checkpoint(tmp_path / "ck-odd", None), BuildConfig(), tmp_path / "ck-odd")
 
 
 def test_train_drafter_with_a_draft_vocabulary(make_tiny_pair, tmp_path):
