@@ -19,9 +19,11 @@ API followed (NVIDIA/TensorRT, python/packages/tensorrt/plugin at tag v10.11, 92
 deserializes an engine using them must call `register_tensorrt_plugins()` first and run Python (TensorRT-LLM's
 Python runtime does; its C++-only Triton backend does not). TensorRT's `__cuda_array_interface__` refuses bf16, so
 float inputs are float32 (the kernels compute in float32 anyway).
-"""
 
-from __future__ import annotations
+No `from __future__ import annotations` here: TensorRT's validator (tensorrt/plugin/_validate.py, 10.11-10.14) calls
+`issubclass(param.annotation, TensorDesc)` on the descriptors' annotations, which must be classes, not strings
+(tests/test_tensorrt_plugin_api.py runs registration through that validator).
+"""
 
 from dataclasses import dataclass
 from typing import Callable, Sequence
