@@ -23,7 +23,8 @@ def register(sub) -> None:
                                                    "serving extra's fastapi and uvicorn)")
     p.add_argument("--openai-model-name", help="the `model` name OpenAI clients send (default: the engine "
                                                "directory's name)")
-    p.add_argument("--host", default="127.0.0.1", help="address every endpoint binds to")
+    p.add_argument("--host", help="address every endpoint binds to (default: 127.0.0.1; inside a container "
+                                  "(Docker, Podman, Kubernetes) 0.0.0.0, so that published ports reach it)")
     p.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for readiness")
     p.add_argument("--log-file", help="also keep tritonserver's log here (it is always echoed to stderr)")
     p.add_argument("--verbose", action="store_true", help="tritonserver --log-verbose=1")
@@ -32,7 +33,13 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..errors import UserError
-    from ..serving.launcher import TritonServer, require_free_ports
+    from ..serving.launcher import TritonServer, default_host, in_container, require_free_ports
+
+    if args.host is None:
+        args.host = default_host()
+        if in_container():
+            print(f"inside a container: binding {args.host} (reachable through the ports the container publishes; "
+                  f"--host 127.0.0.1 keeps it to the container)", flush=True)
 
     ports = {"--grpc-port": args.grpc_port, "--http-port": args.http_port, "--metrics-port": args.metrics_port}
     if args.openai_port is not None:

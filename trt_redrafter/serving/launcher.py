@@ -109,6 +109,26 @@ def server_env(bundled: bool) -> dict[str, str]:
     return env
 
 
+CONTAINER_MARKERS = (".dockerenv", "run/.containerenv")  # Docker; Podman and other OCI runtimes
+
+
+def in_container(root: str | Path = "/") -> bool:
+    """Whether this process runs in a container (Docker, Podman, Kubernetes), where 127.0.0.1 is the container's
+    own loopback: nothing outside it, not even `docker run -p 8000:8000`, can reach a server bound there."""
+    return any((Path(root) / m).exists() for m in CONTAINER_MARKERS) or "KUBERNETES_SERVICE_HOST" in os.environ
+
+
+def default_host(root: str | Path = "/") -> str:
+    """Where `serve` binds when --host is not given: every interface inside a container (reachable only through
+    the ports it publishes, as tritonserver and vLLM's server bind by default), else loopback only."""
+    return "0.0.0.0" if in_container(root) else "127.0.0.1"
+
+
+def connect_host(host: str) -> str:
+    """The address a client on this machine dials for a server bound to `host` (a wildcard is not a peer)."""
+    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+
+
 def port_in_use(host: str, port: int) -> bool:
     """Whether binding host:port fails the way a server's listen would (SO_REUSEADDR, as servers set it)."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -173,18 +193,22 @@ class TritonServer:
         self.proc: Optional[subprocess.Popen] = None
         self._pump: Optional[threading.Thread] = None
 
-    # ---- addresses -------------------------------------------------------------------------------------------
+    # ---- addresses (what a client on this machine connects to) -------------------------------------------------
+    @property
+    def client_host(self) -> str:
+        return connect_host(self.host)
+
     @property
     def grpc_url(self) -> str:
-        return f"{self.host}:{self.grpc_port}"
+        return f"{self.client_host}:{self.grpc_port}"
 
     @property
     def http_url(self) -> str:
-        return f"http://{self.host}:{self.http_port}"
+        return f"http://{self.client_host}:{self.http_port}"
 
     @property
     def metrics_url(self) -> str:
-        return f"http://{self.host}:{self.metrics_port}/metrics"
+        return f"http://{self.client_host}:{self.metrics_port}/metrics"
 
     # ---- start -----------------------------------------------------------------------------------------------
     def command(self, binary: Path, backends: Optional[Path]) -> list[str]:

@@ -23,7 +23,7 @@ from typing import Optional, TextIO
 
 from ...errors import UserError
 from ...log import get_logger
-from ..launcher import LOG_TAIL_LINES, group_members, package_env, pump_output, require_free_ports
+from ..launcher import LOG_TAIL_LINES, connect_host, group_members, package_env, pump_output, require_free_ports
 from . import GRACEFUL_SHUTDOWN_S
 
 logger = get_logger(__name__)
@@ -53,7 +53,7 @@ class OpenAIFrontend:
     @property
     def url(self) -> str:
         """The base URL OpenAI clients take (`openai.OpenAI(base_url=...)`)."""
-        return f"http://{self.host}:{self.port}/v1"
+        return f"http://{connect_host(self.host)}:{self.port}/v1"
 
     def command(self) -> list[str]:
         cmd = [sys.executable, "-m", "trt_redrafter.serving.openai_api", "--repo", str(self.repo),
