@@ -154,6 +154,19 @@ def test_run_ar_mode_on_a_redrafter_trtllm_engine_is_refused(trtllm_marked_engin
     assert "--mode ar" in err and "plain Llama engine" in err
 
 
+@pytest.mark.parametrize("argv,needles", [
+    (["--prompt-ids", ",".join(["5"] * 33), "--max-tokens", "4"], ("33 tokens", "max_input_len is 32")),
+    (["--prompt-ids", "1,2,3", "--max-tokens", "94"], ("max_tokens=94", "max_seq_len=96", "at most 93")),
+    (["--prompt-ids", "1,99999", "--max-tokens", "4"], ("99999", "outside the vocabulary")),
+])
+def test_run_checks_the_request_against_the_trtllm_engines_limits(trtllm_marked_engine, capsys, argv, needles):
+    """Before TensorRT-LLM is imported (here it is not installed): ModelRunnerCpp would answer a raw RuntimeError."""
+    assert _cli("run", "--engine", trtllm_marked_engine, *argv) == 2
+    err = capsys.readouterr().err
+    assert all(n in err for n in needles), err
+    assert "tensorrt_llm is not installed" not in err
+
+
 @pytest.mark.skipif(HAVE_TRTLLM, reason="tensorrt_llm is installed here")
 def test_run_without_tensorrt_llm_is_one_clear_error(trtllm_marked_engine, capsys):
     rc = _cli("run", "--engine", trtllm_marked_engine, "--prompt-ids", "1,2,3", "--max-tokens", 4)

@@ -20,7 +20,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Optional, get_args
+from typing import Any, ClassVar, Literal, Optional, Sequence, get_args
 
 import yaml
 
@@ -319,6 +319,21 @@ class BuildConfig(ConfigBase):
         if self.drafter_semantics not in DRAFTER_SEMANTICS:
             raise _bad(self.SECTION, "drafter_semantics", f"one of {', '.join(DRAFTER_SEMANTICS)}",
                        self.drafter_semantics)
+
+    def check_request(self, prompt: Sequence[int], max_tokens: int, vocab_size: int) -> None:
+        """One request against the engine's limits (both backends, before it reaches an engine): one sentence on
+        what is wrong and what to ask instead."""
+        if not prompt:
+            raise UserError("the prompt is empty; give at least one token.")
+        if len(prompt) > self.max_input_len:
+            raise UserError(f"the prompt has {len(prompt)} tokens but the engine's max_input_len is "
+                            f"{self.max_input_len}; shorten it or rebuild with a larger --max-input-len.")
+        bad = [t for t in prompt if not 0 <= t < vocab_size]
+        if bad:
+            raise UserError(f"prompt token id(s) {bad[:5]} are outside the vocabulary [0, {vocab_size}).")
+        if max_tokens > self.max_seq_len - len(prompt):
+            raise UserError(f"max_tokens={max_tokens} with a {len(prompt)}-token prompt exceeds the engine's "
+                            f"max_seq_len={self.max_seq_len}; ask for at most {self.max_seq_len - len(prompt)} tokens.")
 
     def resolved_max_num_tokens(self, redrafter: ReDrafterConfig | None) -> int:
         """trtllm-build raises max_num_tokens to at least max_batch_size * (max_draft_len + 1)."""

@@ -360,6 +360,8 @@ def run_trtllm(args: argparse.Namespace, ecfg) -> int:
     if redrafter is not None:
         _warn_ignored(args, params, greedy_engine)
     tokenizer, prompts = load_prompts(args)
+    for prompt in prompts:  # ModelRunnerCpp would answer a raw RuntimeError from its C++ Executor
+        ecfg.build.check_request(prompt, params.max_tokens, ecfg.checkpoint.model.vocab_size)
     end_id = resolve_end_id(args, tokenizer)
     end_id = -1 if end_id is None else int(end_id)  # -1: no stop token; outputs are cut by sequence_lengths
     pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else max(end_id, 0)

@@ -294,18 +294,7 @@ class Engine:
         if mode == "redrafter" and not prop.drafter_probabilities and params.resolved_acceptance == "apple":
             raise UserError(f"acceptance 'apple' weighs each draft by the drafter's probabilities, which "
                             f"{name!r} drafts do not have; use acceptance 'exact' (distribution-exact).")
-        if not prompt:
-            raise UserError("the prompt is empty; give at least one token.")
-        if len(prompt) > self.build.max_input_len:
-            raise UserError(f"the prompt has {len(prompt)} tokens but the engine's max_input_len is "
-                            f"{self.build.max_input_len}; shorten it or rebuild with a larger --max-input-len.")
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-        if bad:
-            raise UserError(f"prompt token id(s) {bad[:5]} are outside the vocabulary [0, {self.vocab_size}).")
-        if params.max_tokens > self.build.max_seq_len - len(prompt):
-            raise UserError(f"max_tokens={params.max_tokens} with a {len(prompt)}-token prompt exceeds the engine's "
-                            f"max_seq_len={self.build.max_seq_len}; ask for at most "
-                            f"{self.build.max_seq_len - len(prompt)} tokens.")
+        self.build.check_request(prompt, params.max_tokens, self.vocab_size)
         sid = next(self._ids) if seq_id is None else seq_id
         return Sequence(sid, list(prompt), params, mode, frozenset(stop_ids), self.build.max_seq_len,
                         stop_sequences=tuple(tuple(q) for q in stop_sequences if q), proposer=name)
