@@ -65,6 +65,7 @@ def test_require_trtllm_without_package_is_one_clear_user_error():
     assert "nvcr.io/nvidia/tritonserver:<yy.mm>-trtllm-python-py3" in msg
     assert "pip install tensorrt_llm==1.2.* --extra-index-url https://pypi.nvidia.com" in msg
     assert "8.0" in msg and "GPU" in msg
+    assert "libopenmpi-dev" in msg and "CUDA_HOME" in msg and "download.pytorch.org/whl/cu" in msg  # TRT-LLM's prerequisites
     assert "\n" not in msg
 
 

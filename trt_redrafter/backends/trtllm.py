@@ -44,9 +44,13 @@ MARKER_FILE = "trt_redrafter.json"
 MMHA_HEAD_SIZES = (32, 48, 64, 80, 96, 104, 112, 128, 144, 160, 192, 224, 256)
 HEAD_SIZES_SOURCE = "cpp/tensorrt_llm/kernels/decoderMaskedMultiheadAttention"
 
+# pip's prerequisites are TensorRT-LLM's own (docs/source/installation/linux.md @ 004da3c2): the Open MPI development
+# package, a CUDA toolkit with CUDA_HOME set, and torch from the PyTorch index of the release's CUDA
 _INSTALL_HINT = ("run inside NVIDIA's NGC container nvcr.io/nvidia/tritonserver:<yy.mm>-trtllm-python-py3 (one whose "
-                 "TensorRT-LLM is 1.0-1.2) or `pip install tensorrt_llm==1.2.* --extra-index-url https://pypi.nvidia.com`, "
-                 "on a machine with an NVIDIA GPU of compute capability 8.0 or newer")
+                 "TensorRT-LLM is 1.0-1.2), or install TensorRT-LLM's prerequisites (`apt-get install libopenmpi-dev`, "
+                 "the CUDA toolkit with CUDA_HOME set, torch from https://download.pytorch.org/whl/cu<XY> for the "
+                 "release's CUDA) then `pip install tensorrt_llm==1.2.* --extra-index-url https://pypi.nvidia.com` "
+                 "(docs/tensorrt-llm.md), on a machine with an NVIDIA GPU of compute capability 8.0 or newer")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -224,12 +228,10 @@ def _build_rank(rank: int, gpu_id: int, argv: list[str], log_level: str = "info"
     torch.cuda.set_device(gpu_id)
     trt_logger.set_level(log_level)
     build_config, args = _trtllm_build_config(argv)
+    # an architecture TensorRT-LLM has no class for (the legacy format) was refused by check_buildable before this
+    # process started: PretrainedConfig.from_json_file itself indexes MODEL_MAP and would raise a bare KeyError
     model_config = PretrainedConfig.from_json_file(os.path.join(args.checkpoint_dir, "config.json"))
     architecture = model_config.architecture
-    if architecture not in MODEL_MAP:
-        raise UserError(f"TensorRT-LLM {tensorrt_llm.__version__} has no model class for architecture "
-                        f"{architecture!r}; re-convert the checkpoint with the default --trtllm-format 1.x "
-                        f"(architecture ReDrafterForLLaMALM).")
     rank_config = copy.deepcopy(model_config)
     rank_config.set_rank(rank)
     model = MODEL_MAP[architecture].from_checkpoint(args.checkpoint_dir, config=rank_config)
