@@ -175,6 +175,62 @@ def test_run_without_tensorrt_llm_is_one_clear_error(trtllm_marked_engine, capsy
     assert "tensorrt_llm is not installed" in capsys.readouterr().err
 
 
+# ---- comparing fp16 TensorRT-LLM with another implementation -------------------------------------------------------
+NEAR_TIE = 0.05  # top-1 minus top-2 logit (fp32 reference) below which fp16 kernels may legitimately pick either
+
+
+def top2_margins(model_dir: Path, prompt: list[int], tokens: list[int]) -> list[float]:
+    """For each token of `tokens` (greedy continuation of `prompt`), the fp32 reference model's top-1 minus top-2
+    logit at the position that chose it (Hugging Face transformers on the CPU)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1:]
+    top2 = logits.topk(2, dim=-1).values
+    return (top2[:, 0] - top2[:, 1]).tolist()
+
+
+def assert_greedy_agrees(model_dir: Path, prompts: list[str], got: list[list[int]], want: list[list[int]],
+                         tol: float = NEAR_TIE) -> list[int]:
+    """`got` equals `want` up to the first near-tie of `want`'s path (a top-2 gap under `tol` in fp32), where
+    different but correct kernels (fp16 TensorRT-LLM, fp32 torch, another TP split) may choose either token; past it
+    the rest is reported, not asserted. Returns, per prompt, how many tokens were compared."""
+    compared = []
+    for p, g, w in zip(prompts, got, want):
+        margins = top2_margins(model_dir, [int(t) for t in p.split(",")], w)
+        n = next((i for i, m in enumerate(margins) if m < tol), len(w))
+        assert g[:n] == w[:n], f"prompt {p}: differs before any near-tie (first {n} tokens): {g} vs {w}"
+        if g != w:
+            print(f"prompt {p}: identical for {n} tokens; after the near-tie at {n} (gap {margins[n]:.4f}) they "
+                  f"differ: {g[n:]} vs {w[n:]}")
+        compared.append(n)
+    return compared
+
+
+def test_near_tie_comparison_asserts_up_to_the_first_near_tie_only(tmp_path):
+    """The rule the GPU comparisons use, on the CPU (a tiny random Llama, HF fp32): with no tolerance every token is
+    compared; a difference before the first near-tie fails; after it, it is reported."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    assert _cli("make-tiny", "--output", tmp_path / "tiny", "--seed", 3) == 0
+    base = tmp_path / "tiny" / "base"
+    model = AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float32).eval()
+    prompt = [1, 17, 42, 5]
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
+    margins = top2_margins(base, prompt, out)
+    assert len(margins) == 12 and min(margins) >= 0
+    assert assert_greedy_agrees(base, ["1,17,42,5"], [out], [out], tol=0.0) == [12]
+    k = sorted(range(12), key=lambda i: margins[i])[0]  # the smallest gap of the path
+    flipped = out[:k] + [(out[k] + 1) % 64] + out[k + 1:]
+    assert assert_greedy_agrees(base, ["1,17,42,5"], [flipped], [out], tol=margins[k] + 1e-6) == [k]
+    with pytest.raises(AssertionError, match="differs before any near-tie"):
+        assert_greedy_agrees(base, ["1,17,42,5"], [flipped], [out], tol=0.0)
+
+
 # ---- real TensorRT-LLM ------------------------------------------------------------------------------------------
 LIMITS = BuildConfig(max_batch_size=4, max_input_len=64, max_seq_len=160)
 
@@ -236,7 +292,8 @@ def test_trtllm_greedy_equals_torch_backend_greedy(trtllm_engine, tiny_ckpt, tmp
     prompts = ["1,17,42,5,9", "3,3,8", "200,11,7,64,2,90,31"]
     got = _run_json(trtllm_engine, prompts, 24)
     want = _run_json(torch_engine, prompts, 24)
-    assert [d["output_ids"] for d in got] == [d["output_ids"] for d in want]
+    # fp16 TensorRT-LLM against the fp32-reference path: equal up to the first near-tie (top-2 gap < NEAR_TIE)
+    assert_greedy_agrees(base, prompts, [d["output_ids"] for d in got], [d["output_ids"] for d in want])
     assert all(len(d["output_ids"]) == 24 and d["finish_reason"] == "length" for d in got)
     assert all(d["backend"] == "trtllm" and d["ms_per_token"] > 0 for d in got)
 
@@ -254,10 +311,11 @@ def trtllm_ar_engine(tiny_ckpt, tmp_path_factory) -> Path:
 @pytest.mark.trtllm
 @pytest.mark.gpu
 @pytest.mark.slow
-def test_trtllm_greedy_redrafter_equals_trtllm_greedy_ar(trtllm_engine, trtllm_ar_engine):
+def test_trtllm_greedy_redrafter_equals_trtllm_greedy_ar(trtllm_engine, trtllm_ar_engine, tiny_ckpt):
     prompts = ["1,17,42,5,9", "3,3,8", "200,11,7,64,2,90,31"]
-    assert [d["output_ids"] for d in _run_json(trtllm_engine, prompts, 24)] == \
-        [d["output_ids"] for d in _run_json(trtllm_ar_engine, prompts, 24)]
+    # the same fp16 weights through different kernels (tree attention vs AR): equal up to the first near-tie
+    assert_greedy_agrees(tiny_ckpt[0], prompts, [d["output_ids"] for d in _run_json(trtllm_engine, prompts, 24)],
+                         [d["output_ids"] for d in _run_json(trtllm_ar_engine, prompts, 24)])
 
 
 @pytest.mark.trtllm
@@ -274,8 +332,8 @@ def test_trtllm_tp2_equals_tp1(trtllm_engine, tiny_ckpt, tmp_path):
                 "--dtype", "float16", "--tp", 2, "--num-beams", NB, "--draft-len-per-beam", DL) == 0
     eng2 = backend.build_trtllm_engine(ckpt2, tmp_path / "engine-tp2", LIMITS, 2, tokenizer_dir=base)
     prompts = ["1,17,42,5,9", "3,3,8"]
-    assert [d["output_ids"] for d in _run_json(eng2, prompts, 24)] == \
-        [d["output_ids"] for d in _run_json(trtllm_engine, prompts, 24)]
+    assert_greedy_agrees(base, prompts, [d["output_ids"] for d in _run_json(eng2, prompts, 24)],
+                         [d["output_ids"] for d in _run_json(trtllm_engine, prompts, 24)])
 
 
 @pytest.mark.trtllm
