@@ -93,7 +93,8 @@ def test_calibration_starts_at_the_claim_and_learns_the_truth():
         cal.observe([q(0.9)] * 3, [q(0.9)])
     assert cal.probability(q(0.9)) == pytest.approx(1 / 3, abs=0.02)
     # a bin not seen yet: the claim, scaled by how far the claims held elsewhere (a third of 0.9 accepted)
-    assert cal.trust() == pytest.approx((200 + 1) / (600 * 0.9 + 1), rel=1e-3)
+    w = pol.TRUST_WEIGHT
+    assert cal.trust() == pytest.approx((200 + w) / (600 * 0.9 + w), rel=1e-3)
     assert cal.probability(q(0.05)) == pytest.approx(0.05 * cal.trust(), rel=1e-2)
     for _ in range(8000):  # nothing observed for a long time: the evidence fades back towards the claim
         cal.decay()
@@ -180,6 +181,35 @@ def test_probes_back_off_while_they_find_nothing():
     assert probes[0] == PROBE_MIN - 1
     assert [b - a for a, b in zip(probes, probes[1:])] == [2 * PROBE_MIN, 4 * PROBE_MIN]
     assert pol.PROBE_MIN < PROBE_MAX
+
+
+def test_a_drafter_wrong_on_a_hard_stretch_is_verified_again_after_a_probe():
+    """A hard start (confident trees, all rejected) stops drafting; the probe's tree is then verified on the drafter's
+    own claims, whatever the calibration learned, so that its outcomes can revive it: once the drafter is right
+    again, the policy goes back to verifying every step."""
+    policy = Policy("auto", 13, flat_costs())
+    cal = Calibration()
+    sure = [0, q(0.9), q(0.8), q(0.7)]
+    for _ in range(30):  # the hard stretch: every verified node rejected
+        d = policy.decide(cands(1, sure, cal), True)
+        if not d.is_tree:
+            break
+        cal.observe(sure[1:d.keep[0]], [])
+    assert not d.is_tree, "drafting should stop while nothing is accepted"
+    stale = cands(1, sure, cal, fresh=False)
+    for _ in range(PROBE_MAX):
+        d = policy.decide(stale, True)
+        if d.is_tree:
+            break
+    assert d.is_tree and d.width == 1 and d.draft  # the probe drafts
+    d = policy.decide(cands(1, sure, cal), True)
+    assert d.is_tree and d.keep[0] > 1, "the probe's fresh tree must be verified"
+    for _ in range(10):  # the drafter is right again: everything verified is accepted
+        cal.observe(sure[1:d.keep[0]], sure[1:d.keep[0]])
+        d = policy.decide(cands(1, sure, cal), True)
+        if not d.is_tree:
+            d = policy.decide(cands(1, sure, cal, fresh=False), True)
+    assert d.is_tree and d.keep[0] == 4
 
 
 def test_large_batches_on_a_compute_bound_machine_take_ar_steps():

@@ -21,9 +21,11 @@ Two decisions, each by tokens per millisecond. Which width: the T (1 included: v
 whose step emits the most per millisecond for the trees at hand. Whether to draft at all (a tree step drafts the next
 trees, an AR step does not): while the running means of what drafting steps emit and cost, in AR steps, say they pay.
 When they do not (a drafter that is wrong, a batch so large that verifying is compute-bound), the policy takes AR
-steps; as those draft nothing, it probes (a tree step of width 1) after PROBE_MIN steps, backing off to PROBE_MAX
-while probes find nothing worth verifying, and waits PROBE_MAX where the requests' last trees, drafted again, would
-not pay either. The published anchors: EAGLE-2 (trees from draft confidence), SpecDec++ (stop drafting when
+steps; as those draft nothing, it probes after PROBE_MIN steps, backing off to PROBE_MAX while probes find nothing
+worth verifying, and waits PROBE_MAX where the requests' last trees, drafted again, would not pay either. A probe is
+a step that drafts (width 1) and then one that verifies the fresh trees where the proposer's own claims say they
+would pay, whatever the calibration says: a calibration that turned pessimistic on a hard stretch of text learns
+only from verified nodes, and a policy that stopped verifying would never see the drafter recover. The published anchors: EAGLE-2 (trees from draft confidence), SpecDec++ (stop drafting when
 acceptance is unlikely), SmartSpec and vLLM's dynamic speculation (speculate only while goodput gains: less under
 load).
 
@@ -58,7 +60,8 @@ MEAN_DECAY = 0.8  # running means of a drafting step's gain and cost: weight of 
 # drafter), worth PRIOR_WEIGHT observations; old outcomes fade by DECAY per step, so a drafter that starts or stops
 # fitting the text is followed, and a stale pessimism gives way to the prior again
 SCORE_BINS = (-0.1, -0.25, -0.5, -0.75, -1.0, -1.5, -2.0, -3.0, -4.5)
-PRIOR_WEIGHT = 1.0
+PRIOR_WEIGHT = 8.0  # per bin; and the overall trust starts as TRUST_WEIGHT claimed-and-accepted nodes
+TRUST_WEIGHT = 8.0
 DECAY = 0.998
 
 
@@ -228,8 +231,8 @@ class Calibration:
         return len(SCORE_BINS)
 
     def trust(self) -> float:
-        """All accepted / all claimed, with one claimed-and-accepted node as its prior."""
-        return (sum(self.accepted) + 1.0) / (sum(self.claimed) + 1.0)
+        """All accepted / all claimed, with TRUST_WEIGHT claimed-and-accepted nodes as its prior."""
+        return (sum(self.accepted) + TRUST_WEIGHT) / (sum(self.claimed) + TRUST_WEIGHT)
 
     def probability(self, score: int) -> float:
         i = self.bin(score)
@@ -303,7 +306,7 @@ class Policy:
         self.P = max_tree_tokens
         self.widths = tree_buckets(max_tree_tokens)
         self._costs = costs  # CostModel, or a callable that measures one the first time it is needed
-        self.rest, self.probe_every = 0, PROBE_MIN
+        self.rest, self.probe_every, self.probing = 0, PROBE_MIN, False
         self.speculating, self.mean_gain, self.mean_cost, self.mean_batch = False, 1.0, 1.0, 0
         self.calibrations: dict[tuple[str, bool], Calibration] = {}
 
@@ -352,10 +355,15 @@ class Policy:
             hopeful = (B + expected) / ms >= PROBE_HOPE * B / ar_ms
             if hopeful or self.rest >= PROBE_MAX:
                 self.rest, self.probe_every = 0, min(2 * self.probe_every, PROBE_MAX)
-                self.speculating = False
+                self.speculating, self.probing = False, True
                 return StepDecision(1, {c.seq_id: 1 for c in cands}, True)
             return AR_STEP
         widths = self.widths if can_draft else self.widths[1:]  # width 1: verify nothing, draft the next trees
+        if self.probing and can_draft:  # the probe's second step: verify the fresh trees if their claims would pay
+            self.probing = False
+            width, expected, ms = self._best(fresh, B, context, self.widths[1:], claims=True)
+            if (B + expected) / ms > B / ar_ms:
+                return StepDecision(width, self._keep(cands, width), True, expected / B)
         width, expected, ms = self._best(fresh, B, context, widths)
         if not can_draft:  # trees from the host: verify the best part of them, or take an AR step
             if (B + expected) / ms > B / ar_ms:
@@ -375,10 +383,11 @@ class Policy:
         self.rest, self.speculating = 0, False
         return AR_STEP
 
-    def _best(self, cands: list[Candidate], B: int, context: float, widths: list[int]) -> tuple[int, float, float]:
+    def _best(self, cands: list[Candidate], B: int, context: float, widths: list[int], claims: bool = False
+              ) -> tuple[int, float, float]:
         """The width whose step emits the most tokens per millisecond for these trees -> (width, expected drafted
-        tokens accepted over the batch, step ms)."""
-        gains = [self._gains(c) for c in cands]
+        tokens accepted over the batch, step ms). `claims`: by the proposer's own scores, not the calibration."""
+        gains = [self._gains(c, claims) for c in cands]
         best = None
         for w in widths:
             expected = sum(g[min(w, len(g)) - 1] for g in gains)
@@ -387,11 +396,11 @@ class Policy:
                 best = (w, expected, ms)
         return best
 
-    def _gains(self, c: Candidate) -> list[float]:
+    def _gains(self, c: Candidate, claims: bool = False) -> list[float]:
         """g[k - 1]: tokens expected from the request's first k nodes (the root adds none)."""
         out, total = [0.0], 0.0
         for s in c.scores[1:]:
-            total += c.calibration.probability(s)
+            total += math.exp(s / SCORE_SCALE) if claims else c.calibration.probability(s)
             out.append(total)
         return out
 
