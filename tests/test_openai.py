@@ -461,4 +461,6 @@ def test_triton_unreachable_is_503_and_ports_in_use_are_refused(served, engine, 
     rc = cli(["serve", "--repo", str(repo), "--grpc-port", str(free_port()), "--http-port", str(free_port()),
               "--metrics-port", str(free_port()), "--openai-port", str(served["ports"]["openai"])])
     assert rc == 2
-    assert f"port {served['ports']['openai']} on 127.0.0.1 (--openai-port) is in use" in capsys.readouterr().err
+    from trt_redrafter.serving.launcher import default_host  # 0.0.0.0 inside a container, else 127.0.0.1
+
+    assert f"port {served['ports']['openai']} on {default_host()} (--openai-port) is in use" in capsys.readouterr().err

@@ -48,3 +48,4 @@ def test_serve_help_says_what_the_default_is(capsys):
         main(["serve", "--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert "0.0.0.0" in out and "container" in out
+

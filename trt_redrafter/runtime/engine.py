@@ -61,6 +61,8 @@ from .step import DecodeStep, RowLayout, StepKernels
 from .timing import PhaseTimer
 
 logger = get_logger(__name__)
+# the user's inductor cache, read at import: torch writes its own default into the environment on first use
+USER_INDUCTOR_CACHE = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
 
 PHASES = ("verify", "accept", "rewind", "draft", "pack")
 COST_CONTEXTS = (32, 1024)  # context lengths the cost model is measured at (the longer one capped by max_seq_len)
@@ -220,17 +222,25 @@ class Engine:
 
     def _keep_inductor_cache(self) -> None:
         """Inductor's compiled kernels go beside the engine (`.cache/inductor`), so that the next process that loads
-        it reuses them instead of compiling for minutes again; unless TORCHINDUCTOR_CACHE_DIR says otherwise, or
-        the engine directory cannot be written (then inductor's default, under /tmp)."""
-        if self.engine_dir is None or "TORCHINDUCTOR_CACHE_DIR" in os.environ:
-            return
-        where = self.engine_dir / ".cache" / "inductor"
-        try:
-            where.mkdir(parents=True, exist_ok=True)
-        except OSError:
-            return
-        if os.access(where, os.W_OK):
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(where)
+        it reuses them instead of compiling for minutes again; or where TORCHINDUCTOR_CACHE_DIR says; or, if the
+        engine directory cannot be written, inductor's default under /tmp. Under TP each rank has its own
+        subdirectory: the ranks compile the same graphs at the same moment, and with one shared directory the TP=2
+        compiled test (tests/test_tp.py) lost a rank to signal 6 or 11 in two full-suite runs."""
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        where = [Path(USER_INDUCTOR_CACHE)] if USER_INDUCTOR_CACHE else []
+        if not where and self.engine_dir is not None:
+            where.append(self.engine_dir / ".cache" / "inductor")
+        where.append(Path(default_cache_dir()))
+        for base in where:
+            d = base / f"rank{self.dist.rank}" if self.dist.world_size > 1 else base
+            try:
+                d.mkdir(parents=True, exist_ok=True)
+            except OSError:
+                continue
+            if os.access(d, os.W_OK):
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(d)
+                return
 
     def _resolve_kernels(self) -> str:
         want = self.runtime.kernels

@@ -1,0 +1,23 @@
+"""Where inductor's compiled kernels are kept (runtime/engine.py `_keep_inductor_cache`)."""
+
+from __future__ import annotations
+
+
+def test_tp_ranks_compile_into_their_own_inductor_caches(tmp_path, monkeypatch):
+    """Ranks compile the same graphs at once: each gets its own directory under the engine's `.cache/inductor`, and a
+    TORCHINDUCTOR_CACHE_DIR the user set at start-up wins over the engine directory."""
+    from types import SimpleNamespace
+
+    from trt_redrafter.runtime import engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "USER_INDUCTOR_CACHE", None)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/somewhere/torch/set/itself")  # torch's default, written on use
+    for rank, world, want in ((0, 1, tmp_path / "e" / ".cache" / "inductor"),
+                              (1, 2, tmp_path / "e" / ".cache" / "inductor" / "rank1")):
+        fake = SimpleNamespace(engine_dir=tmp_path / "e", dist=SimpleNamespace(rank=rank, world_size=world))
+        engine_mod.Engine._keep_inductor_cache(fake)
+        assert engine_mod.os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(want) and want.is_dir()
+    monkeypatch.setattr(engine_mod, "USER_INDUCTOR_CACHE", str(tmp_path / "mine"))
+    engine_mod.Engine._keep_inductor_cache(SimpleNamespace(engine_dir=tmp_path / "e",
+                                                           dist=SimpleNamespace(rank=0, world_size=2)))
+    assert engine_mod.os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine" / "rank0")
