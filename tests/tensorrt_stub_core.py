@@ -81,44 +81,42 @@ class Dims:
     MAX_DIMS = 8
 
 
-# interfaces TensorRT's Python classes derive from
-class IPluginV3:
+# interfaces TensorRT's Python classes derive from (siblings: the plugin classes list several as bases)
+class _Interface:
     def __init__(self, *a):
         pass
 
 
-class IPluginV3QuickCore:
-    def __init__(self, *a):
-        pass
+class IPluginV3(_Interface):
+    pass
 
 
-class IPluginV3QuickBuild:
-    def __init__(self, *a):
-        pass
+class IPluginV3QuickCore(_Interface):
+    pass
 
 
-class IPluginV3QuickRuntime:
-    def __init__(self, *a):
-        pass
+class IPluginV3QuickBuild(_Interface):
+    pass
 
 
-class IPluginV3QuickAOTBuild:
-    def __init__(self, *a):
-        pass
+class IPluginV3QuickRuntime(_Interface):
+    pass
 
 
-class IPluginCreatorV3Quick:
-    def __init__(self, *a):
-        pass
+class IPluginV3QuickAOTBuild(_Interface):
+    pass
+
+
+class IPluginCreatorV3Quick(_Interface):
+    pass
 
 
 class IPluginCreatorV3One(IPluginCreatorV3Quick):
     pass
 
 
-class ISymExpr:
-    def __init__(self, *a):
-        pass
+class ISymExpr(_Interface):
+    pass
 
 
 class ISymExprs(list):

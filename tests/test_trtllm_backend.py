@@ -179,13 +179,19 @@ def test_run_without_tensorrt_llm_is_one_clear_error(trtllm_marked_engine, capsy
 NEAR_TIE = 0.05  # top-1 minus top-2 logit (fp32 reference) below which fp16 kernels may legitimately pick either
 
 
-def top2_margins(model_dir: Path, prompt: list[int], tokens: list[int]) -> list[float]:
-    """For each token of `tokens` (greedy continuation of `prompt`), the fp32 reference model's top-1 minus top-2
-    logit at the position that chose it (Hugging Face transformers on the CPU)."""
+def reference_model(model_dir: Path):
+    """The fp32 Hugging Face model the near-tie rule measures gaps with (on the CPU)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+
+
+def top2_margins(model, prompt: list[int], tokens: list[int]) -> list[float]:
+    """For each token of `tokens` (greedy continuation of `prompt`), the reference model's top-1 minus top-2 logit
+    at the position that chose it."""
+    import torch
+
     with torch.no_grad():
         logits = model(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1:]
     top2 = logits.topk(2, dim=-1).values
@@ -197,9 +203,9 @@ def assert_greedy_agrees(model_dir: Path, prompts: list[str], got: list[list[int
     """`got` equals `want` up to the first near-tie of `want`'s path (a top-2 gap under `tol` in fp32), where
     different but correct kernels (fp16 TensorRT-LLM, fp32 torch, another TP split) may choose either token; past it
     the rest is reported, not asserted. Returns, per prompt, how many tokens were compared."""
-    compared = []
+    model, compared = reference_model(model_dir), []
     for p, g, w in zip(prompts, got, want):
-        margins = top2_margins(model_dir, [int(t) for t in p.split(",")], w)
+        margins = top2_margins(model, [int(t) for t in p.split(",")], w)
         n = next((i for i, m in enumerate(margins) if m < tol), len(w))
         assert g[:n] == w[:n], f"prompt {p}: differs before any near-tie (first {n} tokens): {g} vs {w}"
         if g != w:
@@ -213,15 +219,14 @@ def test_near_tie_comparison_asserts_up_to_the_first_near_tie_only(tmp_path):
     """The rule the GPU comparisons use, on the CPU (a tiny random Llama, HF fp32): with no tolerance every token is
     compared; a difference before the first near-tie fails; after it, it is reported."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     assert _cli("make-tiny", "--output", tmp_path / "tiny", "--seed", 3) == 0
     base = tmp_path / "tiny" / "base"
-    model = AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float32).eval()
+    model = reference_model(base)
     prompt = [1, 17, 42, 5]
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
-    margins = top2_margins(base, prompt, out)
+    margins = top2_margins(model, prompt, out)
     assert len(margins) == 12 and min(margins) >= 0
     assert assert_greedy_agrees(base, ["1,17,42,5"], [out], [out], tol=0.0) == [12]
     k = sorted(range(12), key=lambda i: margins[i])[0]  # the smallest gap of the path

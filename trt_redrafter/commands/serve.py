@@ -33,11 +33,11 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..errors import UserError
-    from ..serving.launcher import TritonServer, default_host, in_container, require_free_ports
+    from ..serving.launcher import TritonServer, default_host, require_free_ports
 
     if args.host is None:
         args.host = default_host()
-        if in_container():
+        if args.host != "127.0.0.1":  # the container default
             print(f"inside a container: binding {args.host} (reachable through the ports the container publishes; "
                   f"--host 127.0.0.1 keeps it to the container)", flush=True)
 
