@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 
 from ..training.drafter_training import DrafterTrainConfig, train_drafter
+from ..training.generation import GENERATORS
 
 _D = DrafterTrainConfig()
 
@@ -47,7 +48,8 @@ def register(subparsers) -> None:
     p.add_argument("--eval-sequences", type=int, default=_D.eval_sequences, help="held-out sequences")
     p.add_argument("--prompt-min", type=int, default=_D.prompt_min, help="shortest prompt window (tokens)")
     p.add_argument("--prompt-max", type=int, default=_D.prompt_max, help="longest prompt window (tokens)")
-    p.add_argument("--gen-batch-size", type=int, default=_D.gen_batch_size, help="sequences per generate call")
+    p.add_argument("--gen-batch-size", type=int, default=_D.gen_batch_size,
+                   help="sequences per corpus shard, and the corpus engine's batch (hf: per generate call)")
     p.add_argument("--seed", type=int, default=_D.seed)
     p.add_argument("--data", default=None,
                    help="text: 'stdlib' (default: the Python standard library), a directory of *.py/*.txt/*.md "
@@ -69,6 +71,13 @@ def register(subparsers) -> None:
                    help="corpus shards (of --gen-batch-size sequences) held in memory while training")
     p.add_argument("--dtype", default=_D.dtype, choices=("float32", "bfloat16", "float16"),
                    help="dtype of the written weights")
+    p.add_argument("--generator", default=_D.generator, choices=GENERATORS,
+                   help="who writes the corpus: engine (default: the project's torch engine, --gen-batch-size "
+                        "requests batched in flight, hidden states recorded by the decode step) or hf (HF generate, "
+                        "one batch per shard)")
+    p.add_argument("--generate-dtype", default=_D.generate_dtype, choices=("float32", "bfloat16", "float16"),
+                   help="the base's dtype while it writes the corpus (bfloat16 is faster on CPUs with AVX512-BF16; "
+                        "match the dtype you will deploy)")
     p.add_argument("--device", default=_D.device, choices=("auto", "cpu", "cuda"))
     p.add_argument("--threads", type=int, default=_D.threads, help="torch CPU threads (0: torch's default)")
     p.set_defaults(func=run)
@@ -84,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
         gen_batch_size=args.gen_batch_size, seed=args.seed, data=args.data, device=args.device,
         threads=args.threads, prompts=args.prompts, magpie=args.magpie, work_dir=args.work_dir,
         save_every=args.save_every, resume=args.resume, stop_after=args.stop_after,
-        shards_in_memory=args.shards_in_memory, dtype=args.dtype)
+        shards_in_memory=args.shards_in_memory, dtype=args.dtype, generator=args.generator,
+        generate_dtype=args.generate_dtype)
     s = train_drafter(args.base_model, args.output, cfg, force=args.force)
     if "stopped_at" in s:
         print(f"stopped after step {s['stopped_at']}; checkpoint {s['checkpoint']} (continue with --resume)")

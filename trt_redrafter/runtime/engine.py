@@ -104,7 +104,7 @@ class StepTimes:
 
 class Engine:
     def __init__(self, engine_dir: str | Path, dist: Dist, runtime: RuntimeConfig | None = None,
-                 proposer: Optional[Proposer] = None, warmup: bool = True):
+                 proposer: Optional[Proposer] = None, warmup: bool = True, record_hidden: bool = False):
         self.engine_dir = Path(engine_dir)
         cfg = load_engine_config(self.engine_dir)
         if cfg.tp_size != dist.world_size:
@@ -113,21 +113,23 @@ class Engine:
         path = self.engine_dir / f"rank{dist.rank}.safetensors"
         if not path.is_file():
             raise UserError(f"engine {self.engine_dir} has no {path.name}; rebuild it with build-engine.")
-        self._setup(cfg, load_file(str(path)), dist, runtime or RuntimeConfig(), proposer, warmup)
+        self._setup(cfg, load_file(str(path)), dist, runtime or RuntimeConfig(), proposer, warmup, record_hidden)
 
     @classmethod
     def from_tensors(cls, cfg: EngineConfig, tensors: dict[str, torch.Tensor], dist: Dist,
                      runtime: RuntimeConfig | None = None, proposer: Optional[Proposer] = None,
-                     warmup: bool = True) -> "Engine":
+                     warmup: bool = True, record_hidden: bool = False) -> "Engine":
         """An engine over this rank's checkpoint tensors already in memory (benchmarks build random models in
         place); tensors already on the device in the compute dtype are used without a copy."""
         engine = cls.__new__(cls)
         engine.engine_dir = None
-        engine._setup(cfg, tensors, dist, runtime or RuntimeConfig(), proposer, warmup)
+        engine._setup(cfg, tensors, dist, runtime or RuntimeConfig(), proposer, warmup, record_hidden)
         return engine
 
     def _setup(self, cfg: EngineConfig, tensors: dict[str, torch.Tensor], dist: Dist, runtime: RuntimeConfig,
-               proposer: Optional[Proposer], warmup: bool) -> None:
+               proposer: Optional[Proposer], warmup: bool, record_hidden: bool = False) -> None:
+        """`record_hidden`: prompt and AR steps keep each request's last verified final-norm hidden state
+        (`hidden_states`), for a drafter's distillation corpus."""
         self.cfg, self.runtime, self.dist = cfg, runtime, dist
         info = cfg.checkpoint
         if runtime.threads:
@@ -162,6 +164,8 @@ class Engine:
         self.cache = PagedKVCache(m.num_hidden_layers, -(-tokens // bsz), bsz, kv_heads, m.head_size, self.dtype,
                                   dist.device, max_slots=num_slots, max_blocks_per_seq=-(-per_seq // bsz))
         self.state = SlotState.allocate(num_slots, rd.num_beams, rd.draft_len_per_beam, dist.device)
+        if record_hidden:
+            self.state.record_hidden(m.hidden_size, self.dtype)
         self._free_slots = list(range(num_slots - 2, -1, -1))  # pop() hands out slot 0 first
 
         self.kernels = self._resolve_kernels()
@@ -308,6 +312,15 @@ class Engine:
         sid = next(self._ids) if seq_id is None else seq_id
         return Sequence(sid, list(prompt), params, mode, frozenset(stop_ids), self.build.max_seq_len,
                         stop_sequences=tuple(tuple(q) for q in stop_sequences if q), proposer=name)
+
+    def hidden_states(self, seqs: list[Sequence]) -> torch.Tensor:
+        """[len(seqs), H] float32 on the CPU: the final-norm hidden state of the token each request's last step
+        verified (its last prompt token after the prompt step, its true token after an AR step), the state whose
+        logits chose the token that step emitted. Needs `record_hidden`; not written by tree steps."""
+        if self.state.hidden is None:
+            raise RuntimeError("this engine was made without record_hidden=True")
+        idx = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=self.state.hidden.device)
+        return self.state.hidden[idx].float().cpu()
 
     def release(self, seq: Sequence) -> None:
         """Give back `seq`'s KV blocks and batch slot."""
@@ -598,10 +611,10 @@ class Engine:
         return self.state.true_tok[slots].tolist()
 
     # ---- warm-up and the cost model ---------------------------------------------------------------------------
-    def warmup(self) -> None:
+    def warmup(self, trees: bool = True) -> None:
         """Compile / capture the greedy decode steps of the engine's default proposer before the first request
-        (padding-slot batches only; other proposers' variants compile when first asked for): the AR step and the tree
-        step at every tree width the policy may choose (CUDA graphs: per batch bucket)."""
+        (padding-slot batches only; other proposers' variants compile when first asked for): the AR step and (`trees`)
+        the tree step at every tree width the policy may choose (CUDA graphs: per batch bucket)."""
         from tqdm import tqdm
 
         t0 = time.perf_counter()
@@ -615,7 +628,7 @@ class Engine:
         widths = self.widths if self.compiler.uses_graphs else [self._verify_width(0, self.redrafter.max_tree_tokens)]
         nb, bl = self.redrafter.num_beams, self.redrafter.beam_length
         work = [(bs, None) for bs in sorted(sizes, reverse=True)] + \
-               [(bs, (T, v)) for bs in sorted(sizes, reverse=True) for T in widths for v in variants]
+               [(bs, (T, v)) for bs in sorted(sizes, reverse=True) for T in widths for v in variants if trees]
         dev = self.dist.device
         with torch.inference_mode():  # largest batches first: later captures reuse their pool memory
             for bs, tree_variant in tqdm(work, desc=f"compiling decode steps ({self.compiler.mode})", unit="graph",
@@ -633,8 +646,8 @@ class Engine:
                     mask = torch.ones(bs, dtype=torch.bool, device=dev)
                     self.compiler.mark_dynamic(beams, scores, mask)
                 self._unit("redrafter")(*args, "greedy", d, r, beams, scores, mask).cpu()
-        logger.info("engine warm-up (%s, buckets %s, tree widths %s) took %.1fs", self.compiler.mode, sizes, widths,
-                    time.perf_counter() - t0)
+        logger.info("engine warm-up (%s, buckets %s, tree widths %s) took %.1fs", self.compiler.mode, sizes,
+                    widths if trees else "none: AR steps only", time.perf_counter() - t0)
 
     def _cost_model(self) -> CostModel:
         """The policy's cost model: from the cache beside the engine (or the user's cache) when one was measured for

@@ -16,6 +16,8 @@ Shapes (S = max_batch_size + 1 slots, P = max_tree_tokens = 1 + nb*dl):
     tree_mask [S, P, P]    ancestor-or-self mask
     unpacker [S, nb, bl]   packed index of every beam position
     draft_logp [S, nb, dl, V]  drafter log-probs of the beams (only for `apple` acceptance; allocated on first use)
+    hidden [S, H]          final-norm hidden state of the token each slot's last prompt or AR step verified (only
+                           when the engine records them: a drafter's distillation corpus, `Engine(record_hidden=True)`)
     seed, temperature, top_k, top_p, apple [S]  sampling parameters and the per-request rule
 """
 
@@ -52,6 +54,7 @@ class SlotState:
     top_p: torch.Tensor
     apple: torch.Tensor
     draft_logp: Optional[torch.Tensor] = None
+    hidden: Optional[torch.Tensor] = None
 
     @classmethod
     def allocate(cls, num_slots: int, num_beams: int, draft_len: int, device: torch.device) -> "SlotState":
@@ -86,6 +89,11 @@ class SlotState:
             S, nb, bl = self.beams.shape
             self.draft_logp = torch.zeros(S, nb, bl - 1, vocab_size, dtype=torch.float32, device=self.beams.device)
         return self.draft_logp
+
+    def record_hidden(self, hidden_size: int, dtype: torch.dtype) -> None:
+        """From now on prompt and AR steps write each slot's verified hidden state into `hidden`."""
+        if self.hidden is None:
+            self.hidden = torch.zeros(self.num_slots, hidden_size, dtype=dtype, device=self.ctx_len.device)
 
     def set_params(self, slots: list[int], params: list[SamplingConfig], apple: list[bool]) -> None:
         """Write admitted requests' sampling parameters and whether each takes the `apple` rule (host -> device,

@@ -334,6 +334,8 @@ class DecodeStep:
         zeros = torch.zeros_like(tok)
         mask = torch.ones(bs, 1, 1, dtype=torch.bool, device=tok.device)
         v = self.verify(slots, key_blocks, tok, zeros, mask)
+        if st.hidden is not None:  # the hidden state that predicted `nxt` (a distillation corpus reads it back)
+            put_rows(st.hidden, slots, v.hidden[:, 0])
         nxt, _ = self.targets(slots, v.logits, zeros, rule)  # [bs, 1]
         nxt = self.dist.broadcast(nxt.contiguous())
         st.advance(slots, st.ctx_len[slots] + 1, nxt[:, 0])
@@ -361,6 +363,8 @@ class DecodeStep:
         rows = torch.arange(bs, device=dev)
         last = lengths - 1
         h = v.hidden[rows, last]  # [bs, H]
+        if st.hidden is not None:
+            put_rows(st.hidden, slots, h)
         # the draw at the last prompt position: same noise as an AR step there (position = lengths)
         offsets = last[:, None]  # ctx_len is 0, so position = offset + 1 = lengths
         nxt, _ = self.targets(slots, self.model.logits(h)[:, None], offsets, rule)

@@ -1,6 +1,6 @@
 """The distillation corpus on disk: what the base generated, streamed back in fixed-size shards.
 
-Generation writes one safetensors shard per generation batch into `DIR/shard-NNNNN.safetensors` (written under a
+Generation (generation.py: the project's engine, or HF `generate`) writes one safetensors shard per --gen-batch-size prompts into `DIR/shard-NNNNN.safetensors` (written under a
 temporary name and renamed, so a shard is whole or absent) and lists it in `DIR/manifest.json`. A shard holds
 
     tokens  int32   [b, W]     the row: prompt (bos / chat template included) then the base's greedy answer
@@ -276,20 +276,22 @@ def generate_shard(model, prompts: list[list[int]], max_new: int, stop_ids: Opti
     return Shard(tokens, targets, hidden, first, torch.tensor(lengths))
 
 
-def build(corpus: ShardedCorpus, prompts_for: Callable[[int], list[list[int]]], model, max_new: int,
-          stop_ids: Optional[list[int]], pad_id: int, device: torch.device, rank: int = 0, world: int = 1,
-          desc: str = "corpus", progress: bool = True) -> dict[int, int]:
-    """Generate this rank's missing shards (i % world == rank). Returns {shard: positions} of the shards written."""
+def build(corpus: ShardedCorpus, prompts_for: Callable[[int], list[list[int]]], generator, max_new: int,
+          stop_ids: Optional[list[int]], pad_id: int, rank: int = 0, world: int = 1, desc: str = "corpus",
+          progress: bool = True) -> dict[int, int]:
+    """Generate this rank's missing shards (i % world == rank) with `generator` (generation.EngineGenerator or
+    HFGenerator). Returns {shard: positions} of the shards written."""
     from tqdm.auto import tqdm
 
     todo = [i for i in range(corpus.num_shards) if i % world == rank and not corpus.done(i)]
     written = {}
-    for i in tqdm(todo, desc=desc, unit="shard", disable=not progress or not todo):
-        shard = generate_shard(model, prompts_for(i), max_new, stop_ids, pad_id, device)
-        corpus.write(i, shard)
-        written[i] = num_positions(shard.first.tolist(), shard.length.tolist())
-        if world == 1:
-            corpus.record({i: written[i]}, {i: len(shard.length)})
+    with tqdm(total=len(todo), desc=desc, unit="shard", disable=not progress or not todo) as bar:
+        for i, shard in generator.shards(todo, prompts_for, max_new, stop_ids, pad_id):
+            corpus.write(i, shard)
+            written[i] = num_positions(shard.first.tolist(), shard.length.tolist())
+            if world == 1:
+                corpus.record({i: written[i]}, {i: len(shard.length)})
+            bar.update(1)
     if world == 1:
         corpus.count_unrecorded()
     return written

@@ -44,6 +44,7 @@ from ..fsutil import atomic_output_dir, write_json
 from ..log import get_logger
 from . import corpus as corpus_mod
 from . import data as data_mod
+from . import generation as gen_mod
 from . import prompts as prompt_mod
 
 log = get_logger(__name__)
@@ -85,6 +86,8 @@ class DrafterTrainConfig:
     stop_after: int = 0  # end this run after this many steps (a checkpoint; continue with resume)
     shards_in_memory: int = 4  # corpus shards loaded at once while training
     dtype: str = "float32"  # of the written weights
+    generator: str = "engine"  # who writes the corpus: engine (the project's torch engine) or hf (HF generate)
+    generate_dtype: str = "float32"  # the base's dtype while it writes the corpus
     device: str = "auto"
     threads: int = 0  # 0: leave torch's default
     log_every: int = 25
@@ -104,6 +107,9 @@ class DrafterTrainConfig:
             raise UserError("pass one data source: --data (text windows), --prompts (JSONL) or --magpie.")
         if self.dtype not in DTYPES:
             raise UserError(f"--dtype: expected one of {', '.join(DTYPES)}, got {self.dtype!r}.")
+        if self.generate_dtype not in DTYPES:
+            raise UserError(f"--generate-dtype: expected one of {', '.join(DTYPES)}, got {self.generate_dtype!r}.")
+        gen_mod.check_generator(self.generator)
         if self.num_layers < 0 or self.exit_dim < 0:
             raise UserError("--num-layers and --exit-dim must be >= 0.")
         if self.draft_vocab and self.draft_vocab < MIN_DRAFT_VOCAB:
@@ -176,21 +182,29 @@ class Drafter(nn.Module):
         return torch.stack(out, dim=1)
 
 
-def _load_base(path: Path, device: torch.device):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _load_tokenizer(path: Path):
+    """(tokenizer, HF config) of the base, checked before anything is generated."""
+    from transformers import AutoConfig, AutoTokenizer
 
     if not (path / "config.json").is_file():
         raise UserError(f"base model directory {path} has no config.json; pass an HF Llama directory.")
+    config = AutoConfig.from_pretrained(str(path))
+    if getattr(config, "model_type", None) != "llama":
+        raise UserError(f"{path}: model_type is {config.model_type!r}; train-drafter supports Llama bases.")
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError) as e:
         raise UserError(f"cannot load a tokenizer from {path} (train-drafter needs one to read the text): {e}") from e
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(device).eval()
-    if getattr(model.config, "model_type", None) != "llama":
-        raise UserError(f"{path}: model_type is {model.config.model_type!r}; train-drafter supports Llama bases.")
+    return tokenizer, config
+
+
+def _load_base(path: Path, device: torch.device, dtype: torch.dtype = torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
     for p in model.parameters():
         p.requires_grad_(False)
-    return model, tokenizer
+    return model
 
 
 def _prompt_stream(tokenizer, files: list[Path], max_files: int = 48) -> torch.Tensor:
@@ -209,10 +223,12 @@ class _Source:
     num_sequences: int
     prompts_for: Callable[[int], list[list[int]]]
     stop_ids: Optional[list[int]]  # None: exactly seq_len tokens (text windows)
+    max_prompt: int  # longest prompt in tokens (the corpus engine's input limit)
 
 
-def _sources(cfg: DrafterTrainConfig, model, tokenizer, bos: int, device: torch.device) -> tuple[_Source, _Source]:
-    """(training, held-out) prompt sources for the configured kind of data."""
+def _sources(cfg: DrafterTrainConfig, sample: Callable, tokenizer, bos: int) -> tuple[_Source, _Source]:
+    """(training, held-out) prompt sources for the configured kind of data; `sample` writes Magpie's user prompts
+    (prompts.magpie_user_prompts)."""
     gbs = cfg.gen_batch_size
 
     def rows(n: int, i: int) -> range:
@@ -223,23 +239,37 @@ def _sources(cfg: DrafterTrainConfig, model, tokenizer, bos: int, device: torch.
         if stop is None:
             raise UserError("the base's tokenizer names no eos token, so its chat answers would never end; set "
                             "eos_token in its tokenizer_config.json.")
+        guard = prompt_mod.EvalGuard.mt_bench()
         if cfg.prompts:
-            train, held = prompt_mod.split_held_out(prompt_mod.read_jsonl(cfg.prompts), cfg.eval_sequences, cfg.seed)
+            convs = prompt_mod.read_jsonl(cfg.prompts)
+            kept = [c for c in convs if not guard.conversation(c)]
+            if len(kept) < len(convs):
+                log.warning("--prompts %s: left out %d conversation(s) that ask %s questions (the evaluation set "
+                            "never enters training)", cfg.prompts, len(convs) - len(kept), guard.name)
+            if len(kept) < 2:
+                raise UserError(f"--prompts {cfg.prompts} holds {len(kept)} conversation(s) outside {guard.name}; "
+                                f"need at least 2 (one is held out).")
+            train, held = prompt_mod.split_held_out(kept, cfg.eval_sequences, cfg.seed)
             train = train[:cfg.num_sequences]
+
+            longest = max(len(prompt_mod.chat_ids(tokenizer, c)) for c in train + held)
 
             def from_list(convs):
                 return lambda i: [prompt_mod.chat_ids(tokenizer, convs[j]) for j in rows(len(convs), i)]
-            return (_Source(f"jsonl:{cfg.prompts}", len(train), from_list(train), stop),
-                    _Source(f"jsonl:{cfg.prompts}:held-out", len(held), from_list(held), stop))
+            return (_Source(f"jsonl:{cfg.prompts}", len(train), from_list(train), stop, longest),
+                    _Source(f"jsonl:{cfg.prompts}:held-out", len(held), from_list(held), stop, longest))
+
+        # a user prompt of MAGPIE_MAX_TOKENS tokens re-tokenizes to about as many; the template adds the rest
+        longest = 2 * len(prompt_mod.user_turn_prefix(tokenizer)) + 2 * prompt_mod.MAGPIE_MAX_TOKENS
 
         def magpie(n: int, salt: int):
             def prompts_for(i: int) -> list[list[int]]:
-                users = prompt_mod.magpie_user_prompts(model, tokenizer, len(rows(n, i)),
-                                                       (cfg.seed * 1000 + i) * 2 + salt, device)
+                users = prompt_mod.magpie_user_prompts(sample, tokenizer, len(rows(n, i)),
+                                                       (cfg.seed * 1000 + i) * 2 + salt, guard)
                 return [prompt_mod.chat_ids(tokenizer, [{"role": "user", "content": u}]) for u in users]
             return prompts_for
-        return (_Source("magpie", cfg.num_sequences, magpie(cfg.num_sequences, 0), stop),
-                _Source("magpie:held-out", cfg.eval_sequences, magpie(cfg.eval_sequences, 1), stop))
+        return (_Source("magpie", cfg.num_sequences, magpie(cfg.num_sequences, 0), stop, longest),
+                _Source("magpie:held-out", cfg.eval_sequences, magpie(cfg.eval_sequences, 1), stop, longest))
 
     train_files, held_files = data_mod.text_files(cfg.data)
 
@@ -257,13 +287,18 @@ def _sources(cfg: DrafterTrainConfig, model, tokenizer, bos: int, device: torch.
         return prompts_for
 
     src = cfg.data or "stdlib"
-    return (_Source(f"text:{src}", cfg.num_sequences, windows(train_files, cfg.num_sequences, 0), None),
-            _Source(f"text:{src}:held-out", cfg.eval_sequences, windows(held_files, cfg.eval_sequences, 1), None))
+    return (_Source(f"text:{src}", cfg.num_sequences, windows(train_files, cfg.num_sequences, 0), None,
+                    cfg.prompt_max + 1),
+            _Source(f"text:{src}:held-out", cfg.eval_sequences, windows(held_files, cfg.eval_sequences, 1), None,
+                    cfg.prompt_max + 1))
 
 
 def _corpus_spec(cfg: DrafterTrainConfig, base_model: Path, source: _Source) -> dict:
-    spec = {"base_model": str(base_model.resolve()), "source": source.name, "seq_len": cfg.seq_len, "gen_batch_size": cfg.gen_batch_size, "seed": cfg.seed,
-            "stop_at_eos": source.stop_ids is not None}
+    spec = {"base_model": str(base_model.resolve()), "source": source.name, "seq_len": cfg.seq_len,
+            "gen_batch_size": cfg.gen_batch_size, "seed": cfg.seed, "stop_at_eos": source.stop_ids is not None,
+            "generator": cfg.generator, "generate_dtype": cfg.generate_dtype}
+    if cfg.prompts or cfg.magpie:
+        spec["excludes"] = "mt-bench"  # prompt_mod.EvalGuard
     if not (cfg.prompts or cfg.magpie):
         spec["prompt_len"] = [cfg.prompt_min, cfg.prompt_max]
     if cfg.prompts:  # the held-out split (and so every shard) depends on the file and the held-out count
@@ -431,9 +466,9 @@ def _barrier(world: int) -> None:
         dist.barrier()
 
 
-def _build_split(corpus: corpus_mod.ShardedCorpus, source: _Source, model, cfg, pad_id, device, rank, world,
+def _build_split(corpus: corpus_mod.ShardedCorpus, source: _Source, generator, cfg, pad_id, rank, world,
                  desc, progress) -> None:
-    written = corpus_mod.build(corpus, source.prompts_for, model, cfg.seq_len, source.stop_ids, pad_id, device,
+    written = corpus_mod.build(corpus, source.prompts_for, generator, cfg.seq_len, source.stop_ids, pad_id,
                                rank, world, desc, progress)
     if world > 1:
         _barrier(world)
@@ -442,6 +477,45 @@ def _build_split(corpus: corpus_mod.ShardedCorpus, source: _Source, model, cfg, 
             corpus.count_unrecorded()
         _barrier(world)
         corpus.refresh()
+
+
+class _LazyGenerator:
+    """The corpus generator (generation.py), started on first use: a complete corpus is reused without one."""
+
+    def __init__(self, cfg: DrafterTrainConfig, base_model: Path, device: torch.device, work: Path, pad_id: int):
+        self.cfg, self.base_model, self.device, self.work, self.pad_id = cfg, base_model, device, work, pad_id
+        self.max_prompt = 0
+        self._gen = self._sample = None
+
+    def _start(self) -> None:
+        if self._gen is not None:
+            return
+        cfg = self.cfg
+        if cfg.generator == "engine":
+            tokens = (cfg.num_sequences + cfg.eval_sequences) * cfg.seq_len
+            self._gen = gen_mod.EngineGenerator(self.base_model, cfg.generate_dtype, self.device, cfg.gen_batch_size,
+                                                self.max_prompt, cfg.seq_len, cfg.threads, self.work,
+                                                compile="auto" if tokens >= gen_mod.COMPILE_FROM_TOKENS else "off")
+            self._sample = self._gen.sample
+        else:
+            hf = _load_base(self.base_model, self.device, DTYPES[cfg.generate_dtype])
+            self._gen = gen_mod.HFGenerator(hf, self.device)
+            self._sample = prompt_mod.hf_sampler(hf, self.device, self.pad_id)
+
+    def sample(self, *args) -> list[list[int]]:
+        self._start()
+        return self._sample(*args)
+
+    def shards(self, todo, *args):
+        if not todo:
+            return iter(())
+        self._start()
+        return self._gen.shards(todo, *args)
+
+    def close(self) -> None:
+        if self._gen is not None:
+            self._gen.close()
+        self._gen = self._sample = None
 
 
 def _train_spec(cfg: DrafterTrainConfig, exit_dim: int, world: int) -> dict:
@@ -487,25 +561,28 @@ def train_drafter(base_model: str | Path, output: str | Path, cfg: DrafterTrainC
                         f"of {world}.")
     t_start = time.time()
     with torch.random.fork_rng(devices=[]):
-        model, tokenizer = _load_base(base_model, device)
-        H, V = model.config.hidden_size, model.config.vocab_size
-        base_params = sum(p.numel() for p in model.parameters())
-        bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else model.config.bos_token_id
+        tokenizer, hf_config = _load_tokenizer(base_model)
+        H, V = hf_config.hidden_size, hf_config.vocab_size
+        bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else hf_config.bos_token_id
         if bos is None and not (cfg.prompts or cfg.magpie):
             raise UserError(f"{base_model}: neither the tokenizer nor config.json names a bos token.")
         pad_id = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if t is not None))
-        train_src, held_src = _sources(cfg, model, tokenizer, bos, device)
+        gen = _LazyGenerator(cfg, base_model, device, work, pad_id)
+        train_src, held_src = _sources(cfg, gen.sample, tokenizer, bos)
+        gen.max_prompt = max(train_src.max_prompt, held_src.max_prompt)
         train_corpus = _open_corpus(work / "corpus" / "train", _corpus_spec(cfg, base_model, train_src),
                                     train_src.num_sequences, cfg, force)
         eval_corpus = _open_corpus(work / "corpus" / "held-out", _corpus_spec(cfg, base_model, held_src),
                                    held_src.num_sequences, cfg, force)
         reused = train_corpus.complete and eval_corpus.complete
-        _build_split(train_corpus, train_src, model, cfg, pad_id, device, rank, world, "distillation corpus",
-                     progress)
-        _build_split(eval_corpus, held_src, model, cfg, pad_id, device, rank, world, "held-out corpus", progress)
+        _build_split(train_corpus, train_src, gen, cfg, pad_id, rank, world, "distillation corpus", progress)
+        _build_split(eval_corpus, held_src, gen, cfg, pad_id, rank, world, "held-out corpus", progress)
+        gen.close()
         gen_s = time.time() - t_start
-        embed = model.get_input_embeddings().weight.detach().float()  # [V, H], frozen
+        model = _load_base(base_model, torch.device("cpu"))
+        embed = model.get_input_embeddings().weight.detach().float().to(device)  # [V, H], frozen
         out_head = model.get_output_embeddings().weight.detach().float()  # [V, H]
+        base_params = sum(p.numel() for p in model.parameters())
         del model
 
         draft_vocab, lookup, covered = None, None, None

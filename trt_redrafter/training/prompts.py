@@ -8,7 +8,9 @@ Each source answers `prompts_for(shard)` with the token ids of that shard's prom
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 
@@ -18,6 +20,7 @@ from ..errors import UserError
 MAGPIE_MARK = "\x00MAGPIE-USER-TURN\x00"
 MAGPIE_MAX_TOKENS = 96  # user prompts are cut here
 MAGPIE_TOP_P = 0.95
+EVAL_NGRAM = 8  # a prompt sharing this many consecutive words with an evaluation question is left out
 
 
 def _conversation(row, where: str) -> list[dict]:
@@ -60,6 +63,39 @@ def read_jsonl(path: str | Path) -> list[list[dict]]:
     return convs
 
 
+def _words(text: str) -> list[str]:
+    return re.findall(r"[a-z0-9]+", text.lower())
+
+
+class EvalGuard:
+    """Keeps evaluation prompts out of a training corpus: a prompt that shares EVAL_NGRAM consecutive words with any
+    turn of an evaluation question (or all of a shorter one's words, in order) is refused. The default guards
+    MT-Bench, the set this project measures drafters on (`datasets.mt_bench_path`)."""
+
+    def __init__(self, name: str, texts: list[str]):
+        self.name = name
+        self.ngrams: set[tuple[str, ...]] = set()
+        for t in texts:
+            w = _words(t)
+            self.ngrams.update(tuple(w[i:i + EVAL_NGRAM]) for i in range(max(1, len(w) - EVAL_NGRAM + 1)))
+
+    @classmethod
+    def mt_bench(cls) -> "EvalGuard":
+        from ..datasets import mt_bench_path
+
+        path = mt_bench_path()
+        turns = [t for line in path.read_text().splitlines() if line.strip() for t in json.loads(line)["turns"]]
+        return cls("mt-bench", turns)
+
+    def __contains__(self, text: str) -> bool:
+        w = _words(text)
+        return any(tuple(w[i:i + EVAL_NGRAM]) in self.ngrams for i in range(max(1, len(w) - EVAL_NGRAM + 1)))
+
+    def conversation(self, conv: list[dict]) -> bool:
+        """Whether any user turn of `conv` is an evaluation prompt."""
+        return any(m["role"] == "user" and m["content"] in self for m in conv)
+
+
 def split_held_out(convs: list[list[dict]], n_eval: int, seed: int) -> tuple[list, list]:
     """(training, held-out): a seeded shuffle, the last `n_eval` (at most a quarter) held out."""
     order = torch.randperm(len(convs), generator=torch.Generator().manual_seed(seed)).tolist()
@@ -79,11 +115,30 @@ def user_turn_prefix(tokenizer) -> list[int]:
     return tokenizer(text[:text.index(MAGPIE_MARK)], add_special_tokens=False)["input_ids"]
 
 
-@torch.no_grad()
-def magpie_user_prompts(model, tokenizer, n: int, seed: int, device: torch.device) -> list[str]:
+def hf_sampler(model, device: torch.device, pad_id: int) -> Callable:
+    """A Magpie sampler over HF `generate` (the whole batch seeded once by `seed`)."""
+
+    @torch.no_grad()
+    def sample(prompts: list[list[int]], max_new: int, temperature: float, top_p: float, seed: int,
+               stop_ids: Optional[list[int]]) -> list[list[int]]:
+        torch.manual_seed(seed)
+        ids = torch.tensor(prompts, device=device)  # Magpie's prompts are one prefix repeated: no padding
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=temperature,
+                             top_p=top_p, top_k=0, max_new_tokens=max_new, eos_token_id=stop_ids,
+                             pad_token_id=pad_id)
+        return out[:, ids.shape[1]:].tolist()
+    return sample
+
+
+def magpie_user_prompts(sample: Callable, tokenizer, n: int, seed: int, guard: Optional[EvalGuard] = None
+                        ) -> list[str]:
     """`n` user prompts the base writes itself: sampled continuations of the user-turn prefix (temperature 1,
-    top-p 0.95), ended by the end of its turn; empty or repeated ones are dropped and drawn again."""
-    prefix = torch.tensor([user_turn_prefix(tokenizer)], device=device)
+    top-p 0.95), ended by the end of its turn; empty or repeated ones are dropped and drawn again.
+
+    `sample(prompts, max_new, temperature, top_p, seed, stop_ids)` -> continuations: the corpus engine's
+    (generation.EngineGenerator.sample) or HF `generate`'s (`hf_sampler`). A prompt `guard` refuses (an evaluation
+    question) is drawn again too."""
+    prefix = user_turn_prefix(tokenizer)
     stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else None
     got: list[str] = []
     attempt = 0
@@ -91,16 +146,10 @@ def magpie_user_prompts(model, tokenizer, n: int, seed: int, device: torch.devic
         if attempt == 4:
             raise UserError(f"--magpie: the base wrote only {len(got)} distinct non-empty user prompts of {n} asked; "
                             f"pass --prompts FILE.jsonl instead.")
-        torch.manual_seed(seed * 1000003 + attempt)
         m = n - len(got) + max(2, (n - len(got)) // 4)
-        out = model.generate(prefix.expand(m, -1), attention_mask=torch.ones(m, prefix.shape[1], dtype=torch.long,
-                                                                               device=device),
-                             do_sample=True, temperature=1.0, top_p=MAGPIE_TOP_P, top_k=0,
-                             max_new_tokens=MAGPIE_MAX_TOKENS, eos_token_id=stop,
-                             pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
-        for row in out[:, prefix.shape[1]:].tolist():
+        for row in sample([prefix] * m, MAGPIE_MAX_TOKENS, 1.0, MAGPIE_TOP_P, seed * 1000003 + attempt, stop):
             text = tokenizer.decode(row, skip_special_tokens=True).strip()
-            if text and text not in got:
+            if text and text not in got and (guard is None or text not in guard):
                 got.append(text)
         attempt += 1
     return got[:n]
