@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -421,8 +422,8 @@ class SamplingConfig(ConfigBase):
     def validate(self) -> None:
         s = self.SECTION
         _positive(s, "max_tokens", self.max_tokens)
-        if self.temperature < 0:
-            raise _bad(s, "temperature", "a number >= 0", self.temperature)
+        if not 0 <= self.temperature < math.inf:  # NaN fails every comparison
+            raise _bad(s, "temperature", "a finite number >= 0", self.temperature)
         if self.top_k < 0:
             raise _bad(s, "top_k", "an integer >= 0", self.top_k)
         if not 0.0 < self.top_p <= 1.0:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import subprocess
 import threading
 import time
@@ -146,7 +147,10 @@ def _scalar(inputs: dict[str, np.ndarray], name: str, default=None):
         return default
     if x.size != 1:
         raise UserError(f"input '{name}' must hold one value per request, got shape {list(x.shape)}.")
-    return x.reshape(-1)[0].item()
+    v = x.reshape(-1)[0].item()
+    if isinstance(v, float) and not math.isfinite(v):
+        raise UserError(f"input '{name}' must be a finite number, got {v}.")
+    return v
 
 
 def is_stop_request(inputs: dict[str, np.ndarray]) -> bool:

@@ -69,7 +69,13 @@ class TritonPythonModel:
 
     def _one(self, request):
         tokens = _get(request, "TOKENS_BATCH")  # [1, beam=1, n]
-        n = int(_get(request, "SEQUENCE_LENGTH").reshape(-1)[0])
+        length = _get(request, "SEQUENCE_LENGTH")
+        missing = [name for name, x in (("TOKENS_BATCH", tokens), ("SEQUENCE_LENGTH", length)) if x is None]
+        if missing:  # declared optional so that Triton hands the request over to be answered (config.pbtxt)
+            return pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                f"postprocessing: input {', '.join(repr(m) for m in missing)} is missing; send the engine's "
+                f"output_ids and sequence_length."))
+        n = int(length.reshape(-1)[0])
         new = tokens.reshape(-1)[:n].tolist()
         preceding = _get(request, "PRECEDING_TOKENS")
         text = self.codec.decode_delta([] if preceding is None else preceding.reshape(-1).tolist(), new)

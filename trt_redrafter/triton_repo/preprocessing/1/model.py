@@ -53,7 +53,10 @@ class TritonPythonModel:
 
     def _one(self, request):
         try:
-            texts = _strings(pb_utils.get_input_tensor_by_name(request, "QUERY"))
+            query = pb_utils.get_input_tensor_by_name(request, "QUERY")
+            if query is None:  # declared optional so that Triton hands the request over to be answered (config.pbtxt)
+                raise UserError("text_input (preprocessing's QUERY) is missing; send the prompt as text_input.")
+            texts = _strings(query)
             if len(texts) != 1:
                 raise UserError(f"send one text_input per request, got {len(texts)}.")
             if not texts[0]:
