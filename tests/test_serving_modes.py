@@ -276,6 +276,7 @@ MALFORMED = [  # (model, inputs beside a valid request's, error text)
     ("ensemble", {"max_tokens": np.array([[0]], np.int32)}, "max_tokens must be a positive integer"),
     ("ensemble", {"max_tokens": np.array([[10 ** 6]], np.int32)}, "exceeds the engine's max_seq_len"),
     ("ensemble", {"text_input": np.array([[""]]).astype(object)}, "text_input is empty"),
+    ("ensemble", {"text_input": np.array([[b"caf\xe9 \xff"]]).astype(object)}, "input 'text_input' is not valid UTF-8"),
     ("ensemble", {"beam_width": np.array([[2]], np.int32)}, "beam_width=2 is not supported"),
     ("ensemble", {"top_k": np.array([[-1]], np.int32)}, "bad sampling parameters"),
     ("ensemble", {"temperature": np.array([[-0.5]], np.float32)}, "bad sampling parameters"),

@@ -14,8 +14,20 @@ from trt_redrafter.errors import UserError
 from trt_redrafter.serving.text import TextCodec
 
 
+ENSEMBLE_NAMES = {"QUERY": "text_input", "DECODER_QUERY": "decoder_text_input", "STOP_WORDS_DICT": "stop_words",
+                  "BAD_WORDS_DICT": "bad_words", "EMBEDDING_BIAS_WORDS": "embedding_bias_words"}
+
+
 def _strings(tensor):
-    return [x.decode() if isinstance(x, bytes) else str(x) for x in tensor.as_numpy().reshape(-1)]
+    out = []
+    for x in tensor.as_numpy().reshape(-1):
+        try:
+            out.append(x.decode() if isinstance(x, bytes) else str(x))
+        except UnicodeDecodeError as e:
+            name = ENSEMBLE_NAMES.get(tensor.name(), tensor.name())
+            raise UserError(f"input '{name}' is not valid UTF-8 (byte {e.start}: {x[e.start:e.start + 1]!r}); "
+                            f"send text encoded as UTF-8.") from None
+    return out
 
 
 def _id(request, name, default):
