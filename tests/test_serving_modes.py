@@ -473,3 +473,63 @@ def test_end_to_end_test_bls_over_http(setup, unary_server):
     bls = h.infer("tensorrt_llm_bls", _tensors(httpclient, values)).as_numpy("text_output")
     ens = h.infer("ensemble", _tensors(httpclient, values)).as_numpy("text_output")
     assert bls.tolist() == ens.tolist() and len(bls) == 1
+
+
+def _stop_inputs(mod) -> list:
+    """inflight_batcher_llm_client.py's prepare_stop_signals(): empty input_ids, lengths 0, stop=true."""
+    return _tensors(mod, {"input_ids": np.zeros([1, 1], np.int32), "input_lengths": np.zeros([1, 1], np.int32),
+                          "request_output_len": np.zeros([1, 1], np.int32), "stop": np.array([[True]], bool)})
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("decoupled", [False, True], ids=["unary", "decoupled-not-streamed"])
+def test_early_stopping_returns_the_tokens_so_far(setup, stream_server, unary_server, decoupled):
+    """tensorrtllm_backend README's "Early stopping" example, inflight_batcher_llm_client.py --stop-after-ms 200
+    --request-output-len ... --request-id 1 (@ c1e1963): the request, then after 200 ms a stop request with the same
+    id. Unary (`--decoupled false`: async_infer twice) and not streamed on a decoupled repository (the streaming API,
+    streaming=false): the stopped request ends with a final response holding the tokens generated so far (a prefix
+    of the offline output, shorter than asked), the stop request with one empty response; no error. A client's
+    cancellation stays a cancellation (test_serving)."""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    _, codec, offline = setup
+    n = 140
+    ids = codec.encode(PROMPTS[1])
+    values = {"input_ids": np.array([ids], np.int32), "input_lengths": np.array([[len(ids)]], np.int32),
+              "request_output_len": np.array([[n]], np.int32), "beam_width": np.array([[1]], np.int32),
+              "temperature": np.array([[0.0]], np.float32), "streaming": np.array([[False]], bool),
+              "end_id": np.array([[-1]], np.int32)}
+    got: queue.Queue = queue.Queue()
+    srv = stream_server if decoupled else unary_server
+    client = grpcclient.InferenceServerClient(srv.grpc_url)
+    if decoupled:
+        client.start_stream(callback=lambda result, error: got.put(error or result))
+        client.async_stream_infer("tensorrt_llm", _tensors(grpcclient, values), request_id="1")
+        time.sleep(0.2)
+        client.async_stream_infer("tensorrt_llm", _stop_inputs(grpcclient), request_id="1")
+        client.stop_stream()
+        answers = [got.get() for _ in range(got.qsize())]
+    else:
+        client.async_infer("tensorrt_llm", _tensors(grpcclient, values), request_id="1",
+                           callback=lambda result, error: got.put(error or result))
+        time.sleep(0.2)
+        client.async_infer("tensorrt_llm", _stop_inputs(grpcclient), request_id="1",
+                           callback=lambda result, error: got.put(error or result))
+        answers = [got.get(timeout=60) for _ in range(2)]
+    assert not any(isinstance(a, Exception) for a in answers), answers
+    outputs = [a.as_numpy("output_ids") for a in answers if a.as_numpy("output_ids") is not None]
+    assert len(outputs) == 1, answers  # the stop request's own answer carries no output_ids
+    tokens = outputs[0].reshape(-1).tolist()
+    # what the same request gives when nobody stops it (end_id -1: all n tokens; offline() stops at eos)
+    if decoupled:
+        whole = _stream_all(srv.grpc_url, "tensorrt_llm", _tensors(grpcclient, values), request_id="2")[-1]
+    else:
+        whole = client.infer("tensorrt_llm", _tensors(grpcclient, values), request_id="2")
+    want = whole.as_numpy("output_ids").reshape(-1).tolist()
+    first = offline([PROMPTS[1]], 8)[0]  # up to eos, where offline() stops
+    assert len(want) == n and want[:len(first)] == first
+    assert 0 < len(tokens) < n and tokens == want[:len(tokens)], (len(tokens), tokens[:8])
+    m = _idle(srv, timeout=5.0)
+    assert sum_metric(m, "trt_redrafter_kv_blocks_used") == 0

@@ -80,7 +80,8 @@ class Request:
     proposer: Optional[str] = None  # overrides the engine's default proposer (config.PROPOSERS)
     seq: Optional[Sequence] = None  # set on submission
     done: threading.Event = field(default_factory=threading.Event)
-    cancelled: bool = False
+    cancelled: Optional[str] = None  # why it is ended early: "cancelled" (its client went away) or "stopped" (a stop
+    # request: it ends with the tokens it has, as TensorRT-LLM's early stopping does)
     scheduled_ns: Optional[int] = None  # wall clock (time.time_ns) when first admitted into the running batch
     kv_blocks: int = 0  # the most KV blocks the request held at once
 
@@ -150,20 +151,21 @@ class Scheduler:
             self._lock.notify_all()
         return req
 
-    def cancel(self, request_id: str) -> bool:
-        """Mark a request cancelled; its KV blocks are freed before the next step. False if unknown/finished."""
+    def cancel(self, request_id: str, stop: bool = False) -> bool:
+        """End a request before the next step (its KV blocks freed): cancelled, or with `stop` stopped (it finishes
+        with finish_reason "stopped" and the tokens it has). False if unknown/finished."""
         with self._lock:
             req = self._by_id.get(request_id)
             if req is None:
                 return False
-            req.cancelled = True
+            req.cancelled = "stopped" if stop else "cancelled"
             self._lock.notify_all()
             return True
 
     def cancel_all(self) -> None:
         with self._lock:
             for req in self._by_id.values():
-                req.cancelled = True
+                req.cancelled = "cancelled"
             self._lock.notify_all()
 
     def metrics(self) -> SchedulerMetrics:
@@ -250,7 +252,7 @@ class Scheduler:
             self._finish_cancelled(req)
 
     def _finish_cancelled(self, req: Request) -> None:
-        req.seq.finish("cancelled")
+        req.seq.finish(req.cancelled or "cancelled")
         self._by_id.pop(req.request_id, None)
         self.engine.dist.broadcast_object(("free", req.seq.seq_id))
         if req.on_tokens is not None:

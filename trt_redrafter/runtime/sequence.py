@@ -64,7 +64,7 @@ class Sequence:
     pending: Optional[object] = None  # next tree's drafts composed on the host (proposer.Draft), packed by the next step
     context_index: Optional[object] = None  # the N-gram proposer's index of its tokens (ngram.ContextNgrams)
     finished: bool = False
-    finish_reason: Optional[str] = None  # "stop" | "length" | "cancelled"
+    finish_reason: Optional[str] = None  # "stop" | "length" | "cancelled" | "stopped" (a stop request: early stopping)
     stats: SeqStats = field(default_factory=SeqStats)
 
     @property

@@ -378,7 +378,8 @@ class EngineModel:
 
     def stop_request(self, triton_id: str) -> int:
         """TensorRT-LLM's early stop: end every open request with this id (all of them for DRAIN_REQUEST_ID)."""
-        return self._cancel_open(lambda s: triton_id in (s.triton_id, DRAIN_REQUEST_ID), f"stop request {triton_id!r}")
+        return self._cancel_open(lambda s: triton_id in (s.triton_id, DRAIN_REQUEST_ID), f"stop request {triton_id!r}",
+                                 stop=True)
 
     def cancel_key(self, key: int) -> int:
         """End the request this model keyed `key` (its `request_key` output). Postprocessing sends it when a client
@@ -386,11 +387,13 @@ class EngineModel:
         cancelled (postprocessing sees them), never the engine step already running."""
         return self._cancel_open(lambda s: s.key == key, f"ensemble cancellation of request key {key}")
 
-    def _cancel_open(self, match: Callable[[_Open], bool], why: str) -> int:
+    def _cancel_open(self, match: Callable[[_Open], bool], why: str, stop: bool = False) -> int:
+        """End the open requests `match` picks: cancelled (an error, or the bare final flag of a stream), or with
+        `stop` stopped (a final response with the tokens generated so far: TensorRT-LLM's early stopping)."""
         with self._lock:
             ids = [rid for rid, s in self._open.items() if match(s)]
         for rid in ids:
-            self.scheduler.cancel(rid)
+            self.scheduler.cancel(rid, stop=stop)
         if ids:
             logger.info("%s ends %d request(s)", why, len(ids))
         return len(ids)
@@ -428,7 +431,7 @@ class EngineModel:
         if self.metrics:
             self.metrics.step(len(new), generation_step=bool(state.sent))  # the first tokens come from the prompt step
             if finished:
-                self.metrics.finished("cancelled" if seq.finish_reason == "cancelled" else "completed")
+                self.metrics.finished("cancelled" if seq.finish_reason in ("cancelled", "stopped") else "completed")
                 self.metrics.request_tokens(len(state.prompt), len(state.sent) + len(new))
         state.sent += new
 
