@@ -185,3 +185,19 @@ def test_magpie_draws_again_when_the_scripted_sampler_writes_an_mt_bench_questio
     got = magpie_user_prompts(sample, tok, 3, seed=0, guard=EvalGuard.mt_bench())
     assert [g.split()[0] for g in got] == ["How", "What", "Why"], got
     assert len(calls) == 2  # the first draw kept one of its five; the second, asked for more, the other two
+
+
+def test_an_interrupted_runs_engine_directory_is_removed(tmp_path):
+    """The corpus engine lives in WORK/generator-PID-*; a later run removes those of processes that no longer run
+    (a killed run's, hundreds of MB each) and leaves a running one's alone."""
+    import os
+    import subprocess
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # reaped: its pid names no process
+    dead = tmp_path / f"generator-{gone.pid}-abc"
+    alive = tmp_path / f"generator-{os.getpid()}-def"
+    for d in (dead, alive):
+        (d / "engine").mkdir(parents=True)
+    generation._remove_stale(tmp_path)
+    assert not dead.exists() and alive.exists()

@@ -15,6 +15,7 @@ state whose logits chose the token after it, taken from the generation itself (n
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import time
@@ -75,7 +76,9 @@ class EngineGenerator:
         from ..runtime.engine import Engine
 
         t0 = time.perf_counter()
-        self._tmp = Path(tempfile.mkdtemp(prefix="generator-", dir=work))
+        if work is not None:
+            _remove_stale(Path(work))
+        self._tmp = Path(tempfile.mkdtemp(prefix=f"generator-{os.getpid()}-", dir=work))
         try:
             ckpt = convert_base_checkpoint(base_model, self._tmp / "checkpoint", dtype=dtype)
             build = BuildConfig(max_batch_size=max_batch, max_input_len=max_prompt,
@@ -180,6 +183,17 @@ class HFGenerator:
                stop_ids: Optional[list[int]], pad_id: int) -> Iterator[tuple[int, corpus_mod.Shard]]:
         for i in todo:
             yield i, corpus_mod.generate_shard(self.model, prompts_for(i), max_new, stop_ids, pad_id, self.device)
+
+
+def _remove_stale(work: Path) -> None:
+    """Remove the engine directories of generating processes that no longer run (an interrupted run's)."""
+    for d in work.glob("generator-*-*"):
+        try:
+            os.kill(int(d.name.split("-")[1]), 0)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+        except (ValueError, PermissionError):
+            pass
 
 
 def check_generator(name: str) -> None:
