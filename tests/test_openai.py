@@ -10,6 +10,7 @@ left running after SIGINT.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
@@ -209,14 +210,12 @@ def _processes_of(repo: Path) -> list[str]:
     return subprocess.run(["pgrep", "-f", str(repo)], capture_output=True, text=True).stdout.split()
 
 
-@pytest.fixture(scope="module")
-def served(engine, tmp_path_factory):
+@contextlib.contextmanager
+def _serve(repo: Path, log: Path):
     """`trt-redrafter serve --openai-port` as a user runs it; SIGINT at the end must leave nothing behind."""
     from trt_redrafter.serving.launcher import package_env
 
-    _, repo, _ = engine
     ports = {k: free_port() for k in ("grpc", "http", "metrics", "openai")}
-    log = tmp_path_factory.mktemp("serve-log") / "serve.log"
     cmd = [sys.executable, "-m", "trt_redrafter", "serve", "--repo", str(repo), "--grpc-port", str(ports["grpc"]),
            "--http-port", str(ports["http"]), "--metrics-port", str(ports["metrics"]),
            "--openai-port", str(ports["openai"]), "--openai-model-name", MODEL]
@@ -244,6 +243,12 @@ def served(engine, tmp_path_factory):
     assert "Exit timeout expired" not in text and "cleaned up after" not in text, text[-3000:]
     assert _processes_of(repo) == [], "tritonserver, its stub or the OpenAI frontend outlived serve"
     assert not list(Path("/dev/shm").glob(f"trtrd{proc.pid}x*")), "shm regions outlived serve"
+
+
+@pytest.fixture(scope="module")
+def served(engine, tmp_path_factory):
+    with _serve(engine[1], tmp_path_factory.mktemp("serve-log") / "serve.log") as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
@@ -464,3 +469,57 @@ def test_triton_unreachable_is_503_and_ports_in_use_are_refused(served, engine, 
     from trt_redrafter.serving.launcher import default_host  # 0.0.0.0 inside a container, else 127.0.0.1
 
     assert f"port {served['ports']['openai']} on {default_host()} (--openai-port) is in use" in capsys.readouterr().err
+
+
+@pytest.mark.server
+def test_streaming_from_a_non_decoupled_repository_is_one_chunk(engine, offline, codec, tmp_path):
+    """`make-repo --decoupled false` behind `serve --openai-port`: the engine model answers each request once, so a
+    streamed completion comes as one chunk holding the whole text (before: a 400), equal to the non-streamed one and
+    to the offline engine."""
+    import openai
+
+    engine_dir, _, tokenizer = engine
+    repo = tmp_path / "repo-unary"
+    make_repo(engine_dir, repo, tokenizer_dir=tokenizer, runtime=RuntimeConfig(compile="off", speculate="full"),
+              decoupled=False)
+    with _serve(repo, tmp_path / "serve.log") as s:
+        c = openai.OpenAI(base_url=f"{s['base']}/v1", api_key="x", max_retries=0, timeout=120)
+        whole = c.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=12, temperature=0)
+        chunks = list(c.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=12, temperature=0,
+                                           stream=True))
+    texts = [ch.choices[0].text for ch in chunks if ch.choices and ch.choices[0].text]
+    assert len(texts) == 1 and texts[0] == whole.choices[0].text, texts
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    ids = codec.encode("The quick brown fox")
+    assert whole.choices[0].text == codec.decode(offline([ids], 12, (codec.end_id,))[0][0].output_ids)
+
+
+@pytest.mark.parametrize("status,coded,want", [
+    ("StatusCode.INVALID_ARGUMENT", True, 400),  # a request the client can fix
+    ("StatusCode.INTERNAL", True, 503),  # e.g. Triton's "Stub process 'tensorrt_llm_0_0' is not healthy."
+    ("StatusCode.UNAVAILABLE", True, 503),  # server busy
+    ("StatusCode.INTERNAL", False, 400),  # TensorRT-LLM's backend: its statuses are not relied on
+    ("", True, 400),  # an error without a status (what the asyncio stream gives for an engine refusal)
+])
+def test_engine_errors_map_to_client_or_server_status_with_a_fake_error(status, coded, want):
+    """The OpenAI status of an engine error, from its gRPC status (a fake error object and readiness: the real
+    statuses come from tritonserver in tests/test_serving_faults.py and test_serving_modes.py)."""
+    import asyncio
+
+    from trt_redrafter.serving.openai_api.engine_client import TritonEngine
+
+    class FakeError:
+        def status(self):
+            return status
+
+        def message(self):
+            return "something"
+
+    engine = TritonEngine.__new__(TritonEngine)
+    engine.url, engine.model, engine.coded = "localhost:1", "tensorrt_llm", coded
+
+    async def ready():
+        return True
+
+    engine.ready = ready
+    assert asyncio.run(engine._refused(FakeError())).status == want

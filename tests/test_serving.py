@@ -294,7 +294,8 @@ def test_malformed_requests_get_clear_errors(server, offline):
         return str(errors[0])
 
     text = _tensor("text_input", np.array([[b"hello"]], dtype=object))
-    assert "missing required input(s) ['max_tokens']" in raw([text])
+    # every input is declared optional (config.pbtxt); preprocessing refuses the request that lacks max_tokens
+    assert "max_tokens (preprocessing's REQUEST_OUTPUT_LEN) is missing" in raw([text])
     assert "'max_tokens' data-type is 'FP32'" in raw([text, _tensor("max_tokens", np.array([[4.0]], np.float32))])
     cases = {
         ("hello", 0): "max_tokens must be a positive integer, got 0",

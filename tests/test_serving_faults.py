@@ -7,7 +7,8 @@ generate_stream an empty 200). The repository now declares every input optional 
 without one of its required inputs in one sentence. Here: each required input of each model left out, with and
 without a set of valid optional inputs, on both transaction policies (make-repo --decoupled true/false) and both
 protocols (gRPC streaming or unary, HTTP generate_stream or infer): exactly one answer, an error naming the input,
-within a bound; the server still serves afterwards.
+within a bound, with a client-error status where the protocol has one (gRPC INVALID_ARGUMENT, HTTP 400); the server
+still serves afterwards.
 """
 
 from __future__ import annotations
@@ -165,6 +166,7 @@ def test_a_missing_required_input_gets_exactly_one_error(repos, server, model, m
             grpcclient.InferenceServerClient(srv.grpc_url).infer(model, _tensors(grpcclient, values),
                                                                  client_timeout=BOUND_S)
         error = str(e.value)
+        assert e.value.status() == "StatusCode.INVALID_ARGUMENT", error  # the client's mistake
     elif decoupled and model in DECOUPLED_MODELS:  # HTTP's streaming: generate_stream (server-sent events)
         status, events = _http_generate_stream(srv.http_url, model, values)
         errors = [e for e in events if "error" in e]
@@ -178,6 +180,7 @@ def test_a_missing_required_input_gets_exactly_one_error(repos, server, model, m
         finally:
             client.close()  # an open keep-alive connection holds tritonserver's exit for its whole timeout
         error = str(e.value)
+        assert e.value.status() == "400", error
     assert time.monotonic() - t0 < BOUND_S
     assert named in error, error
     # and the server still serves

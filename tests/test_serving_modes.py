@@ -342,6 +342,7 @@ def test_malformed_requests_get_exactly_one_error(setup, stream_server, unary_se
             grpcclient.InferenceServerClient(server.grpc_url).infer(model, _tensors(grpcclient, values),
                                                                    client_timeout=60)
         error = str(e.value)
+        assert e.value.status() == "StatusCode.INVALID_ARGUMENT", error  # a client error, not an internal one
     assert message in error, error
     ok = _stream_all(server.grpc_url, "ensemble", _tensors(grpcclient, {
         "text_input": np.array([[PROMPTS[0]]]).astype(object), "max_tokens": np.array([[2]], np.int32)})) \

@@ -50,7 +50,10 @@ FOLLOWER_EXIT_TIMEOUT_S = 15.0
 class ResponseSink(Protocol):
     """One request's response channel (Triton: the request's decoupled response sender)."""
 
-    def send(self, outputs: Optional[dict[str, np.ndarray]], error: Optional[str], final: bool) -> None: ...
+    def send(self, outputs: Optional[dict[str, np.ndarray]], error: Optional[str], final: bool,
+             code: str = "INVALID_ARG") -> None:
+        """`code`, with an error: Triton's status for it (pb_utils.TritonError's names: INVALID_ARG, a request the
+        client can fix, HTTP 400; UNAVAILABLE, busy, 503; CANCELLED; INTERNAL, a bug, 500)."""
 
     def is_cancelled(self) -> bool: ...
 
@@ -368,13 +371,14 @@ class EngineModel:
         except UserError as e:
             if self.metrics:
                 self.metrics.finished("busy" if isinstance(e, ServerBusy) else "rejected")
-            sink.send(None, str(e), final=True)
+            sink.send(None, str(e), final=True, code="UNAVAILABLE" if isinstance(e, ServerBusy) else "INVALID_ARG")
         except Exception as e:  # a request the checks above did not foresee: still exactly one answer
             logger.exception("request %r could not be queued", triton_id)
             if self.metrics:
                 self.metrics.finished("rejected")
             sink.send(None, f"the request could not be served ({type(e).__name__}: {e}); this is a bug in "
-                            f"trt-redrafter's engine model, please report it with the request.", final=True)
+                            f"trt-redrafter's engine model, please report it with the request.", final=True,
+                      code="INTERNAL")
 
     def stop_request(self, triton_id: str) -> int:
         """TensorRT-LLM's early stop: end every open request with this id (all of them for DRAIN_REQUEST_ID)."""
@@ -422,7 +426,7 @@ class EngineModel:
             if self.decoupled:
                 state.sink.send(None, None, final=True)  # flags only: the ensemble ends the stream cleanly
             else:  # exactly one response per request
-                state.sink.send(None, "the request was cancelled before it finished.", final=True)
+                state.sink.send(None, "the request was cancelled before it finished.", final=True, code="CANCELLED")
         elif state.streaming:
             if new or finished:
                 state.sink.send(response_tensors(new, state.sent, seq, state, req), None, final=finished)

@@ -44,7 +44,7 @@ def create_app(model: ServedModel, grpc_url: str, codec: Optional[TextCodec] = N
 
     @asynccontextmanager
     async def lifespan(app):
-        app.state.engine = TritonEngine(grpc_url)
+        app.state.engine = TritonEngine(grpc_url, coded=model.backend == "torch")
         try:
             yield
         finally:
@@ -137,7 +137,9 @@ def create_app(model: ServedModel, grpc_url: str, codec: Optional[TextCodec] = N
         ids = prompt_ids(req)
         engine_req = GenerationRequest(
             prompt_ids=ids, max_tokens=max_tokens(req, len(ids)), temperature=req.temperature, top_p=req.top_p,
-            top_k=req.top_k, seed=req.seed, end_id=-1 if req.ignore_eos else codec.end_id, stream=True,
+            top_k=req.top_k, seed=req.seed, end_id=-1 if req.ignore_eos else codec.end_id,
+            # a non-decoupled engine model (make-repo --decoupled false) answers once: a stream is then one chunk
+            stream=model.decoupled,
             decoding_mode=req.decoding_mode)
         if req.temperature == 0 and model.backend == "tensorrtllm":  # TensorRT-LLM decodes greedily with top_k 1
             engine_req.temperature, engine_req.top_k, engine_req.top_p = None, 1, None

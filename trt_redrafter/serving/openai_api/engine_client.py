@@ -11,6 +11,7 @@ early (stop string, client gone) is cancelled by cancelling its gRPC call, which
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator, Optional
@@ -35,6 +36,7 @@ class ServedModel:
     max_seq_len: int
     created: int  # the engine's config.json mtime (OpenAI's `created`)
     backend: str  # torch | tensorrtllm (decoding_mode is the torch engine's input only)
+    decoupled: bool = True  # the engine model streams (make-repo --decoupled); else each request is one response
 
 
 def served_model(repo: str | Path, name: Optional[str] = None) -> ServedModel:
@@ -50,8 +52,11 @@ def served_model(repo: str | Path, name: Optional[str] = None) -> ServedModel:
         raise UserError(f"{repo} is not a model repository made by `trt-redrafter make-repo` (its tensorrt_llm model "
                         f"names no engine or its preprocessing model no tokenizer_dir); make one with make-repo.")
     cfg = load_engine_config(engine)
+    policy = re.search(r"model_transaction_policy\s*\{\s*decoupled:\s*(\w+)",
+                       (repo / ENGINE_MODEL / "config.pbtxt").read_text())
+    decoupled = policy is None or policy.group(1).lower() == "true"
     return ServedModel(name or Path(engine).name, repo, Path(engine), Path(tokenizer), cfg.build.max_input_len,
-                       cfg.build.max_seq_len, int(os.path.getmtime(Path(engine) / "config.json")), backend)
+                       cfg.build.max_seq_len, int(os.path.getmtime(Path(engine) / "config.json")), backend, decoupled)
 
 
 def _value(result, name: str):
@@ -62,10 +67,12 @@ def _value(result, name: str):
 class TritonEngine:
     """Streams requests to the engine model over one gRPC channel (create it inside the running event loop)."""
 
-    def __init__(self, url: str, model: str = ENGINE_MODEL):
+    def __init__(self, url: str, model: str = ENGINE_MODEL, coded: bool = True):
+        """`coded`: the engine model gives a client's mistakes the status INVALID_ARGUMENT (the torch engine's
+        model does; TensorRT-LLM's backend's errors are all taken for the client's, as before)."""
         import tritonclient.grpc.aio as grpcclient
 
-        self.url, self.model = url, model
+        self.url, self.model, self.coded = url, model, coded
         self.client = grpcclient.InferenceServerClient(url)
 
     async def ready(self) -> bool:
@@ -80,7 +87,7 @@ class TritonEngine:
         import grpc
         from tritonclient.utils import InferenceServerException
 
-        assert req.stream and req.prompt_ids, "requests go to the engine model as streamed token ids"
+        assert req.prompt_ids, "requests go to the engine model as token ids"
 
         async def one_request():
             yield {"model_name": self.model, "inputs": build_inputs(req, self.model), "request_id": request_id}
@@ -116,9 +123,16 @@ class TritonEngine:
             yield last
 
     async def _refused(self, error) -> APIError:
+        """An engine error as the API's: 400 for a request the client can fix (the torch engine model marks those
+        INVALID_ARGUMENT), 503 when the engine model is not ready, busy, or failed otherwise (a dead model process:
+        Triton's `Stub process ... is not healthy.`)."""
         if not await self.ready():
             return APIError(503, f"the engine model '{self.model}' is not ready on Triton at {self.url}: "
                                  f"{error.message()}", type="server_error", code="engine_not_ready")
+        status = str(error.status() or "")  # empty where the stream's error carries none: taken for the client's
+        if self.coded and status and "INVALID_ARGUMENT" not in status:
+            return APIError(503, f"the engine model '{self.model}' cannot serve the request now ({status}: "
+                                 f"{error.message()})", type="server_error", code="engine_unavailable")
         return APIError(400, f"the engine refused the request: {error.message()}", code="engine_refused")
 
     async def close(self) -> None:

@@ -74,7 +74,7 @@ class TritonPythonModel:
         if missing:  # declared optional so that Triton hands the request over to be answered (config.pbtxt)
             return pb_utils.InferenceResponse(error=pb_utils.TritonError(
                 f"postprocessing: input {', '.join(repr(m) for m in missing)} is missing; send the engine's "
-                f"output_ids and sequence_length."))
+                f"output_ids and sequence_length.", pb_utils.TritonError.INVALID_ARG))
         n = int(length.reshape(-1)[0])
         new = tokens.reshape(-1)[:n].tolist()
         preceding = _get(request, "PRECEDING_TOKENS")

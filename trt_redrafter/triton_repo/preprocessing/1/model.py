@@ -84,7 +84,7 @@ class TritonPythonModel:
                 t = pb_utils.get_input_tensor_by_name(request, name)
                 words[out] = self.codec.words_to_list(_strings(t) if t is not None else [])[None]
         except UserError as e:
-            return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e)))
+            return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG))
         pad = _id(request, "PAD_ID", self.codec.pad_id)
         return pb_utils.InferenceResponse([
             pb_utils.Tensor("INPUT_ID", ids),

@@ -13,9 +13,10 @@ class _Sink:
     def __init__(self, sender):
         self.sender = sender
 
-    def send(self, outputs, error, final):
-        if error is not None:
-            response = pb_utils.InferenceResponse(error=pb_utils.TritonError(error))
+    def send(self, outputs, error, final, code="INVALID_ARG"):
+        if error is not None:  # the status tells a client's mistake (400) from a busy server (503) or a bug (500)
+            status = getattr(pb_utils.TritonError, code, pb_utils.TritonError.INTERNAL)
+            response = pb_utils.InferenceResponse(error=pb_utils.TritonError(error, status))
         elif outputs is not None:
             response = pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in outputs.items()])
         else:

@@ -46,7 +46,11 @@ DRAFT_MODEL_INPUTS = ("num_draft_tokens", "use_draft_logits")
 
 
 class BLSError(Exception):
-    pass
+    """A request this model refuses, or a composing model's error, with its Triton status code."""
+
+    def __init__(self, message: str, code=None):
+        super().__init__(message)
+        self.code = pb_utils.TritonError.INVALID_ARG if code is None else code
 
 
 def _inputs(request) -> dict:
@@ -61,7 +65,7 @@ def _exec(model: str, tensors: dict, request_id: str, decoupled: bool = False):
 
 def _outputs(response, step: str) -> dict:
     if response.has_error():
-        raise BLSError(f"{step}: {response.error().message()}")
+        raise BLSError(f"{step}: {response.error().message()}")  # a composing model's refusal: the client's
     return {t.name(): t.as_numpy() for t in response.output_tensors()}
 
 
@@ -92,7 +96,7 @@ class TritonPythonModel:
         try:
             sent_final = self._generate(request, sender)
         except BLSError as e:
-            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e))), flags=FINAL)
+            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e), e.code)), flags=FINAL)
             sent_final = True
         except Exception as e:  # still exactly one answer
             sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(
