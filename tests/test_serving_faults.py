@@ -24,6 +24,7 @@ import pytest
 
 from engine_utils import build_tiny_engines
 from test_serving import _require_server, _server
+from test_serving_modes import _tensors
 from trt_redrafter.config import RuntimeConfig
 from trt_redrafter.serving.repo import make_repo
 from trt_redrafter.serving.text import TextCodec
@@ -83,17 +84,6 @@ CASES = [(model, missing) for model, req in (("ensemble", ("text_input", "max_to
          for missing in req]
 # what the answer names: the input itself, or what the ensemble/BLS call it at the model that checks it
 NAMED = {"QUERY": "text_input", "REQUEST_OUTPUT_LEN": "max_tokens", "request_output_len": "request_output_len"}
-
-
-def _tensors(mod, values: dict) -> list:
-    dtypes = {np.dtype(np.int32): "INT32", np.dtype(np.float32): "FP32", np.dtype(bool): "BOOL",
-              np.dtype(object): "BYTES"}
-    out = []
-    for name, value in values.items():
-        t = mod.InferInput(name, list(value.shape), dtypes[value.dtype])
-        t.set_data_from_numpy(value)
-        out.append(t)
-    return out
 
 
 def _grpc_stream(url: str, model: str, values: dict) -> list:

@@ -250,12 +250,13 @@ def _sources(cfg: DrafterTrainConfig, sample: Callable, tokenizer, bos: int) -> 
                 raise UserError(f"--prompts {cfg.prompts} holds {len(kept)} conversation(s) outside {guard.name}; "
                                 f"need at least 2 (one is held out).")
             train, held = prompt_mod.split_held_out(kept, cfg.eval_sequences, cfg.seed)
-            train = train[:cfg.num_sequences]
+            # tokenized once: the longest sizes the corpus engine, the shards read their rows
+            train = [prompt_mod.chat_ids(tokenizer, c) for c in train[:cfg.num_sequences]]
+            held = [prompt_mod.chat_ids(tokenizer, c) for c in held]
+            longest = max(map(len, train + held))
 
-            longest = max(len(prompt_mod.chat_ids(tokenizer, c)) for c in train + held)
-
-            def from_list(convs):
-                return lambda i: [prompt_mod.chat_ids(tokenizer, convs[j]) for j in rows(len(convs), i)]
+            def from_list(ids):
+                return lambda i: [ids[j] for j in rows(len(ids), i)]
             return (_Source(f"jsonl:{cfg.prompts}", len(train), from_list(train), stop, longest),
                     _Source(f"jsonl:{cfg.prompts}:held-out", len(held), from_list(held), stop, longest))
 
