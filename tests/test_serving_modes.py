@@ -534,3 +534,82 @@ def test_early_stopping_returns_the_tokens_so_far(setup, stream_server, unary_se
     assert 0 < len(tokens) < n and tokens == want[:len(tokens)], (len(tokens), tokens[:8])
     m = _idle(srv, timeout=5.0)
     assert sum_metric(m, "trt_redrafter_kv_blocks_used") == 0
+
+
+def _by_batch_index(results: list, streaming: bool) -> dict[int, str]:
+    """end_to_end_grpc_client.py --batch-inputs' reading (@ c1e1963): each response's text goes to its row by the
+    `batch_index` output, appended when streaming."""
+    texts: dict[int, str] = {}
+    for r in results:
+        if r.as_numpy("text_output") is None:  # a bare final flag
+            continue
+        i = int(r.as_numpy("batch_index")[0][0])
+        piece = r.as_numpy("text_output")[0].decode("utf-8")
+        texts[i] = texts.get(i, "") + piece if streaming else piece
+    return texts
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+@pytest.mark.parametrize("streaming", [False, True])
+def test_batch_inputs_are_answered_row_by_row(setup, stream_server, model, streaming):
+    """end_to_end_grpc_client.py --batch-inputs (@ c1e1963): two prompts in one request, every input [2, 1], the
+    streaming API whatever --streaming says. As TensorRT-LLM's backend does, the engine runs one request per row,
+    in flight with the others, and answers each with its `batch_index`; each row's text == offline AR of that
+    prompt alone, and the request ends with exactly one final flag."""
+    import tritonclient.grpc as grpcclient
+
+    _, codec, offline = setup
+    prompts, n = [PROMPTS[0], PROMPTS[3] + " there was a"], 12
+    want = offline(prompts, n)
+    b = len(prompts)
+    values = {"text_input": np.array([[p] for p in prompts]).astype(object),
+              "max_tokens": np.full((b, 1), n, np.int32), "stream": np.full((b, 1), streaming, bool),
+              "beam_width": np.ones((b, 1), np.int32), "temperature": np.zeros((b, 1), np.float32)}
+    outputs = [grpcclient.InferRequestedOutput(name) for name in ("text_output", "batch_index")]
+    results = _stream_all(stream_server.grpc_url, model, _tensors(grpcclient, values), outputs, empty_final=True)
+    assert not any(isinstance(r, Exception) for r in results), results
+    finals = [r.get_response().parameters["triton_final_response"].bool_param for r in results]
+    assert finals.count(True) == 1 and finals[-1], finals
+    texts = _by_batch_index(results, streaming)
+    assert texts == {i: codec.decode(ids).rstrip(REPLACEMENT) for i, ids in enumerate(want)}
+    assert len(results) >= (b * 2 if streaming else b)  # every row answered on its own
+    assert sum_metric(_idle(stream_server, timeout=5.0), "trt_redrafter_kv_blocks_used") == 0
+
+
+@pytest.mark.server
+def test_a_batch_to_the_engine_model_splits_rows_with_their_own_parameters(setup, stream_server, unary_server):
+    """benchmark_core_model.py-style token ids, two rows padded to the longest: each row is cut to its
+    input_lengths and decoded with its own request_output_len; the rows run in flight (max_batch_size 2) and both
+    are answered before the final flag. A non-decoupled repository refuses a batch in one sentence, as TensorRT-LLM
+    does (one response per request cannot carry rows that finish apart)."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    _, codec, offline = setup
+    prompts, lens = [PROMPTS[1], PROMPTS[2] + " return"], [9, 5]
+    ids = [codec.encode(p) for p in prompts]
+    width = max(map(len, ids))
+    padded = np.full((2, width), codec.pad_id, np.int32)
+    for i, x in enumerate(ids):
+        padded[i, :len(x)] = x
+    values = {"input_ids": padded, "input_lengths": np.array([[len(x)] for x in ids], np.int32),
+              "request_output_len": np.array([[m] for m in lens], np.int32),
+              "end_id": np.full((2, 1), -1, np.int32)}
+    results = _stream_all(stream_server.grpc_url, "tensorrt_llm", _tensors(grpcclient, values))
+    assert not any(isinstance(r, Exception) for r in results), results
+    rows = {int(r.as_numpy("batch_index")[0][0]): r.as_numpy("output_ids").reshape(-1).tolist() for r in results
+            if r.as_numpy("output_ids") is not None}
+    for i, (prompt, m) in enumerate(zip(prompts, lens)):
+        first = offline([prompt], m)[0]  # offline stops at eos; end_id -1 runs all m tokens
+        assert len(rows[i]) == m and rows[i][:len(first)] == first
+    m = _idle(stream_server, timeout=5.0)
+    assert sum_metric(m, "trt_redrafter_kv_blocks_used") == 0
+    # a row whose input_lengths overflows its padded row is named
+    bad = dict(values, input_lengths=np.array([[len(ids[0])], [width + 3]], np.int32))
+    [err] = _stream_all(stream_server.grpc_url, "tensorrt_llm", _tensors(grpcclient, bad))
+    assert isinstance(err, InferenceServerException) and "prompt 1 of the batch" in str(err), err
+    g = grpcclient.InferenceServerClient(unary_server.grpc_url)
+    with pytest.raises(InferenceServerException, match="needs a decoupled model") as e:
+        g.infer("tensorrt_llm", _tensors(grpcclient, values))
+    assert "INVALID_ARG" in str(e.value.status())

@@ -16,7 +16,7 @@ import pytest
 from engine_utils import build_tiny_engines
 from trt_redrafter.errors import UserError
 from trt_redrafter.serving import contract
-from trt_redrafter.serving.engine_model import _NEUTRAL, _UNSUPPORTED, parse_inputs
+from trt_redrafter.serving.engine_model import _NEUTRAL, _UNSUPPORTED, parse_inputs, split_rows
 from trt_redrafter.serving.repo import make_repo
 
 _ENTRY = re.compile(r'\{\s*name:\s*"([^"]+)"\s+data_type:\s*(\w+)\s+dims:\s*\[([^\]]*)\]([^}]*)\}')
@@ -106,3 +106,19 @@ def test_exclude_input_in_output_follows_the_request_then_the_model():
     p = parse_inputs(_inputs(return_num_input_tokens=[[True]], return_num_output_tokens=[[True]],
                              return_perf_metrics=[[True]]))
     assert p.count_input and p.count_output and p.perf_metrics
+
+
+def test_a_batch_splits_into_rows_cut_to_their_lengths():
+    """TensorRT-LLM's splitBatchInputsTensors (utils.cc @ c1e1963): row i of every input, input_ids cut to
+    input_lengths[i]; streaming is the request's (row 0's); a batch needs input_lengths and one row per prompt."""
+    batch = {"input_ids": np.array([[5, 6, 7], [8, 9, 0]], np.int32), "input_lengths": np.array([[3], [2]], np.int32),
+             "request_output_len": np.array([[4], [6]], np.int32), "streaming": np.array([[True], [False]])}
+    rows = [parse_inputs(r) for r in split_rows(batch)]
+    assert [r.prompt for r in rows] == [[5, 6, 7], [8, 9]]
+    assert [r.params.max_tokens for r in rows] == [4, 6] and all(r.streaming for r in rows)
+    one = {"input_ids": batch["input_ids"][:1]}
+    assert split_rows(one)[0] is one
+    with pytest.raises(UserError, match="send input_lengths with one length per prompt"):
+        split_rows({k: v for k, v in batch.items() if k != "input_lengths"})
+    with pytest.raises(UserError, match="input 'request_output_len' has shape \\[1, 1\\].*batch of 2"):
+        split_rows(dict(batch, request_output_len=np.array([[4]], np.int32)))

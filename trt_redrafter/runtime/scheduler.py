@@ -129,27 +129,35 @@ class Scheduler:
     # ---- client side (any thread) ----------------------------------------------------------------------
     def submit(self, req: Request) -> Request:
         """Validate and queue a request; raises UserError for a request the engine cannot serve."""
-        req.seq = self.engine.new_sequence(req.prompt, req.params, req.mode, req.stop_ids,
-                                           stop_sequences=req.stop_sequences, proposer=req.proposer)
-        if len(req.prompt) > self.max_num_tokens:
-            raise UserError(f"the prompt has {len(req.prompt)} tokens but one step may hold at most "
-                            f"max_num_tokens={self.max_num_tokens}; shorten it or raise --max-num-tokens.")
-        worst = len(req.prompt) + req.params.max_tokens + self.engine.redrafter.max_tree_tokens
-        if not self.engine.cache.can_fit(worst):
-            raise UserError(f"a {len(req.prompt)}-token prompt with max_tokens={req.params.max_tokens} needs more KV "
-                            f"cache than the engine has ({self.engine.cache.num_blocks} blocks of "
-                            f"{self.engine.cache.block_size} tokens); ask for fewer tokens or rebuild the engine with a larger "
-                            f"--max-tokens-in-paged-kv-cache.")
+        return self.submit_all([req])[0]
+
+    def submit_all(self, reqs: list[Request]) -> list[Request]:
+        """Validate every request, then queue them all or none (one Triton request with a batch of prompts is
+        answered as a whole); raises UserError naming the first request the engine cannot serve."""
+        for req in reqs:
+            req.seq = self.engine.new_sequence(req.prompt, req.params, req.mode, req.stop_ids,
+                                               stop_sequences=req.stop_sequences, proposer=req.proposer)
+            if len(req.prompt) > self.max_num_tokens:
+                raise UserError(f"the prompt has {len(req.prompt)} tokens but one step may hold at most "
+                                f"max_num_tokens={self.max_num_tokens}; shorten it or raise --max-num-tokens.")
+            worst = len(req.prompt) + req.params.max_tokens + self.engine.redrafter.max_tree_tokens
+            if not self.engine.cache.can_fit(worst):
+                raise UserError(f"a {len(req.prompt)}-token prompt with max_tokens={req.params.max_tokens} needs more "
+                                f"KV cache than the engine has ({self.engine.cache.num_blocks} blocks of "
+                                f"{self.engine.cache.block_size} tokens); ask for fewer tokens or rebuild the engine "
+                                f"with a larger --max-tokens-in-paged-kv-cache.")
         with self._lock:
-            if self.max_queue_size and len(self._waiting) >= self.max_queue_size:
+            if self.max_queue_size and len(self._waiting) + len(reqs) > self.max_queue_size:
                 raise ServerBusy(f"server busy: {len(self._waiting)} requests are already waiting for a batch slot "
                                  f"(max_queue_size={self.max_queue_size}); retry later.")
-            if req.request_id in self._by_id:
-                raise ValueError(f"request id {req.request_id!r} is already in flight")
-            self._by_id[req.request_id] = req
-            self._waiting.append(req)
+            ids = [r.request_id for r in reqs]
+            if len(set(ids)) != len(ids) or any(i in self._by_id for i in ids):
+                raise ValueError(f"a request id of {ids!r} is already in flight")
+            for req in reqs:
+                self._by_id[req.request_id] = req
+                self._waiting.append(req)
             self._lock.notify_all()
-        return req
+        return reqs
 
     def cancel(self, request_id: str, stop: bool = False) -> bool:
         """End a request before the next step (its KV blocks freed): cancelled, or with `stop` stopped (it finishes

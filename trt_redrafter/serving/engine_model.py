@@ -14,7 +14,8 @@ Tensor names and semantics are TensorRT-LLM's `tensorrt_llm` model's (docs/servi
 `output_ids` holds the new tokens of a streaming response, or the whole output otherwise (after the prompt unless
 exclude_input_in_output), `stop=true` with a request's id ends it early, every response carries
 `acceptance_rate`, `total_accepted_draft_tokens` and `total_draft_tokens`, and each stock input is honoured or
-refused in one sentence (`parse_inputs`). With tp > 1 this process is rank 0 and launches the
+refused in one sentence (`parse_inputs`). A request with a batch of prompts is split into one engine request per row
+(`split_rows`), each answered with its `batch_index`. With tp > 1 this process is rank 0 and launches the
 other ranks (`follower.py`) with mpirun.
 """
 
@@ -137,11 +138,51 @@ class _Open:
     sent: list[int] = field(default_factory=list)
     generation_steps: int = 0
     key: int = 0  # this model's key of the request (`request_key` output, `cancel_request_key` input)
+    # a Triton request with a batch of prompts is one _Open per row, sharing the sink, the lock and `rows`
+    batch_index: Optional[int] = None  # the row (the `batch_index` output), None for a request of one prompt
+    rows: Optional["_Rows"] = None
     # Triton frees a response sender once its final response is sent, and `is_cancelled()` on it afterwards
     # crashes tritonserver (SIGSEGV in TRITONBACKEND_ResponseFactoryIsCancelled, seen under load): the final
     # send and the monitor's cancellation poll are serialized by this lock, and `closed` ends the polling.
     lock: threading.Lock = field(default_factory=threading.Lock)
     closed: bool = False
+
+
+class _Rows:
+    """The rows of one batched Triton request still running: only the last to finish sends the final flag."""
+
+    def __init__(self, n: int):
+        self.pending = n
+
+    def finish(self) -> bool:
+        """One row finished (under the rows' shared lock); True for the last."""
+        self.pending -= 1
+        return self.pending == 0
+
+
+def split_rows(inputs: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+    """A request with a batch of B prompts (input_ids [B, L], every other input [B, ...], as Triton's batching
+    delivers them) -> B one-prompt requests, each row's input_ids cut to its input_lengths, as TensorRT-LLM's
+    backend splits them (`splitBatchInputsTensors`, inflight_batcher_llm/src/utils.cc @ c1e1963, v0.19.0).
+    `streaming` and `stop` are the request's, not a row's: row 0's value holds for all."""
+    ids = inputs.get("input_ids")
+    if ids is None or ids.ndim != 2 or ids.shape[0] <= 1:
+        return [inputs]
+    b = ids.shape[0]
+    lengths = inputs.get("input_lengths")
+    if lengths is None or lengths.size != b:
+        raise UserError(f"input_ids holds a batch of {b} prompts: send input_lengths with one length per prompt "
+                        f"(shape [{b}, 1]); each row of input_ids is padded to the longest.")
+    for name, x in inputs.items():
+        if x.ndim == 0 or x.shape[0] != b:
+            raise UserError(f"input '{name}' has shape {list(x.shape)}, but input_ids holds a batch of {b} prompts; "
+                            f"send one row per prompt.")
+    rows = [{name: x[i:i + 1] for name, x in inputs.items()} for i in range(b)]
+    for row in rows:
+        for name in ("streaming", "stop"):
+            if name in inputs:
+                row[name] = inputs[name][:1]
+    return rows
 
 
 def _scalar(inputs: dict[str, np.ndarray], name: str, default=None):
@@ -263,6 +304,8 @@ def response_tensors(new: list[int], preceding: list[int], seq, state: Optional[
     if state is None:
         return out
     out["request_key"] = np.array([[state.key]], dtype=np.uint64)
+    if state.batch_index is not None:
+        out["batch_index"] = np.array([[state.batch_index]], dtype=np.int32)
     if state.count_input:
         out["num_input_tokens"] = np.array([[len(state.prompt)]], dtype=np.int32)
     if state.count_output:
@@ -350,23 +393,41 @@ class EngineModel:
             sink.send(None if self.decoupled else {}, None, final=True)
             return
         try:
-            p = parse_inputs(inputs, self.exclude_input_in_output)
-            if p.streaming and not self.decoupled:
+            rows = split_rows(inputs)
+            if len(rows) > 1 and not self.decoupled:
+                raise UserError(f"a request with a batch of {len(rows)} prompts needs a decoupled model (one response "
+                                f"per prompt, each with its batch_index), and this repository's tensorrt_llm model is "
+                                f"not decoupled; send one prompt per request, or make the repository with `make-repo "
+                                f"--decoupled true`.")
+            parsed = []
+            for i, row in enumerate(rows):
+                try:
+                    parsed.append(parse_inputs(row, self.exclude_input_in_output))
+                except UserError as e:
+                    raise UserError(f"prompt {i} of the batch: {e}" if len(rows) > 1 else str(e)) from None
+            if parsed[0].streaming and not self.decoupled:
                 raise UserError("streaming needs a decoupled model, and this repository's tensorrt_llm model is not "
                                 "decoupled; send streaming=false, or make the repository with `make-repo "
                                 "--decoupled true`.")
-            key = next(self._ids)
-            rid = f"{triton_id}#{key}"
-            state = _Open(triton_id, sink, p.streaming, p.prompt, p.include_input, p.perf_metrics, p.count_input,
-                          p.count_output, key=key)
+            group = _Rows(len(rows)) if len(rows) > 1 else None
+            lock = threading.Lock()  # one per Triton request: its rows share its response sender
+            states, reqs = {}, []
+            for i, p in enumerate(parsed):
+                key = next(self._ids)
+                rid = f"{triton_id}#{key}"
+                states[rid] = _Open(triton_id, sink, parsed[0].streaming, p.prompt, p.include_input, p.perf_metrics,
+                                    p.count_input, p.count_output, key=key, lock=lock,
+                                    batch_index=i if group else None, rows=group)
+                reqs.append(Request(rid, p.prompt, p.params, p.mode, p.stop_ids, p.stop_sequences,
+                                    on_tokens=self._on_tokens, proposer=p.proposer))
             with self._lock:
-                self._open[rid] = state
+                self._open.update(states)
             try:
-                self.scheduler.submit(Request(rid, p.prompt, p.params, p.mode, p.stop_ids, p.stop_sequences,
-                                              on_tokens=self._on_tokens, proposer=p.proposer))
+                self.scheduler.submit_all(reqs)
             except BaseException:
                 with self._lock:
-                    self._open.pop(rid, None)
+                    for rid in states:
+                        self._open.pop(rid, None)
                 raise
         except UserError as e:
             if self.metrics:
@@ -422,16 +483,18 @@ class EngineModel:
         if new:
             state.last_token_ns = time.time_ns()
             state.first_token_ns = state.first_token_ns or state.last_token_ns
+        # the sink's final flag ends the whole Triton request: a row of a batch sends it only as the last to finish
+        final = finished and (state.rows is None or state.rows.finish())
         if finished and seq.finish_reason == "cancelled":
-            if self.decoupled:
-                state.sink.send(None, None, final=True)  # flags only: the ensemble ends the stream cleanly
-            else:  # exactly one response per request
+            if not self.decoupled:  # exactly one response per request
                 state.sink.send(None, "the request was cancelled before it finished.", final=True, code="CANCELLED")
+            elif final:
+                state.sink.send(None, None, final=True)  # flags only: the ensemble ends the stream cleanly
         elif state.streaming:
             if new or finished:
-                state.sink.send(response_tensors(new, state.sent, seq, state, req), None, final=finished)
+                state.sink.send(response_tensors(new, state.sent, seq, state, req), None, final=final)
         elif finished:
-            state.sink.send(response_tensors(list(seq.output), [], seq, state, req), None, final=True)
+            state.sink.send(response_tensors(list(seq.output), [], seq, state, req), None, final=final)
         if self.metrics:
             self.metrics.step(len(new), generation_step=bool(state.sent))  # the first tokens come from the prompt step
             if finished:

@@ -68,21 +68,36 @@ class TritonPythonModel:
             pb_utils.Logger.log_warn(f"postprocessing: cancelling engine request {key} failed: {e}")
 
     def _one(self, request):
-        tokens = _get(request, "TOKENS_BATCH")  # [1, beam=1, n]
+        tokens = _get(request, "TOKENS_BATCH")
         length = _get(request, "SEQUENCE_LENGTH")
         missing = [name for name, x in (("TOKENS_BATCH", tokens), ("SEQUENCE_LENGTH", length)) if x is None]
         if missing:  # declared optional so that Triton hands the request over to be answered (config.pbtxt)
             return pb_utils.InferenceResponse(error=pb_utils.TritonError(
                 f"postprocessing: input {', '.join(repr(m) for m in missing)} is missing; send the engine's "
                 f"output_ids and sequence_length.", pb_utils.TritonError.INVALID_ARG))
-        n = int(length.reshape(-1)[0])
-        new = tokens.reshape(-1)[:n].tolist()
+        # [B, beam=1, n] and [B, beam=1]: one row per prompt (the engine answers a batch row by row, so B is 1
+        # in the ensemble; a client calling this model directly may send more)
+        b = tokens.shape[0] if tokens.ndim == 3 else 1
+        if length.size != b:
+            return pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                f"postprocessing: sequence_length has {length.size} values for {b} rows of output_ids; send one "
+                f"per row.", pb_utils.TritonError.INVALID_ARG))
+        tokens, length = tokens.reshape(b, -1), length.reshape(b)
         preceding = _get(request, "PRECEDING_TOKENS")
-        text = self.codec.decode_delta([] if preceding is None else preceding.reshape(-1).tolist(), new)
-        # one string per beam, 1-D as TensorRT-LLM's postprocessing returns it (clients read text_output[0])
-        outputs = [pb_utils.Tensor("OUTPUT", np.array([text.encode()], dtype=object)),
-                   pb_utils.Tensor("OUT_OUTPUT_IDS", np.asarray(new, dtype=np.int32).reshape(1, 1, -1))]
+        preceding = None if preceding is None else preceding.reshape(b, -1)
+        texts, rows = [], []
+        for i in range(b):
+            new = tokens[i, :int(length[i])].tolist()
+            texts.append(self.codec.decode_delta([] if preceding is None else preceding[i].tolist(), new).encode())
+            rows.append(new)
+        ids = np.zeros((b, 1, max(len(r) for r in rows)), dtype=np.int32)
+        for i, r in enumerate(rows):
+            ids[i, 0, :len(r)] = r
+        # one string per row (beam width 1), 1-D as TensorRT-LLM's postprocessing returns it (clients read
+        # text_output[0])
+        outputs = [pb_utils.Tensor("OUTPUT", np.array(texts, dtype=object)),
+                   pb_utils.Tensor("OUT_OUTPUT_IDS", ids)]
         for name, dtype in PASSTHROUGH:
             x = _get(request, name)
-            outputs.append(pb_utils.Tensor(f"OUT_{name}", np.zeros((1, 1), dtype) if x is None else x.astype(dtype)))
+            outputs.append(pb_utils.Tensor(f"OUT_{name}", np.zeros((b, 1), dtype) if x is None else x.astype(dtype)))
         return pb_utils.InferenceResponse(outputs)

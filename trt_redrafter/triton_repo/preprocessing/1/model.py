@@ -15,7 +15,8 @@ from trt_redrafter.serving.text import TextCodec
 
 
 ENSEMBLE_NAMES = {"QUERY": "text_input", "DECODER_QUERY": "decoder_text_input", "STOP_WORDS_DICT": "stop_words",
-                  "BAD_WORDS_DICT": "bad_words", "EMBEDDING_BIAS_WORDS": "embedding_bias_words"}
+                  "BAD_WORDS_DICT": "bad_words", "EMBEDDING_BIAS_WORDS": "embedding_bias_words",
+                  "REQUEST_OUTPUT_LEN": "max_tokens"}
 
 
 def _strings(tensor):
@@ -30,14 +31,41 @@ def _strings(tensor):
     return out
 
 
-def _id(request, name, default):
+def _rows(request, name, default, dtype, b):
+    """An optional [B, 1] input (or its default) as [B, 1] of dtype; one value stands for every row."""
     t = pb_utils.get_input_tensor_by_name(request, name)
-    return np.array([[default if t is None else int(t.as_numpy().reshape(-1)[0])]], dtype=np.int32)
+    x = np.full(b, default) if t is None else t.as_numpy().reshape(-1)
+    if x.size == 1:
+        x = np.repeat(x, b)
+    if x.size != b:
+        raise UserError(f"input '{ENSEMBLE_NAMES.get(name, name.lower())}' has {x.size} values for {b} prompts; send "
+                        f"one per prompt.")
+    return x.astype(dtype).reshape(b, 1)
 
 
-def _flag(request, name, default):
-    t = pb_utils.get_input_tensor_by_name(request, name)
-    return np.array([[default if t is None else bool(t.as_numpy().reshape(-1)[0])]], dtype=bool)
+def _word_lists(lists):
+    """Each prompt's [2, n] word list -> [B, 2, max n]: ids padded with 0, offsets with -1 (TensorRT-LLM's)."""
+    n = max(x.shape[1] for x in lists)
+    out = np.zeros((len(lists), 2, n), dtype=np.int32)
+    out[:, 1] = -1
+    for i, x in enumerate(lists):
+        out[i, :, :x.shape[1]] = x
+    return out
+
+
+def _words_by_row(tensor, b):
+    """stop_words/bad_words: [B, n] strings (one row per prompt, n words each, '' pads), or one row for all."""
+    shape = tensor.as_numpy().shape
+    strings = _strings(tensor)  # decoded, and checked for UTF-8, in row-major order
+    rows = shape[0] if len(shape) > 1 else 1
+    n = len(strings) // max(rows, 1)
+    per_row = [strings[i * n:(i + 1) * n] for i in range(rows)]
+    if rows == 1:
+        return per_row * b
+    if rows != b:
+        raise UserError(f"input '{ENSEMBLE_NAMES[tensor.name()]}' has {rows} rows for {b} prompts; send one row of "
+                        f"words per prompt.")
+    return per_row
 
 
 def _refuse_unsupported(request):
@@ -68,37 +96,47 @@ class TritonPythonModel:
             query = pb_utils.get_input_tensor_by_name(request, "QUERY")
             if query is None:  # declared optional so that Triton hands the request over to be answered (config.pbtxt)
                 raise UserError("text_input (preprocessing's QUERY) is missing; send the prompt as text_input.")
-            texts = _strings(query)
-            if len(texts) != 1:
-                raise UserError(f"send one text_input per request, got {len(texts)}.")
-            if not texts[0]:
-                raise UserError("text_input is empty; send a non-empty prompt.")
-            chat = bool(_flag(request, "APPLY_CHAT_TEMPLATE", False).item())
+            texts = _strings(query)  # one per prompt: a batch is B rows of one string each
+            b = query.as_numpy().shape[0] if query.as_numpy().ndim else 1
+            if len(texts) != b:
+                raise UserError(f"send one text_input per prompt (shape [batch, 1]), got shape "
+                                f"{list(query.as_numpy().shape)}.")
+            for i, text in enumerate(texts or [""]):
+                if not text:
+                    raise UserError("text_input is empty; send a non-empty prompt." if b == 1 else
+                                    f"text_input {i} of the batch is empty; send a non-empty prompt.")
+            chat = _rows(request, "APPLY_CHAT_TEMPLATE", False, bool, b).reshape(-1)
             output_len = pb_utils.get_input_tensor_by_name(request, "REQUEST_OUTPUT_LEN")
             if output_len is None:
                 raise UserError("max_tokens (preprocessing's REQUEST_OUTPUT_LEN) is missing.")
+            output_len = _rows(request, "REQUEST_OUTPUT_LEN", 0, np.int32, b)
             _refuse_unsupported(request)
-            ids = np.array([self.codec.encode(texts[0], chat=chat)], dtype=np.int32)
+            end, pad = _rows(request, "END_ID", self.codec.end_id, np.int32, b), \
+                _rows(request, "PAD_ID", self.codec.pad_id, np.int32, b)
+            prompts = [self.codec.encode(text, chat=bool(c)) for text, c in zip(texts, chat)]
+            lengths = np.array([[len(p)] for p in prompts], dtype=np.int32)
+            # rows padded to the longest with each row's pad id; input_lengths tells the engine where each ends
+            ids = np.repeat(pad, int(lengths.max()), axis=1)
+            for i, p in enumerate(prompts):
+                ids[i, :len(p)] = p
             words = {}
             for name, out in (("BAD_WORDS_DICT", "BAD_WORDS_IDS"), ("STOP_WORDS_DICT", "STOP_WORDS_IDS")):
                 t = pb_utils.get_input_tensor_by_name(request, name)
-                words[out] = self.codec.words_to_list(_strings(t) if t is not None else [])[None]
+                per_row = [[]] * b if t is None else _words_by_row(t, b)
+                words[out] = _word_lists([self.codec.words_to_list(w) for w in per_row])
         except UserError as e:
             return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG))
-        pad = _id(request, "PAD_ID", self.codec.pad_id)
         return pb_utils.InferenceResponse([
             pb_utils.Tensor("INPUT_ID", ids),
-            pb_utils.Tensor("REQUEST_INPUT_LEN", np.array([[ids.shape[1]]], dtype=np.int32)),
-            pb_utils.Tensor("REQUEST_OUTPUT_LEN", output_len.as_numpy().astype(np.int32).reshape(1, -1)),
+            pb_utils.Tensor("REQUEST_INPUT_LEN", lengths),
+            pb_utils.Tensor("REQUEST_OUTPUT_LEN", output_len),
             # a decoder-only model: one pad token as the decoder input, as TensorRT-LLM's preprocessing sends
             pb_utils.Tensor("DECODER_INPUT_ID", pad.copy()),
-            pb_utils.Tensor("REQUEST_DECODER_INPUT_LEN", np.array([[1]], dtype=np.int32)),
-            pb_utils.Tensor("EMBEDDING_BIAS", np.empty((1, 0), dtype=np.float32)),
+            pb_utils.Tensor("REQUEST_DECODER_INPUT_LEN", np.ones((b, 1), dtype=np.int32)),
+            pb_utils.Tensor("EMBEDDING_BIAS", np.empty((b, 0), dtype=np.float32)),
             pb_utils.Tensor("BAD_WORDS_IDS", words["BAD_WORDS_IDS"]),
             pb_utils.Tensor("STOP_WORDS_IDS", words["STOP_WORDS_IDS"]),
-            pb_utils.Tensor("OUT_END_ID", _id(request, "END_ID", self.codec.end_id)),
+            pb_utils.Tensor("OUT_END_ID", end),
             pb_utils.Tensor("OUT_PAD_ID", pad),
-            # default true: the ensemble's acceptance outputs are always filled (TensorRT-LLM's C++ backend sends
-            # them only to requests that set return_perf_metrics)
-            pb_utils.Tensor("OUT_RETURN_PERF_METRICS", _flag(request, "RETURN_PERF_METRICS", True)),
+            pb_utils.Tensor("OUT_RETURN_PERF_METRICS", _rows(request, "RETURN_PERF_METRICS", True, bool, b)),
         ])
