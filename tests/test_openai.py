@@ -211,14 +211,14 @@ def _processes_of(repo: Path) -> list[str]:
 
 
 @contextlib.contextmanager
-def _serve(repo: Path, log: Path):
+def _serve(repo: Path, log: Path, extra: tuple[str, ...] = ()):
     """`trt-redrafter serve --openai-port` as a user runs it; SIGINT at the end must leave nothing behind."""
     from trt_redrafter.serving.launcher import package_env
 
     ports = {k: free_port() for k in ("grpc", "http", "metrics", "openai")}
     cmd = [sys.executable, "-m", "trt_redrafter", "serve", "--repo", str(repo), "--grpc-port", str(ports["grpc"]),
            "--http-port", str(ports["http"]), "--metrics-port", str(ports["metrics"]),
-           "--openai-port", str(ports["openai"]), "--openai-model-name", MODEL]
+           "--openai-port", str(ports["openai"]), "--openai-model-name", MODEL, *extra]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, env=package_env(), stdout=out, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{ports['openai']}"
@@ -233,7 +233,7 @@ def _serve(repo: Path, log: Path):
             assert proc.poll() is None, f"serve exited {proc.returncode}:\n{log.read_text()[-3000:]}"
             assert time.monotonic() < deadline, f"not ready in 300 s:\n{log.read_text()[-3000:]}"
             time.sleep(0.2)
-        yield {"base": base, "ports": ports, "pid": proc.pid, "log": log}
+        yield {"base": base, "ports": ports, "pid": proc.pid, "log": log, "proc": proc}
     finally:
         proc.send_signal(signal.SIGINT)
         rc = proc.wait(timeout=90)

@@ -9,7 +9,6 @@ import json
 import math
 
 import pytest
-import torch
 
 from engine_utils import OracleProposer, build_tiny_engines, greedy, load_engine, random_prompts
 from trt_redrafter.config import RuntimeConfig, SamplingConfig

@@ -1,5 +1,10 @@
 """`trt-redrafter serve`: run tritonserver on a model repository until SIGINT/SIGTERM, and with --openai-port an
-OpenAI-compatible API in front of it (logic: serving/launcher.py, serving/openai_api/)."""
+OpenAI-compatible API in front of it (logic: serving/launcher.py, serving/openai_api/).
+
+serve also supervises the server: tritonserver neither notices a dead Python-backend stub (its requests are never
+answered, its health stays ready) nor restarts one, so serve checks twice a second that tritonserver and each model
+process are alive; on a fault it restarts tritonserver whole (launcher.Supervisor; docs/serving.md, "Faults"), at
+most --max-restarts times in 10 minutes, then exits with EXIT_GAVE_UP."""
 
 from __future__ import annotations
 
@@ -8,6 +13,8 @@ import contextlib
 import signal
 import sys
 import threading
+
+EXIT_GAVE_UP = 3  # serve's status when it stopped restarting a failing server
 
 
 def register(sub) -> None:
@@ -28,12 +35,17 @@ def register(sub) -> None:
     p.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for readiness")
     p.add_argument("--log-file", help="also keep tritonserver's log here (it is always echoed to stderr)")
     p.add_argument("--verbose", action="store_true", help="tritonserver --log-verbose=1")
+    p.add_argument("--max-restarts", type=int, default=3,
+                   help="when a model process or tritonserver dies, restart tritonserver (every request in flight "
+                        "gets an error at once; health is not ready until it is back), at most this many times in "
+                        "10 minutes; then exit with status {EXIT_GAVE_UP} so that a supervisor "
+                        "can act (0: exit at the first fault)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from ..errors import UserError
-    from ..serving.launcher import TritonServer, default_host, require_free_ports
+    from ..serving.launcher import Supervisor, TritonServer, default_host, require_free_ports
 
     if args.host is None:
         args.host = default_host()
@@ -41,6 +53,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"inside a container: binding {args.host} (reachable through the ports the container publishes; "
                   f"--host 127.0.0.1 keeps it to the container)", flush=True)
 
+    if args.max_restarts < 0:
+        raise UserError(f"--max-restarts must be 0 or more, got {args.max_restarts}.")
     ports = {"--grpc-port": args.grpc_port, "--http-port": args.http_port, "--metrics-port": args.metrics_port}
     if args.openai_port is not None:
         ports["--openai-port"] = args.openai_port
@@ -62,10 +76,10 @@ def run(args: argparse.Namespace) -> int:
             api = frontends.enter_context(OpenAIFrontend(args.repo, server.grpc_url, args.openai_port, args.host,
                                                          args.openai_model_name, echo=sys.stderr))
             print(f"OpenAI-compatible API: {api.url}", flush=True)
-        while not stop.wait(0.5):
-            if server.poll() is not None:
-                raise UserError(f"tritonserver exited with status {server.poll()}; its log ends with:\n"
-                                f"{server.log_tail()}")
+        supervisor = Supervisor(server, args.max_restarts)
+        while not stop.wait(supervisor.WATCH_PERIOD_S):
+            if supervisor.check() is not None:
+                return EXIT_GAVE_UP
             if api is not None and api.poll() is not None:
                 raise UserError(f"the OpenAI frontend exited with status {api.poll()}; its log ends with:\n"
                                 f"{api.log_tail()}")

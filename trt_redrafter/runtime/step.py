@@ -245,7 +245,6 @@ class DecodeStep:
         """
         st, cache = self.state, self.cache
         acc = Acceptance.unpack(decision)
-        rows = torch.arange(slots.shape[0], device=slots.device)
         # packed indices of the root and the accepted tokens along the chosen beam (increasing), 0 past them
         path, _ = tree.path_packed_indices(st.unpacker[slots], acc.beam_index, acc.num_accepted + 1)  # [bs, bl]
         m = torch.arange(path.shape[1], device=slots.device)[None, :]

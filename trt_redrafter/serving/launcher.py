@@ -192,6 +192,8 @@ class TritonServer:
         self._echo = echo
         self.proc: Optional[subprocess.Popen] = None
         self._pump: Optional[threading.Thread] = None
+        self.starts = 0
+        self._expected: dict[int, str] = {}
 
     # ---- addresses (what a client on this machine connects to) -------------------------------------------------
     @property
@@ -247,10 +249,13 @@ class TritonServer:
             except UserError:
                 shutil.rmtree(self._tmp, ignore_errors=True)
                 raise
+        shutil.rmtree(self._tmp / "backends", ignore_errors=True)  # a restart starts from scratch
+        self._tmp.mkdir(parents=True, exist_ok=True)
         backends = _bundled_backends(binary.parents[1], self._tmp / "backends") if bundled else None
         cmd = self.command(binary, backends)
         logger.debug("starting %s", " ".join(cmd))
-        log = open(self.log_path, "wb")
+        log = open(self.log_path, "ab" if self.starts else "wb")  # a restart's log follows the first's
+        self.starts += 1
         # own process group: whatever the server starts (stubs, mpirun followers) can be found and killed
         self.proc = subprocess.Popen(cmd, env=server_env(bundled), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      start_new_session=True)
@@ -262,6 +267,7 @@ class TritonServer:
         except BaseException:
             self.stop()
             raise
+        self._expected = self.model_processes()  # what fault() checks
         return self
 
     def _wait_ready(self) -> None:
@@ -287,6 +293,44 @@ class TritonServer:
 
     def poll(self) -> Optional[int]:
         return None if self.proc is None else self.proc.poll()
+
+    # ---- faults (serve's supervision) --------------------------------------------------------------------------
+    def model_processes(self) -> dict[int, str]:
+        """{pid: model instance} of the server's Python-backend stubs (one process per model instance, e.g.
+        `tensorrt_llm_0_0`: the stub's 9th argument, the name Triton's "Stub process ... is not healthy" uses)."""
+        if self.proc is None:
+            return {}
+        out = {}
+        for pid, cmd in stub_processes(self.proc.pid).items():
+            args = cmd.split()
+            out[pid] = args[8] if len(args) > 8 else Path(args[1]).parts[-3] if len(args) > 1 else "?"
+        return out
+
+    def fault(self) -> Optional[str]:
+        """What is broken, in one sentence, or None: tritonserver gone, or a model process it had (when it was ready,
+        or any seen since) dead. Triton itself notices neither: a dead stub's requests are never answered, every new
+        one fails with "Stub process ... is not healthy", and its health endpoints keep answering ready."""
+        if self.poll() is not None:
+            return f"tritonserver exited with status {self.poll()}"
+        alive = self.model_processes()
+        dead = sorted(f"{name} (pid {pid})" for pid, name in self._expected.items() if pid not in alive)
+        self._expected.update(alive)
+        return f"model process {', '.join(dead)} died" if dead else None
+
+    def restart(self) -> float:
+        """Kill the server and everything it started at once (their clients' connections close, so every request
+        in flight gets an error now instead of never), then start it again; returns the seconds until ready."""
+        t0 = time.monotonic()
+        self.kill()
+        self.start()
+        return time.monotonic() - t0
+
+    def kill(self) -> dict:
+        """Stop at once: SIGKILL the server's process group (no drain, no unload: a dead stub would hold those up,
+        and a stub killed in a forced exit can crash), remove the shm regions."""
+        if self.proc is not None and self.proc.poll() is None:
+            _signal(self.proc.pid, signal.SIGKILL)
+        return self.stop(graceful=False)
 
     # ---- stop ------------------------------------------------------------------------------------------------
     def drain(self, timeout: float = 5.0) -> None:
@@ -316,11 +360,17 @@ class TritonServer:
         finally:
             client.close()
 
-    def stop(self) -> dict:
-        """Drain, SIGINT, kill stragglers, remove shm regions. Returns what had to be cleaned up."""
+    def stop(self, graceful: bool = True) -> dict:
+        """Drain, SIGINT, kill stragglers, remove shm regions. Returns what had to be cleaned up. Not `graceful`
+        (after kill()): the server is gone; SIGKILL its process group and clean up, and keep the backend directory
+        for the next start."""
         report = {"killed": [], "removed_shm": [], "returncode": None}
         if self.proc is not None:
             pgid = self.proc.pid
+            if not graceful:
+                self.proc.wait()
+                for pid in group_members(pgid):
+                    _signal(pid, signal.SIGKILL)
             if self.proc.poll() is None:
                 self.drain()
                 time.sleep(0.3)  # let the final responses reach clients before the endpoints close
@@ -343,6 +393,8 @@ class TritonServer:
                 report["removed_shm"].append(p)
             except FileNotFoundError:
                 pass
+        if not graceful:
+            return report
         # keep the log of a server that failed (errors quote its path)
         shutil.rmtree(self._tmp if report["returncode"] == 0 else self._tmp / "backends", ignore_errors=True)
         if report["killed"] or report["removed_shm"]:
@@ -369,6 +421,39 @@ class TritonServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class Supervisor:
+    """Restarts a TritonServer whose model process or server died, at most `max_restarts` times in `window_s`.
+    `check()` (call it every WATCH_PERIOD_S): None while healthy or once healed, else why it gave up."""
+
+    WATCH_PERIOD_S = 0.5
+    WINDOW_S = 600
+
+    def __init__(self, server: TritonServer, max_restarts: int, window_s: float = WINDOW_S):
+        self.server, self.max_restarts, self.window_s = server, max_restarts, window_s
+        self.restarts: list[float] = []  # monotonic times of the restarts within the window
+        self.recoveries: list[float] = []  # seconds from fault seen to ready again, every restart
+
+    def check(self) -> Optional[str]:
+        fault = self.server.fault()
+        if fault is None:
+            return None
+        now = time.monotonic()
+        self.restarts = [t for t in self.restarts if now - t <= self.window_s]
+        if len(self.restarts) >= self.max_restarts:
+            why = (f"{fault}; tritonserver was restarted {len(self.restarts)} time(s) in the last "
+                   f"{self.window_s / 60:.0f} minutes (--max-restarts {self.max_restarts}): giving up")
+            logger.error("%s. Its log ends with:\n%s", why, self.server.log_tail())
+            self.server.kill()
+            return why
+        self.restarts.append(now)
+        logger.error("%s: restarting tritonserver (%d of at most %d in %.0f minutes); requests in flight get an "
+                     "error, health is not ready until it is back", fault, len(self.restarts), self.max_restarts,
+                     self.window_s / 60)
+        self.recoveries.append(self.server.restart())
+        logger.warning("tritonserver restarted in %.1f s after: %s", self.recoveries[-1], fault)
+        return None
 
 
 def repo_engine(repo: Path) -> tuple[str, int]:
