@@ -156,7 +156,7 @@ def test_ensemble_sets_return_perf_metrics_on_the_engine_request(tiny, tmp_path)
     assert pre_in["RETURN_PERF_METRICS"] == "return_perf_metrics"
     assert io(ens, "input")["return_perf_metrics"] == "TYPE_BOOL"
     pre = (tmp_path / "repo" / "preprocessing" / "1" / "model.py").read_text()
-    assert '_flag(request, "RETURN_PERF_METRICS", True)' in pre
+    assert '_rows(request, "RETURN_PERF_METRICS", True, bool, b)' in pre  # default true, one per prompt
 
 
 # ---- 2. the checkpoint loads in every supported release ----------------------------------------------------------

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
+from ..checkpoint.tokenizer_files import make_portable
 from ..checkpoint.trtllm_config import parse_checkpoint_config
 from ..config import BuildConfig, ProposerConfig, ReDrafterConfig, torch_dtype
 from ..errors import UserError
@@ -49,6 +50,7 @@ def copy_tokenizer(src: Path, dst: Path) -> bool:
     dst.mkdir(parents=True, exist_ok=True)
     for f in files:
         shutil.copy2(src / f, dst / f)
+    make_portable(dst)  # a tokenizer saved by transformers 5 loads in a TensorRT-LLM container's 4.5x too
     return True
 
 

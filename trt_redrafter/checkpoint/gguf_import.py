@@ -25,6 +25,7 @@ from ..config import DTYPES, torch_dtype
 from ..errors import UserError, require
 from ..fsutil import atomic_output_dir
 from ..log import get_logger
+from .tokenizer_files import save_tokenizer
 
 log = get_logger(__name__)
 
@@ -98,7 +99,7 @@ def import_gguf(gguf_path: str | Path, output: str | Path, dtype: str = DEFAULT_
         log.info("writing %s (%s, %d layers, tie_word_embeddings=%s)", output, dtype, model.config.num_hidden_layers,
                  model.config.tie_word_embeddings)
         model.save_pretrained(tmp, max_shard_size=MAX_SHARD_SIZE)
-        tokenizer.save_pretrained(tmp)
+        save_tokenizer(tokenizer, tmp)  # loadable by transformers 4.5x (TensorRT-LLM containers) and 5.x
         _check_written(tmp, info, tie=bool(model.config.tie_word_embeddings))
     log.info("imported %s -> %s", info.path, output)
     return Path(output)

@@ -29,6 +29,7 @@ from ..config import ConfigBase, _f
 from ..errors import UserError
 from ..fsutil import atomic_output_dir, write_json
 from ..log import get_logger
+from .tokenizer_files import save_tokenizer
 
 log = get_logger(__name__)
 
@@ -176,7 +177,7 @@ def make_tiny(output: str | Path, t: TinyConfig | None = None, force: bool = Fal
     drafter = build_drafter_tensors(t)
     with atomic_output_dir(output, force=force, what="make-tiny output") as tmp:
         model.save_pretrained(tmp / "base")
-        tokenizer.save_pretrained(tmp / "base")
+        save_tokenizer(tokenizer, tmp / "base")  # transformers 4.5x and 5.x
         (tmp / "drafter").mkdir()
         with open(tmp / "drafter" / "config.json", "w") as f:
             json.dump(drafter_config_json(t), f, indent=2)

@@ -1,0 +1,190 @@
+#!/usr/bin/env python3
+"""The drafter's data-scaling curve: train the same recipe on growing prefixes of one corpus and measure each
+drafter on MT-Bench first turns (chat template, greedy, output == AR), as docs/models.md reports it.
+
+For each --sizes N (conversations): `train-drafter --num-sequences N` in the shared --work-dir (its corpus shards are
+generated once, by the project's engine, and every size reads the first N conversations of the same corpus), with
+--steps-per-1k x N/1024 steps (the same number of passes over the data at every size); then, per --trees NBxDL,
+`convert` (fp32) + `build-engine` + `run --chat --json` on the first --num-prompts MT-Bench first turns, and once
+`run --mode ar` to check that every ReDrafter output equals AR. A size whose drafter directory already holds a
+training.json with the same recipe is not trained again (rerun the same command to continue). --also NAME=DIR
+measures existing drafters (e.g. the committed one) the same way without training them.
+
+Writes --json (every figure, with the commands' recipe) and --plot (matplotlib), and prints a Markdown table.
+
+    python scripts/drafter_scaling.py --base-model out/smollm2/hf --work-dir out/smollm2/drafter.work \\
+        --out-dir out/smollm2/scaling --sizes 1024 2048 4096 8192 --also committed=models/smollm2-drafter-fr \\
+        --json docs/perf/drafter-scaling.json --plot docs/drafter-scaling.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+MT_BENCH = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "mt_bench_questions.jsonl"
+# the recipe of models/smollm2-drafter-fr (docs/models.md), the corpus written by the engine in bfloat16
+RECIPE = ["--magpie", "--eval-sequences", "32", "--seq-len", "256", "--gen-batch-size", "64",
+          "--generate-dtype", "bfloat16", "--draft-vocab", "8192", "--num-layers", "2", "--exit-dim", "512",
+          "--draft-len", "4", "--batch-size", "512", "--lr", "2e-3", "--seed", "0", "--device", "cpu",
+          "--dtype", "bfloat16", "--save-every", "200"]
+
+
+def cli(*args: str, log: Path | None = None) -> str:
+    cmd = ["trt-redrafter", *args]
+    print("$", " ".join(cmd), flush=True)
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if log is not None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "a") as f:
+            f.write(f"$ {' '.join(cmd)}\n{r.stderr}\n")
+    if r.returncode != 0:
+        sys.exit(f"failed ({r.returncode}): {' '.join(cmd)}\n{r.stderr[-3000:]}")
+    return r.stdout
+
+
+def mt_bench_first_turns(path: Path, n: int) -> list[str]:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r["turns"][0] for r in rows[:n]]
+
+
+def train(args, size: int, out: Path) -> dict:
+    steps = round(args.steps_per_1k * size / 1024)
+    done = out / "training.json"
+    if done.is_file():
+        t = json.loads(done.read_text())
+        if t["config"]["steps"] == steps and t["config"]["num_sequences"] == size:
+            print(f"{out}: trained already ({steps} steps)", flush=True)
+            return t
+    cli("train-drafter", "--base-model", args.base_model, "--output", str(out), "--work-dir", args.work_dir,
+        "--num-sequences", str(size), "--steps", str(steps), "--threads", str(args.threads), *RECIPE,
+        log=out.parent / "logs" / f"train-{size}.log")
+    return json.loads(done.read_text())
+
+
+def measure(args, name: str, drafter: Path, prompts: list[str]) -> dict:
+    """MT-Bench tokens/step per tree, and whether every output equals AR."""
+    work = Path(args.out_dir) / "eval" / name
+    result, ar = {}, None
+    for tree in args.trees:
+        nb, dl = tree.split("x")
+        engine = work / f"engine-{tree}"
+        if not (engine / "config.json").is_file():
+            ckpt = work / f"ckpt-{tree}"
+            cli("convert", "--base-model", args.base_model, "--drafter", str(drafter), "--output", str(ckpt),
+                "--tp", "1", "--dtype", "float32", "--num-beams", nb, "--draft-len-per-beam", dl, "--force")
+            cli("build-engine", "--checkpoint", str(ckpt), "--output", str(engine), "--tokenizer", args.base_model,
+                "--max-batch-size", "4", "--max-input-len", "1024", "--max-seq-len", "2048", "--model-ngrams", "off",
+                "--force")
+        common = ["run", "--engine", str(engine), "--chat", "--json", "--max-tokens", str(args.max_tokens),
+                  "--compile", "off", "--threads", str(args.threads), "--prompt", *prompts]
+        rows = [json.loads(line) for line in cli(*common).splitlines() if line.startswith("{")]
+        if ar is None:
+            ar = [json.loads(line)["output_ids"] for line in cli(*common, "--mode", "ar").splitlines()
+                  if line.startswith("{")]
+        per_prompt = [r["tokens_per_step"] for r in rows]
+        result[tree] = {"tokens_per_step": round(sum(per_prompt) / len(per_prompt), 3),
+                        "per_prompt": [round(x, 2) for x in per_prompt],
+                        "identical_to_ar": [r["output_ids"] for r in rows] == ar}
+    return result
+
+
+def plot(points: list[dict], also: dict, trees: list[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    xs = [p["conversations"] for p in points]
+    for tree, style in zip(trees, ("o-", "s-", "^-")):
+        ax.plot(xs, [p["mt_bench"][tree]["tokens_per_step"] for p in points], style,
+                label=f"MT-Bench 1-8, {tree.replace('x', ' x ')} (greedy, == AR)")
+    ax.plot(xs, [p["held_out_expected_tokens_per_step_1beam"] for p in points], "k--", alpha=0.6,
+            label="held-out Magpie, 1 beam, expected")
+    for name, m in also.items():
+        ax.axhline(m["mt_bench"][trees[0]]["tokens_per_step"], color="gray", lw=0.8, ls=":")
+        ax.annotate(f"{name}, {trees[0].replace('x', ' x ')}", (xs[0], m["mt_bench"][trees[0]]["tokens_per_step"]),
+                    fontsize=8, color="gray", va="bottom")
+    for p in points:
+        ax.annotate(f"{p['train_seconds'] / 60:.0f} min", (p["conversations"], p["mt_bench"][trees[0]]["tokens_per_step"]),
+                    textcoords="offset points", xytext=(0, -14), ha="center", fontsize=8)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xs, [str(x) for x in xs])
+    ax.set_xlabel("training conversations (Magpie, written by the engine; training time under each point)")
+    ax.set_ylabel("tokens per step")
+    ax.set_title("SmolLM2-135M-Instruct ReDrafter drafter: data scaling (2-core CPU)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    os.replace(tmp, path)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base-model", required=True)
+    ap.add_argument("--work-dir", required=True, help="train-drafter work directory holding (or to hold) the corpus")
+    ap.add_argument("--out-dir", required=True, help="drafters, engines and logs go here")
+    ap.add_argument("--sizes", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    ap.add_argument("--steps-per-1k", type=int, default=600, help="training steps per 1024 conversations")
+    ap.add_argument("--trees", nargs="+", default=["1x4", "4x4"])
+    ap.add_argument("--also", nargs="*", default=[], metavar="NAME=DIR", help="existing drafters to measure too")
+    ap.add_argument("--prompts", type=Path, default=MT_BENCH)
+    ap.add_argument("--num-prompts", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--plot", type=Path)
+    args = ap.parse_args()
+    if not args.prompts.is_file():
+        sys.exit(f"{args.prompts} not found: pass --prompts with MT-Bench's question.jsonl")
+    prompts = mt_bench_first_turns(args.prompts, args.num_prompts)
+    out = Path(args.out_dir)
+    points = []
+    for size in sorted(args.sizes):
+        t0 = time.monotonic()
+        t = train(args, size, out / f"drafter-{size}")
+        points.append({"conversations": size, "positions": t["data"]["train_positions"],
+                       "steps": t["config"]["steps"], "train_seconds": t["train_seconds"],
+                       "held_out_expected_tokens_per_step_1beam": t["held_out"]["expected_tokens_per_step_1beam"],
+                       "held_out_top1": t["held_out"]["top1"],
+                       "mt_bench": measure(args, f"drafter-{size}", out / f"drafter-{size}", prompts)})
+        print(f"{size}: {points[-1]} ({time.monotonic() - t0:.0f} s)", flush=True)
+    also = {}
+    for item in args.also:
+        name, _, path = item.partition("=")
+        also[name] = {"drafter": path, "mt_bench": measure(args, name, Path(path), prompts)}
+    report = {"base_model": args.base_model, "recipe": RECIPE, "steps_per_1k": args.steps_per_1k,
+              "prompts": f"MT-Bench first turns 1-{args.num_prompts}, chat template, greedy, "
+                         f"{args.max_tokens} tokens, fp32 engine, --compile off",
+              "points": points, "also": also}
+    if args.json:
+        tmp = args.json.with_suffix(".tmp")
+        tmp.write_text(json.dumps(report, indent=2) + "\n")
+        os.replace(tmp, args.json)
+    if args.plot:
+        plot(points, also, args.trees, args.plot)
+    print("| conversations | positions | steps | train time | held-out 1-beam | "
+          + " | ".join(f"MT-Bench {t.replace('x', ' x ')}" for t in args.trees) + " | == AR |")
+    print("|---" * (6 + len(args.trees)) + "|")
+    for p in points:
+        m = p["mt_bench"]
+        print(f"| {p['conversations']} | {p['positions']:,} | {p['steps']} | {p['train_seconds'] / 60:.0f} min | "
+              f"{p['held_out_expected_tokens_per_step_1beam']:.2f} | "
+              + " | ".join(f"{m[t]['tokens_per_step']:.2f}" for t in args.trees)
+              + f" | {'yes' if all(m[t]['identical_to_ar'] for t in args.trees) else 'NO'} |")
+    for name, a in also.items():
+        print(f"| {name} | | | | | " + " | ".join(f"{a['mt_bench'][t]['tokens_per_step']:.2f}" for t in args.trees)
+              + f" | {'yes' if all(a['mt_bench'][t]['identical_to_ar'] for t in args.trees) else 'NO'} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
