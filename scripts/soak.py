@@ -15,6 +15,8 @@ What it does:
         cancelled       cancelled mid-stream (client cancellation straight to tensorrt_llm or through the ensemble, or
                         a `stop=true` request with the same id through the ensemble); tokens received == a prefix of
                         the reference
+        fault           (--fault-every) failed at once with a connection error while its server restarted after a
+                        stub was killed: answered, with an error
         lost            no final answer by the request's deadline
         unexpected      any other error, a wrong error text, more than one answer, a mismatch with the reference
   5. samples /metrics of both servers every second (waiting / active requests, KV blocks), watches that both
@@ -22,7 +24,11 @@ What it does:
      used back to 0, no request running or waiting, the waiting queue bounded (--max-waiting), both tritonserver
      logs free of crash messages ('Stub process ... is not healthy', 'Segmentation fault', 'Signal (N) received',
      'Fatal Python error', ...), a clean shutdown (exit 0, nothing left to kill) and new `dmesg` lines (if readable);
-  6. prints one JSON summary as the last stdout line. Exit status 1 if any request was lost or unexpected, a crash
+  6. with --fault-every S, `kill -9` a Python-backend stub of the decoupled server every S seconds (tensorrt_llm,
+     postprocessing, preprocessing, the BLS model in turn), healed by `serve`'s supervisor (launcher.Supervisor:
+     the server restarted whole); reports each kill, the seconds until the server was ready again, and fails if a
+     kill was not healed or a request was lost;
+  7. prints one JSON summary as the last stdout line. Exit status 1 if any request was lost or unexpected, a crash
      was seen, the KV cache did not drain or the queue was unbounded; 0 otherwise.
 
 Choosing the rate: the sustainable rate is the highest offered load at which the scheduler's waiting queue stays
@@ -44,6 +50,7 @@ shutdown. The soak still fails on any crash line of its stubs, with the stub's m
 
     nice -n 19 python scripts/soak.py --rate 4 --duration 1200                 # the 20-minute soak
     nice -n 19 python scripts/soak.py --rate 1 --duration 180                  # a 3-minute check
+    python scripts/soak.py --rate 2 --duration 1200 --fault-every 60           # 20 minutes, a stub killed a minute
     nice -n 19 python scripts/soak.py --find-rate --find-rates 2 4 6 8 --find-step 30
 """
 
@@ -180,6 +187,7 @@ class Outcome:
     status: str = "unexpected"  # ok | expected_error | cancelled | lost | unexpected
     detail: str = ""
     sent_at: float = 0.0
+    ended_at: float = 0.0
     latency_s: Optional[float] = None
     tokens: int = 0
 
@@ -230,7 +238,8 @@ def malformed_cases(codec, max_input_len: int) -> list[tuple[str, str, dict, str
         return {k: x for k, x in v.items() if x is not None}
 
     return [
-        ("missing_max_tokens", "ensemble", ens(max_tokens=None), "missing required input"),
+        ("missing_max_tokens", "ensemble", ens(max_tokens=None),
+         "max_tokens (preprocessing's REQUEST_OUTPUT_LEN) is missing"),
         ("max_tokens_fp32", "ensemble", ens(max_tokens=np.array([[4.0]], np.float32)), "data-type is 'FP32'"),
         ("max_tokens_0", "ensemble", ens(max_tokens=np.array([[0]], np.int32)), "max_tokens must be a positive"),
         ("max_tokens_huge", "ensemble", ens(max_tokens=np.array([[10 ** 6]], np.int32)), "exceeds the engine's max_seq_len"),
@@ -532,7 +541,8 @@ class Soak:
             o.status, o.detail, o.tokens = fn(self, rng)
         except Exception as e:
             o.status, o.detail = "unexpected", f"client exception {type(e).__name__}: {e}"[:300]
-        o.latency_s = time.monotonic() - o.sent_at
+        o.ended_at = time.monotonic()
+        o.latency_s = o.ended_at - o.sent_at
         with self.lock:
             self.outcomes.append(o)
 
@@ -601,8 +611,9 @@ class Monitor:
     """Every --sample-period seconds: both servers' /metrics (waiting, active, KV blocks), that both tritonservers run
     and that their stub processes are the ones seen at the start."""
 
-    def __init__(self, servers: dict, period: float):
-        self.servers, self.period = servers, period
+    def __init__(self, servers: dict, period: float, faulted: tuple[str, ...] = ()):
+        """faulted: servers whose stubs --fault-every kills; their restarts are the Faults thread's to check."""
+        self.servers, self.period, self.faulted = servers, period, faulted
         self.stubs0 = {name: stub_pids(s) for name, s in servers.items()}
         self.all_stubs: dict[int, str] = {pid: f"{name}/{stub_model(c)}" for name, st in self.stubs0.items()
                                           for pid, c in st.items()}
@@ -625,6 +636,10 @@ class Monitor:
 
     def check_processes(self) -> None:
         for name, srv in self.servers.items():
+            if name in self.faulted:
+                for pid, cmd in stub_pids(srv).items():
+                    self.all_stubs.setdefault(pid, f"{name}/{stub_model(cmd)}")
+                continue
             rc = srv.poll()
             if rc is not None:
                 ev = f"{name}: tritonserver exited with status {rc} during the soak"
@@ -693,6 +708,90 @@ class Monitor:
         return out
 
 
+FAULT_VICTIMS = ("tensorrt_llm", "postprocessing", "preprocessing", "tensorrt_llm_bls")
+# errors a request in flight (or sent) while its server restarts gets: the connection closes or is refused
+FAULT_ERRORS = r"UNAVAILABLE|Socket closed|Connection refused|failed to connect|Stream removed|Broken pipe|" \
+               r"Connection reset|not healthy|CANCELLED|RemoteDisconnected|Connection aborted|no longer in valid state"
+
+
+class Faults:
+    """--fault-every S: every S seconds `kill -9` one Python-backend stub of the decoupled server (tensorrt_llm,
+    postprocessing, preprocessing, the BLS model, in turn), with `serve`'s supervisor (launcher.Supervisor) healing
+    it. Records each kill and when the server was ready again."""
+
+    def __init__(self, srv, every: float):
+        from trt_redrafter.serving.launcher import Supervisor
+
+        self.srv, self.every = srv, every
+        self.supervisor = Supervisor(srv, max_restarts=10 ** 6)
+        self.kills: list[dict] = []  # {"t": monotonic, "model", "pid", "ready_s": seconds until ready again}
+        self.restarts_seen = 0
+        self._no_more_kills = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def start(self) -> "Faults":
+        self._t0 = time.monotonic()
+        self._thread.start()
+        return self
+
+    def stop(self, heal_timeout: float = 120.0) -> None:
+        """No more kills; wait (up to heal_timeout) until the last one is healed, then stop watching."""
+        self._no_more_kills = True
+        deadline = time.monotonic() + heal_timeout
+        while self.kills and self.kills[-1]["ready_s"] is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        self._stop.set()
+        self._thread.join(120)
+
+    def windows(self, margin: float = 2.0) -> list[tuple[float, float]]:
+        """(from, to) monotonic times during which a request may fail because of a fault."""
+        return [(k["t"] - margin, k["t"] + (k["ready_s"] or 300.0) + margin) for k in self.kills]
+
+    def _loop(self) -> None:
+        next_kill = self._t0 + self.every
+        while not self._stop.wait(self.supervisor.WATCH_PERIOD_S):
+            n = len(self.supervisor.recoveries)
+            if self.supervisor.check() is not None:  # never with this budget
+                return
+            if len(self.supervisor.recoveries) > n:
+                self.restarts_seen += 1
+                if self.kills and self.kills[-1]["ready_s"] is None:
+                    self.kills[-1]["ready_s"] = round(time.monotonic() - self.kills[-1]["t"], 2)
+                log(f"fault: decoupled server ready again {self.kills[-1]['ready_s'] if self.kills else '?'} s after "
+                    f"the kill")
+            if time.monotonic() >= next_kill and not self._no_more_kills:
+                model = FAULT_VICTIMS[len(self.kills) % len(FAULT_VICTIMS)]
+                victims = [pid for pid, cmd in stub_pids(self.srv).items() if stub_model(cmd) == model]
+                if victims:
+                    import os
+                    import signal
+
+                    os.kill(victims[0], signal.SIGKILL)
+                    self.kills.append({"t": time.monotonic(), "at_s": round(time.monotonic() - self._t0, 1),
+                                       "model": model, "pid": victims[0], "ready_s": None})
+                    log(f"fault: killed the {model} stub (pid {victims[0]}) of the decoupled server")
+                next_kill += self.every
+
+    def summary(self) -> dict:
+        ready = sorted(k["ready_s"] for k in self.kills if k["ready_s"] is not None)
+        return {"every_s": self.every, "kills": [{k: v for k, v in x.items() if k != "t"} for x in self.kills],
+                "restarts": self.restarts_seen,
+                "recovery_s_median": ready[len(ready) // 2] if ready else None,
+                "recovery_s_max": ready[-1] if ready else None}
+
+
+def classify_faults(outcomes: list, windows: list[tuple[float, float]]) -> int:
+    """Outcomes that failed with a connection error while their server restarted after a fault: answered (an error,
+    at once), status `fault`. Returns how many."""
+    n = 0
+    for o in outcomes:
+        if o.status == "unexpected" and re.search(FAULT_ERRORS, o.detail) and any(
+                o.sent_at <= hi and o.ended_at >= lo for lo, hi in windows):
+            o.status, n = "fault", n + 1
+    return n
+
+
 def scan_log(path: Path) -> dict:
     try:
         text = Path(path).read_text(errors="replace")
@@ -746,13 +845,15 @@ def summarize(outcomes: list[Outcome]) -> dict:
     lat = sorted(o.latency_s for o in outcomes if o.status == "ok" and o.latency_s is not None)
     bad = [o for o in outcomes if o.status in ("lost", "unexpected")]
     return {"requests": len(outcomes), "outcomes": {k: by_status.get(k, 0) for k in
-                                                    ("ok", "expected_error", "cancelled", "lost", "unexpected")},
+                                                    ("ok", "expected_error", "cancelled", "fault", "lost",
+                                                     "unexpected")},
             "by_kind": {k: dict(v) for k, v in sorted(by_kind.items())},
             "ok_latency_s_p50": lat[len(lat) // 2] if lat else None,
             "ok_latency_s_p99": lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else None,
             "ok_tokens": sum(o.tokens for o in outcomes if o.status == "ok"),
-            "failures": [{"i": o.i, "kind": o.kind, "status": o.status, "detail": o.detail,
-                          "latency_s": round(o.latency_s or 0, 2)} for o in bad[:25]]}
+            "bad_requests": [{"i": o.i, "kind": o.kind, "status": o.status, "detail": o.detail,
+                              "latency_s": round(o.latency_s or 0, 2), "sent_at": round(o.sent_at, 2),
+                              "ended_at": round(o.ended_at, 2)} for o in bad[:25]]}
 
 
 def main() -> int:
@@ -771,6 +872,9 @@ def main() -> int:
                    help="peak waiting requests (both servers) allowed; default 4 x max_batch_size")
     p.add_argument("--sample-period", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fault-every", type=float, default=0.0,
+                   help="kill -9 a stub of the decoupled server every this many seconds, healed as `serve` heals it "
+                        "(0: no faults); requests failed by a fault are counted as `fault`, a lost one fails the soak")
     p.add_argument("--find-rate", action="store_true", help="step through --find-rates and report the highest rate "
                    "whose waiting queue stays bounded with nothing lost, instead of soaking")
     p.add_argument("--find-rates", type=float, nargs="+", default=[0.5, 1, 2, 3, 4, 6, 8])
@@ -800,7 +904,8 @@ def main() -> int:
     summary: dict = {"rate": a.rate, "duration_s": a.duration, "deadline_s": a.deadline, "mix": a.mix,
                      "engine": str(engine_dir), "max_batch_size": build.max_batch_size,
                      "max_queue_size": a.max_queue_size}
-    monitor = Monitor(servers, a.sample_period).start()
+    monitor = Monitor(servers, a.sample_period, faulted=("decoupled",) if a.fault_every else ()).start()
+    faults = Faults(servers["decoupled"], a.fault_every).start() if a.fault_every else None
     summary["stubs_at_start"] = {n: {str(pid): stub_model(c) for pid, c in s.items()}
                                  for n, s in monitor.stubs0.items()}
     soak = Soak(a, servers["decoupled"], servers["unary"], codec, ref, ref_noeos, build.max_input_len)
@@ -829,7 +934,16 @@ def main() -> int:
             summary["find_rate"] = {"steps": steps, "sustainable_rate": best}
         else:
             summary["run"] = soak.run(a.rate, a.duration, a.seed, monitor)
+            if faults is not None:
+                faults.stop()
+                classify_faults(soak.outcomes, faults.windows())
+                summary["faults"] = faults.summary()
+                if faults.restarts_seen != len(faults.kills):
+                    failures.append(f"{len(faults.kills)} stub(s) killed but {faults.restarts_seen} restart(s)")
+                if any(k["ready_s"] is None for k in faults.kills):
+                    failures.append("the decoupled server was not ready again after a fault")
             summary.update(summarize(soak.outcomes))
+            summary["answered"] = summary["requests"] - summary["outcomes"]["lost"]
             o = summary["outcomes"]
             if o["lost"]:
                 failures.append(f"{o['lost']} request(s) lost")
@@ -854,6 +968,8 @@ def main() -> int:
         summary["stubs_at_end"] = {n: {str(pid): stub_model(c) for pid, c in stub_pids(s).items()}
                                    for n, s in servers.items()}
     finally:
+        if faults is not None:
+            faults.stop()
         monitor.stop()
         process_events = list(monitor.events)
         marks["shutdown"] = uptime()
@@ -870,7 +986,7 @@ def main() -> int:
             failures.append(f"{name}: unclean shutdown {rep}")
     summary["logs"] = {name: scan_log(srv.log_path) for name, srv in servers.items()}
     for name, lg in summary["logs"].items():
-        if lg.get("crash_lines"):
+        if lg.get("crash_lines") and name not in monitor.faulted:  # the faulted server's are the faults' own
             failures.append(f"{name}: {lg['crash_lines']} crash line(s) in {lg['path']}")
     new = kernel_log_since(dmesg0)
     if new is None:
@@ -887,10 +1003,17 @@ def main() -> int:
             phase = ("before the soak" if marks["start"] and t < marks["start"] - 5 else
                      "during the soak" if marks["shutdown"] is None or t < marks["shutdown"] else
                      "during shutdown")
-            attributed.append({"line": ln[:300], "pid": pid, "process": monitor.all_stubs.get(pid, "not ours"),
+            attributed.append({"line": ln[:300], "pid": pid, "t": t,
+                               "process": monitor.all_stubs.get(pid, "not ours"),
                                "phase": phase, "s_after_shutdown_began": round(t - marks["shutdown"], 1)
                                if marks["shutdown"] else None})
-        ours = [h for h in attributed if h.get("process", "not ours") != "not ours" or "pid" not in h]
+        windows = faults.windows(margin=5.0) if faults is not None else []
+        for h in attributed:  # a crash a fault caused (killing the BLS stub crashes tritonserver 2.51 itself)
+            t = h.get("t")
+            if t is not None and any(lo <= t <= hi for lo, hi in windows):
+                h["phase"] = "during a fault"
+        ours = [h for h in attributed if (h.get("process", "not ours") != "not ours" or "pid" not in h)
+                and h.get("phase") != "during a fault"]
         summary["dmesg"] = {"new_lines": len(new), "crash_like": attributed[:10]}
         if ours:
             failures.append(f"dmesg: {len(ours)} crash-like line(s) of this soak's processes: "
