@@ -5,7 +5,7 @@ drafter on MT-Bench first turns (chat template, greedy, output == AR), as docs/m
 For each --sizes N (conversations): `train-drafter --num-sequences N` in the shared --work-dir (its corpus shards are
 generated once, by the project's engine, and every size reads the first N conversations of the same corpus), with
 --steps-per-1k x N/1024 steps (the same number of passes over the data at every size); then, per --trees NBxDL,
-`convert` (fp32) + `build-engine` + `run --chat --json` on the first --num-prompts MT-Bench first turns, and once
+`convert` (fp32) + `build-engine` + `run --chat --json --speculate full` on the first --num-prompts MT-Bench first turns, and once
 `run --mode ar` to check that every ReDrafter output equals AR. A size whose drafter directory already holds a
 training.json with the same recipe is not trained again (rerun the same command to continue). --also NAME=DIR
 measures existing drafters (e.g. the committed one) the same way without training them.
@@ -81,8 +81,10 @@ def measure(args, name: str, drafter: Path, prompts: list[str]) -> dict:
             cli("build-engine", "--checkpoint", str(ckpt), "--output", str(engine), "--tokenizer", args.base_model,
                 "--max-batch-size", "4", "--max-input-len", "1024", "--max-seq-len", "2048", "--model-ngrams", "off",
                 "--force")
+        # --speculate full: every drafted token verified, so tokens/step measures the drafter, not the speculation
+        # policy's (machine-dependent) choice of how much of it to verify
         common = ["run", "--engine", str(engine), "--chat", "--json", "--max-tokens", str(args.max_tokens),
-                  "--compile", "off", "--threads", str(args.threads), "--prompt", *prompts]
+                  "--compile", "off", "--threads", str(args.threads), "--speculate", "full", "--prompt", *prompts]
         rows = [json.loads(line) for line in cli(*common).splitlines() if line.startswith("{")]
         if ar is None:
             ar = [json.loads(line)["output_ids"] for line in cli(*common, "--mode", "ar").splitlines()
@@ -163,7 +165,7 @@ def main() -> int:
         also[name] = {"drafter": path, "mt_bench": measure(args, name, Path(path), prompts)}
     report = {"base_model": args.base_model, "recipe": RECIPE, "steps_per_1k": args.steps_per_1k,
               "prompts": f"MT-Bench first turns 1-{args.num_prompts}, chat template, greedy, "
-                         f"{args.max_tokens} tokens, fp32 engine, --compile off",
+                         f"{args.max_tokens} tokens, fp32 engine, --compile off --speculate full",
               "points": points, "also": also}
     if args.json:
         tmp = args.json.with_suffix(".tmp")
