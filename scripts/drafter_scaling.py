@@ -107,12 +107,12 @@ def plot(points: list[dict], also: dict, trees: list[str], path: Path) -> None:
     for tree, style in zip(trees, ("o-", "s-", "^-")):
         ax.plot(xs, [p["mt_bench"][tree]["tokens_per_step"] for p in points], style,
                 label=f"MT-Bench 1-8, {tree.replace('x', ' x ')} (greedy, == AR)")
-    ax.plot(xs, [p["held_out_expected_tokens_per_step_1beam"] for p in points], "k--", alpha=0.6,
+    ax.plot(xs, [p["held_out_expected_tokens_per_step_1beam"] for p in points], "kx--", alpha=0.6,
             label="held-out Magpie, 1 beam, expected")
     for name, m in also.items():
         ax.axhline(m["mt_bench"][trees[0]]["tokens_per_step"], color="gray", lw=0.8, ls=":")
         ax.annotate(f"{name}, {trees[0].replace('x', ' x ')}", (xs[0], m["mt_bench"][trees[0]]["tokens_per_step"]),
-                    fontsize=8, color="gray", va="bottom")
+                    fontsize=8, color="gray", va="top", xytext=(0, -3), textcoords="offset points")
     for p in points:
         ax.annotate(f"{p['train_seconds'] / 60:.0f} min", (p["conversations"], p["mt_bench"][trees[0]]["tokens_per_step"]),
                     textcoords="offset points", xytext=(0, -14), ha="center", fontsize=8)
