@@ -58,9 +58,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import queue
 import random
 import re
+import signal
 import sys
 import threading
 import time
@@ -764,9 +766,6 @@ class Faults:
                 model = FAULT_VICTIMS[len(self.kills) % len(FAULT_VICTIMS)]
                 victims = [pid for pid, cmd in stub_pids(self.srv).items() if stub_model(cmd) == model]
                 if victims:
-                    import os
-                    import signal
-
                     os.kill(victims[0], signal.SIGKILL)
                     self.kills.append({"t": time.monotonic(), "at_s": round(time.monotonic() - self._t0, 1),
                                        "model": model, "pid": victims[0], "ready_s": None})

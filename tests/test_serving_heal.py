@@ -21,6 +21,7 @@ import pytest
 
 from engine_utils import build_tiny_engines, load_engine, stub_crashes
 from test_openai import _require_server, _serve
+from test_serving_modes import _tensors
 from trt_redrafter.config import RuntimeConfig, SamplingConfig
 from trt_redrafter.runtime.distributed import free_port
 from trt_redrafter.runtime.generate import generate
@@ -51,18 +52,14 @@ def setup(tmp_path_factory):
 
 
 def _inputs(prompt: str, n: int, end_id: int | None = None) -> list:
+    """A streamed ensemble request, as gRPC inputs."""
     import tritonclient.grpc as grpcclient
 
-    values = [("text_input", np.array([[prompt]], object), "BYTES"), ("max_tokens", np.array([[n]], np.int32), "INT32"),
-              ("stream", np.array([[True]]), "BOOL")]
+    values = {"text_input": np.array([[prompt]], object), "max_tokens": np.array([[n]], np.int32),
+              "stream": np.array([[True]])}
     if end_id is not None:
-        values.append(("end_id", np.array([[end_id]], np.int32), "INT32"))
-    out = []
-    for name, value, dtype in values:
-        t = grpcclient.InferInput(name, list(value.shape), dtype)
-        t.set_data_from_numpy(value)
-        out.append(t)
-    return out
+        values["end_id"] = np.array([[end_id]], np.int32)
+    return _tensors(grpcclient, values)
 
 
 def _status(url: str) -> int:

@@ -38,7 +38,7 @@ def register(sub) -> None:
     p.add_argument("--max-restarts", type=int, default=3,
                    help="when a model process or tritonserver dies, restart tritonserver (every request in flight "
                         "gets an error at once; health is not ready until it is back), at most this many times in "
-                        "10 minutes; then exit with status {EXIT_GAVE_UP} so that a supervisor "
+                        f"10 minutes; then exit with status {EXIT_GAVE_UP} so that a supervisor "
                         "can act (0: exit at the first fault)")
     p.set_defaults(func=run)
 

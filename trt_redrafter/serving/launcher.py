@@ -249,9 +249,11 @@ class TritonServer:
             except UserError:
                 shutil.rmtree(self._tmp, ignore_errors=True)
                 raise
-        shutil.rmtree(self._tmp / "backends", ignore_errors=True)  # a restart starts from scratch
-        self._tmp.mkdir(parents=True, exist_ok=True)
-        backends = _bundled_backends(binary.parents[1], self._tmp / "backends") if bundled else None
+        backends = None
+        if bundled:  # a restart reuses the directory its first start made
+            backends = self._tmp / "backends"
+            if not backends.is_dir():
+                _bundled_backends(binary.parents[1], backends)
         cmd = self.command(binary, backends)
         logger.debug("starting %s", " ".join(cmd))
         log = open(self.log_path, "ab" if self.starts else "wb")  # a restart's log follows the first's
@@ -310,8 +312,9 @@ class TritonServer:
         """What is broken, in one sentence, or None: tritonserver gone, or a model process it had (when it was ready,
         or any seen since) dead. Triton itself notices neither: a dead stub's requests are never answered, every new
         one fails with "Stub process ... is not healthy", and its health endpoints keep answering ready."""
-        if self.poll() is not None:
-            return f"tritonserver exited with status {self.poll()}"
+        rc = self.poll()
+        if rc is not None:
+            return f"tritonserver exited with status {rc}"
         alive = self.model_processes()
         dead = sorted(f"{name} (pid {pid})" for pid, name in self._expected.items() if pid not in alive)
         self._expected.update(alive)
@@ -328,8 +331,9 @@ class TritonServer:
     def kill(self) -> dict:
         """Stop at once: SIGKILL the server's process group (no drain, no unload: a dead stub would hold those up,
         and a stub killed in a forced exit can crash), remove the shm regions."""
-        if self.proc is not None and self.proc.poll() is None:
-            _signal(self.proc.pid, signal.SIGKILL)
+        if self.proc is not None:
+            _signal(-self.proc.pid, signal.SIGKILL)  # the whole group: the server started it as its own session
+            self.proc.wait()
         return self.stop(graceful=False)
 
     # ---- stop ------------------------------------------------------------------------------------------------
@@ -362,15 +366,11 @@ class TritonServer:
 
     def stop(self, graceful: bool = True) -> dict:
         """Drain, SIGINT, kill stragglers, remove shm regions. Returns what had to be cleaned up. Not `graceful`
-        (after kill()): the server is gone; SIGKILL its process group and clean up, and keep the backend directory
+        (kill(), before a restart): the server is gone already; clean up after it, and keep the backend directory
         for the next start."""
         report = {"killed": [], "removed_shm": [], "returncode": None}
         if self.proc is not None:
             pgid = self.proc.pid
-            if not graceful:
-                self.proc.wait()
-                for pid in group_members(pgid):
-                    _signal(pid, signal.SIGKILL)
             if self.proc.poll() is None:
                 self.drain()
                 time.sleep(0.3)  # let the final responses reach clients before the endpoints close
