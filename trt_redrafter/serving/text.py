@@ -122,6 +122,16 @@ def _added(before: str, after: str) -> str:
         n += 1
     return after[n:]
 
+def pad_rows(rows, fill) -> np.ndarray:
+    """Token rows of different lengths -> int32 [len(rows), longest], each padded with `fill` (one value, or one per
+    row as [B, 1]): a batch of prompts, outputs or word lists as TensorRT-LLM's Triton models pass them."""
+    out = np.empty((len(rows), max((len(r) for r in rows), default=0)), dtype=np.int32)
+    out[:] = fill
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = r
+    return out
+
+
 def list_to_words(word_list: np.ndarray) -> tuple[tuple[int, ...], ...]:
     """Inverse of `words_to_list`: [2, L] -> one id tuple per word."""
     assert word_list.ndim == 2 and word_list.shape[0] == 2, word_list.shape

@@ -17,7 +17,7 @@ import triton_python_backend_utils as pb_utils
 # make-repo copies the text modules of trt_redrafter beside this file, so a stock tritonserver loads this model
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from trt_redrafter.serving.text import TextCodec
+from trt_redrafter.serving.text import TextCodec, pad_rows
 
 PASSTHROUGH = (("ACCEPTANCE_RATE", np.float32), ("TOTAL_ACCEPTED_DRAFT_TOKENS", np.int32),
                ("TOTAL_DRAFT_TOKENS", np.int32))
@@ -90,9 +90,7 @@ class TritonPythonModel:
             new = tokens[i, :int(length[i])].tolist()
             texts.append(self.codec.decode_delta([] if preceding is None else preceding[i].tolist(), new).encode())
             rows.append(new)
-        ids = np.zeros((b, 1, max(len(r) for r in rows)), dtype=np.int32)
-        for i, r in enumerate(rows):
-            ids[i, 0, :len(r)] = r
+        ids = pad_rows(rows, 0)[:, None, :]  # [B, beam=1, longest]
         # one string per row (beam width 1), 1-D as TensorRT-LLM's postprocessing returns it (clients read
         # text_output[0])
         outputs = [pb_utils.Tensor("OUTPUT", np.array(texts, dtype=object)),

@@ -11,7 +11,7 @@ import triton_python_backend_utils as pb_utils
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from trt_redrafter.errors import UserError
-from trt_redrafter.serving.text import TextCodec
+from trt_redrafter.serving.text import TextCodec, pad_rows
 
 
 ENSEMBLE_NAMES = {"QUERY": "text_input", "DECODER_QUERY": "decoder_text_input", "STOP_WORDS_DICT": "stop_words",
@@ -45,12 +45,7 @@ def _rows(request, name, default, dtype, b):
 
 def _word_lists(lists):
     """Each prompt's [2, n] word list -> [B, 2, max n]: ids padded with 0, offsets with -1 (TensorRT-LLM's)."""
-    n = max(x.shape[1] for x in lists)
-    out = np.zeros((len(lists), 2, n), dtype=np.int32)
-    out[:, 1] = -1
-    for i, x in enumerate(lists):
-        out[i, :, :x.shape[1]] = x
-    return out
+    return np.stack([pad_rows([x[0] for x in lists], 0), pad_rows([x[1] for x in lists], -1)], axis=1)
 
 
 def _words_by_row(tensor, b):
@@ -116,9 +111,7 @@ class TritonPythonModel:
             prompts = [self.codec.encode(text, chat=bool(c)) for text, c in zip(texts, chat)]
             lengths = np.array([[len(p)] for p in prompts], dtype=np.int32)
             # rows padded to the longest with each row's pad id; input_lengths tells the engine where each ends
-            ids = np.repeat(pad, int(lengths.max()), axis=1)
-            for i, p in enumerate(prompts):
-                ids[i, :len(p)] = p
+            ids = pad_rows(prompts, pad)
             words = {}
             for name, out in (("BAD_WORDS_DICT", "BAD_WORDS_IDS"), ("STOP_WORDS_DICT", "STOP_WORDS_IDS")):
                 t = pb_utils.get_input_tensor_by_name(request, name)
