@@ -80,6 +80,28 @@ def test_engine_hidden_states_bf16_within_the_dtypes_error(base, hf, tmp_path):
         assert not torch.equal(got, want)  # it really ran in bf16
 
 
+def test_a_bf16_corpus_is_stored_in_bf16_exactly_and_trains_in_fp32(base, tmp_path):
+    """A bf16 base's hidden states are bf16 values: the shard keeps them in bf16 (half the bytes of fp32, nothing
+    lost: the engine's own slot-state values come back bit for bit), an fp32 base's stay fp32, and `gather` hands
+    the trainer float32 either way."""
+    sizes = {}
+    for dtype, want in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
+        shards, _ = _engine_shards(base, dtype, PROMPTS[:2], 8, None, tmp=tmp_path)
+        sh = shards[0]
+        assert sh.hidden.dtype == want
+        corpus = cm.ShardedCorpus(tmp_path / dtype, {"dtype": dtype}, 1, [2])
+        corpus.write(0, sh)
+        back = corpus.load(0)
+        assert back.hidden.dtype == want and torch.equal(back.hidden, sh.hidden)
+        sizes[dtype] = corpus.shard_path(0).stat().st_size
+        pos = torch.cat([torch.zeros(len(sh.positions()), 1, dtype=torch.long), sh.positions()], 1)
+        h, e, y = cm.gather([back], pos, 2, torch.randn(1000, sh.hidden.shape[-1]), torch.device("cpu"))
+        assert h.dtype == torch.float32
+        assert torch.equal(h, back.hidden[pos[:, 1], pos[:, 2]].float())
+    hidden_bytes = sh.hidden.numel() * 4
+    assert sizes["float32"] - sizes["bfloat16"] == pytest.approx(hidden_bytes / 2, abs=256)
+
+
 def test_engine_corpus_has_the_tokens_of_hf_generate(base, hf, tmp_path):
     """Greedy fp32: the engine's corpus (in-flight batch of 2 over 5 rows) and HF `generate`'s (one left-padded batch
     per shard) hold the same rows token for token, with the same targets and drafting positions."""

@@ -5,7 +5,8 @@ temporary name and renamed, so a shard is whole or absent) and lists it in `DIR/
 
     tokens  int32   [b, W]     the row: prompt (bos / chat template included) then the base's greedy answer
     targets int32   [b, W]     g_t = argmax of the base at t (greedy: token t+1); -100 at the row's last token and past
-    hidden  float32 [b, W, H]  h_t, the base's final-norm hidden state (zeros at the row's last token and past)
+    hidden  float32 [b, W, H]  h_t, the base's final-norm hidden state (zeros at the row's last token and past);
+                               bfloat16/float16 when the base generated in that dtype (its values exactly)
     first   int32   [b]        the first drafting position (the last prompt token: x_{t+1} is base-generated)
     length  int32   [b]        tokens in the row
 
@@ -97,7 +98,7 @@ class ShardedCorpus:
         tmp = self.shard_path(i).with_suffix(".tmp")
         save_file({"tokens": shard.tokens.to(torch.int32).contiguous(),
                    "targets": shard.targets.to(torch.int32).contiguous(),
-                   "hidden": shard.hidden.to(torch.float32).contiguous(),
+                   "hidden": shard.hidden.to(_stored(shard.hidden.dtype)).contiguous(),
                    "first": shard.first.to(torch.int32).contiguous(),
                    "length": shard.length.to(torch.int32).contiguous()}, str(tmp))
         os.replace(tmp, self.shard_path(i))
@@ -141,6 +142,10 @@ class ShardedCorpus:
                                    "positions": {str(k): v for k, v in sorted(self.counts.items())},
                                    "rows": {str(k): v for k, v in sorted(self.rows.items())}}, indent=2))
         os.replace(tmp, self.root / MANIFEST)
+
+
+def _stored(dtype: torch.dtype) -> torch.dtype:
+    return dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
 
 
 def _diff(old: Optional[dict], new: dict) -> str:
@@ -205,9 +210,9 @@ def gather(loaded: list[Shard], pos: torch.Tensor, T: int, embed: torch.Tensor, 
         cols_c = cols.clamp(max=width - 1)
         xs.append(sh.tokens[rows[:, None], cols_c])
         ys.append(sh.targets[rows[:, None], cols_c].masked_fill(~ok, -100))
-        hs.append(sh.hidden[rows, t])
+        hs.append(sh.hidden[rows, t].float())
         if teacher:
-            ns.append(sh.hidden[rows[:, None], cols_c])
+            ns.append(sh.hidden[rows[:, None], cols_c].float())
     inv = torch.argsort(torch.cat(order))  # back to the batch's own order
     h, x, y = torch.cat(hs)[inv], torch.cat(xs)[inv], torch.cat(ys)[inv]
     out = (h.to(device), embed[x.to(device)], y.to(device))

@@ -48,13 +48,15 @@ class Answer:
     # last prompt token's)
 
 
-def rows_to_shard(answers: list[Answer], pad_id: int) -> corpus_mod.Shard:
-    """A corpus shard (corpus.Shard's layout) from answered prompts."""
+def rows_to_shard(answers: list[Answer], pad_id: int, dtype: torch.dtype = torch.float32) -> corpus_mod.Shard:
+    """A corpus shard (corpus.Shard's layout) from answered prompts; hidden states kept in `dtype` (the base's
+    compute dtype: a bf16 engine's hidden states are bf16 values, so storing them as bf16 loses nothing and halves
+    the corpus)."""
     lengths = [len(a.prompt) + len(a.output) for a in answers]
     b, W, H = len(answers), max(lengths), answers[0].hidden.shape[1]
     tokens = torch.full((b, W), pad_id, dtype=torch.long)
     targets = torch.full((b, W), -100, dtype=torch.long)
-    hidden = torch.zeros(b, W, H, dtype=torch.float32)
+    hidden = torch.zeros(b, W, H, dtype=dtype)
     for r, a in enumerate(answers):
         n, first = lengths[r], len(a.prompt) - 1
         row = torch.tensor(a.prompt + a.output)
@@ -96,6 +98,7 @@ class EngineGenerator:
             shutil.rmtree(self._tmp, ignore_errors=True)
             raise
         self.max_batch = max_batch
+        self.hidden_dtype = self.engine.dtype
         log.info("corpus engine ready in %.1fs (%s, batch %d)", time.perf_counter() - t0, dtype, max_batch)
 
     def close(self) -> None:
@@ -156,7 +159,7 @@ class EngineGenerator:
                 got[i][r] = ans
                 if len(got[i]) == len(chunk[i]):
                     rows = got.pop(i)
-                    yield i, rows_to_shard([rows[k] for k in range(len(chunk[i]))], pad_id)
+                    yield i, rows_to_shard([rows[k] for k in range(len(chunk[i]))], pad_id, self.hidden_dtype)
 
     def sample(self, prompts: list[list[int]], max_new: int, temperature: float, top_p: float, seed: int,
                stop_ids: Optional[list[int]]) -> list[list[int]]:
