@@ -22,7 +22,7 @@ from trt_redrafter.bench.harness import BenchConfig, Target, run_point, sweep_to
 from trt_redrafter.bench.schedule import Prompt, applied_template, load_prompts, resolve_chat_template
 from trt_redrafter.chat import chat_prompt_ids, vicuna_prompt
 from trt_redrafter.cli import main as cli
-from trt_redrafter.commands.run import load_prompts as run_prompts
+from trt_redrafter.prompt_args import load_prompts as run_prompts
 from trt_redrafter.errors import UserError
 from trt_redrafter.serving.repo import PACKAGE_ROOT, TEXT_MODULES
 from trt_redrafter.serving.text import TextCodec, load_tokenizer

@@ -101,7 +101,7 @@ def test_an_idle_tp_server_keeps_its_ranks_past_the_collective_timeout(engines):
 
 def test_a_dead_rank_ends_the_job_within_seconds(engines):
     prompts = random_prompts(512, [6] * 4, seed=9)
-    from trt_redrafter.commands.run import mpirun_command
+    from trt_redrafter.runtime.distributed import mpirun_command
 
     argv = ["run", "--engine", str(engines[2]), "--json", "--ignore-eos", "--max-tokens", "130",
             "--prompt-ids", *[",".join(map(str, p)) for p in prompts] * 40]

@@ -341,8 +341,8 @@ def run_trtllm(args: argparse.Namespace, ecfg) -> int:
 
     Follows examples/run.py of TensorRT-LLM (the ModelRunnerCpp path) and tensorrt_llm/runtime/model_runner_cpp.py.
     """
-    from ..commands.run import load_prompts, mpirun_command, resolve_end_id
-    from ..runtime.distributed import in_mpi_world
+    from ..prompt_args import load_prompts, resolve_end_id
+    from ..runtime.distributed import in_mpi_world, mpirun_command
 
     redrafter = ecfg.checkpoint.redrafter  # None: a plain (auto-regressive) TensorRT-LLM engine
     if getattr(args, "mode", "redrafter") == "ar" and redrafter is not None:

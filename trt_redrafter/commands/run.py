@@ -6,13 +6,10 @@ import argparse
 import dataclasses
 import json
 import subprocess
-import sys
-from pathlib import Path
 
-from ..chat import encode_prompt
 from ..config import PROPOSERS, RuntimeConfig, SamplingConfig
-from ..errors import UserError
 from ..log import rank0_print
+from ..prompt_args import load_prompts, resolve_end_id
 
 
 def register(sub) -> None:
@@ -39,28 +36,8 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _parse_ids(texts: list[str]) -> list[list[int]]:
-    out = []
-    for t in texts:
-        try:
-            ids = [int(x) for x in t.replace(" ", ",").split(",") if x]
-        except ValueError as e:
-            raise UserError(f"--prompt-ids {t!r} is not a comma-separated list of integers.") from e
-        if not ids:
-            raise UserError("--prompt-ids got an empty prompt; give at least one token id.")
-        out.append(ids)
-    return out
-
-
-def mpirun_command(n: int, argv: list[str]) -> list[str]:
-    """`mpirun -n N python -m trt_redrafter ...`: the command relaunched on every rank."""
-    from ..runtime.distributed import mpirun_prefix
-
-    return mpirun_prefix(n, "this engine") + [sys.executable, "-m", "trt_redrafter", *argv]
-
-
 def run(args: argparse.Namespace) -> int:
-    from ..runtime.distributed import in_mpi_world, init_dist, shutdown_dist
+    from ..runtime.distributed import in_mpi_world, init_dist, mpirun_command, shutdown_dist
     from ..runtime.engine_config import load_engine_config
 
     ecfg = load_engine_config(args.engine)
@@ -109,37 +86,3 @@ def _cuda(device: str) -> bool:
     import torch
 
     return device == "cuda" or (device == "auto" and torch.cuda.is_available())
-
-
-def load_prompts(args) -> tuple[object, list[list[int]]]:
-    """(tokenizer or None, prompt token ids) from --prompt texts (with --chat: each one user message in the
-    model's chat template) or --prompt-ids."""
-    if args.chat and args.prompt is None:
-        raise UserError("--chat templates --prompt texts; --prompt-ids are decoded as given, so drop one of them.")
-    tokenizer = _load_tokenizer(args)
-    if args.prompt is None:
-        return tokenizer, _parse_ids(args.prompt_ids)
-    if tokenizer is None:
-        raise UserError(f"--prompt needs a tokenizer but {args.engine} has none; pass --tokenizer DIR or use --prompt-ids.")
-    return tokenizer, [encode_prompt(tokenizer, t, chat=args.chat) for t in args.prompt]
-
-
-def resolve_end_id(args, tokenizer) -> int | None:
-    """The stop token: --end-id, else the tokenizer's EOS; None with --ignore-eos or when neither exists."""
-    if args.ignore_eos:
-        return None
-    return args.end_id if args.end_id is not None else (tokenizer.eos_token_id if tokenizer else None)
-
-
-def _load_tokenizer(args):
-    path = Path(args.tokenizer) if args.tokenizer else Path(args.engine) / "tokenizer"
-    if not path.is_dir():
-        if args.tokenizer:
-            raise UserError(f"--tokenizer {path} is not a directory.")
-        return None
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(path))
-    except (OSError, ValueError) as e:
-        raise UserError(f"cannot load a tokenizer from {path}: {e}") from e

@@ -15,6 +15,7 @@ import datetime
 import os
 import shutil
 import socket
+import sys
 
 import torch
 import torch.distributed as tdist
@@ -44,6 +45,11 @@ def mpi_world() -> tuple[int, int]:
 def mpirun_prefix(n: int, what: str) -> list[str]:
     """`mpirun -n N` with what Open MPI needs for ranks on one box (and as root); `what` says who needs them."""
     return mpirun_options(n, what) + ["-n", str(n)]
+
+
+def mpirun_command(n: int, argv: list[str]) -> list[str]:
+    """`mpirun -n N python -m trt_redrafter ARGV`: a CLI command relaunched on every rank."""
+    return mpirun_prefix(n, "this engine") + [sys.executable, "-m", "trt_redrafter", *argv]
 
 
 def mpirun_options(n: int, what: str) -> list[str]:
