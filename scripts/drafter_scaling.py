@@ -8,7 +8,9 @@ generated once, by the project's engine, and every size reads the first N conver
 `convert` (fp32) + `build-engine` + `run --chat --json --speculate full` on the first --num-prompts MT-Bench first turns, and once
 `run --mode ar` to check that every ReDrafter output equals AR. A size whose drafter directory already holds a
 training.json with the same recipe is not trained again (rerun the same command to continue). --also NAME=DIR
-measures existing drafters (e.g. the committed one) the same way without training them.
+measures existing drafters (e.g. the committed one) the same way without training them; --trained NAME=DIR adds a
+drafter trained elsewhere (another machine or recipe: its training.json says which) as a point of its own. Entries of
+an existing --json that this run does not measure again are kept.
 
 Writes --json (every figure, with the commands' recipe) and --plot (matplotlib), and prints a Markdown table.
 
@@ -96,7 +98,17 @@ def measure(args, name: str, drafter: Path, prompts: list[str]) -> dict:
     return result
 
 
-def plot(points: list[dict], also: dict, trees: list[str], path: Path) -> None:
+def point(name: str, t: dict, mt_bench: dict) -> dict:
+    """One curve point from a drafter's training.json and its MT-Bench figures."""
+    c = t["config"]
+    return {"name": name, "conversations": t["data"]["train_sequences"], "positions": t["data"]["train_positions"],
+            "steps": c["steps"], "batch_size": c["batch_size"], "lr": c["lr"], "device": t["device"],
+            "train_seconds": t["train_seconds"],
+            "held_out_expected_tokens_per_step_1beam": t["held_out"]["expected_tokens_per_step_1beam"],
+            "held_out_top1": t["held_out"]["top1"], "mt_bench": mt_bench}
+
+
+def plot(points: list[dict], trained: dict, also: dict, trees: list[str], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -116,11 +128,20 @@ def plot(points: list[dict], also: dict, trees: list[str], path: Path) -> None:
     for p in points:
         ax.annotate(f"{p['train_seconds'] / 60:.0f} min", (p["conversations"], p["mt_bench"][trees[0]]["tokens_per_step"]),
                     textcoords="offset points", xytext=(0, -14), ha="center", fontsize=8)
+    for name, p in trained.items():  # another machine's recipe: its own markers, not joined to the curve
+        for tree, marker in zip(trees, ("o", "s", "^")):
+            ax.plot([p["conversations"]], [p["mt_bench"][tree]["tokens_per_step"]], marker, color="tab:red",
+                    mfc="none", ms=8)
+        ax.plot([p["conversations"]], [p["held_out_expected_tokens_per_step_1beam"]], "x", color="tab:red")
+        ax.annotate(f"{name}\n{p['device']}, {p['train_seconds'] / 60:.0f} min", (p["conversations"],
+                    p["mt_bench"][trees[0]]["tokens_per_step"]), textcoords="offset points", xytext=(0, -24),
+                    ha="center", fontsize=8, color="tab:red")
+        xs = xs + [p["conversations"]]
     ax.set_xscale("log", base=2)
     ax.set_xticks(xs, [str(x) for x in xs])
     ax.set_xlabel("training conversations (Magpie, written by the engine; training time under each point)")
     ax.set_ylabel("tokens per step")
-    ax.set_title("SmolLM2-135M-Instruct ReDrafter drafter: data scaling (2-core CPU)")
+    ax.set_title("SmolLM2-135M-Instruct ReDrafter drafter: data scaling")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
@@ -134,10 +155,13 @@ def main() -> int:
     ap.add_argument("--base-model", required=True)
     ap.add_argument("--work-dir", required=True, help="train-drafter work directory holding (or to hold) the corpus")
     ap.add_argument("--out-dir", required=True, help="drafters, engines and logs go here")
-    ap.add_argument("--sizes", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    ap.add_argument("--sizes", type=int, nargs="*", default=[1024, 2048, 4096, 8192],
+                    help="corpus sizes to train and measure (none: only --trained/--also)")
     ap.add_argument("--steps-per-1k", type=int, default=600, help="training steps per 1024 conversations")
     ap.add_argument("--trees", nargs="+", default=["1x4", "4x4"])
     ap.add_argument("--also", nargs="*", default=[], metavar="NAME=DIR", help="existing drafters to measure too")
+    ap.add_argument("--trained", nargs="*", default=[], metavar="NAME=DIR",
+                    help="drafters trained elsewhere (their training.json gives size and recipe), plotted as points")
     ap.add_argument("--prompts", type=Path, default=MT_BENCH)
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -149,36 +173,44 @@ def main() -> int:
         sys.exit(f"{args.prompts} not found: pass --prompts with MT-Bench's question.jsonl")
     prompts = mt_bench_first_turns(args.prompts, args.num_prompts)
     out = Path(args.out_dir)
-    points = []
+    before = json.loads(args.json.read_text()) if args.json and args.json.is_file() else {}
+    trained = dict(before.get("trained", {}))
+    for item in args.trained:
+        name, _, path = item.partition("=")
+        t = json.loads((Path(path) / "training.json").read_text())
+        trained[name] = {"drafter": path, **point(name, t, measure(args, name, Path(path), prompts))}
+        print(f"{name}: {trained[name]}", flush=True)
+    points = {p["conversations"]: p for p in before.get("points", [])}
+    for p in points.values():  # points written before the table named batch size and device: RECIPE's
+        p.setdefault("batch_size", int(RECIPE[RECIPE.index("--batch-size") + 1]))
+        p.setdefault("device", RECIPE[RECIPE.index("--device") + 1])
     for size in sorted(args.sizes):
         t0 = time.monotonic()
         t = train(args, size, out / f"drafter-{size}")
-        points.append({"conversations": size, "positions": t["data"]["train_positions"],
-                       "steps": t["config"]["steps"], "train_seconds": t["train_seconds"],
-                       "held_out_expected_tokens_per_step_1beam": t["held_out"]["expected_tokens_per_step_1beam"],
-                       "held_out_top1": t["held_out"]["top1"],
-                       "mt_bench": measure(args, f"drafter-{size}", out / f"drafter-{size}", prompts)})
-        print(f"{size}: {points[-1]} ({time.monotonic() - t0:.0f} s)", flush=True)
-    also = {}
+        points[size] = point(f"drafter-{size}", t, measure(args, f"drafter-{size}", out / f"drafter-{size}", prompts))
+        print(f"{size}: {points[size]} ({time.monotonic() - t0:.0f} s)", flush=True)
+    points = [points[k] for k in sorted(points)]
+    also = dict(before.get("also", {}))
     for item in args.also:
         name, _, path = item.partition("=")
         also[name] = {"drafter": path, "mt_bench": measure(args, name, Path(path), prompts)}
     report = {"base_model": args.base_model, "recipe": RECIPE, "steps_per_1k": args.steps_per_1k,
               "prompts": f"MT-Bench first turns 1-{args.num_prompts}, chat template, greedy, "
                          f"{args.max_tokens} tokens, fp32 engine, --compile off --speculate full",
-              "points": points, "also": also}
+              "points": points, "trained": trained, "also": also}
     if args.json:
         tmp = args.json.with_suffix(".tmp")
         tmp.write_text(json.dumps(report, indent=2) + "\n")
         os.replace(tmp, args.json)
     if args.plot:
-        plot(points, also, args.trees, args.plot)
-    print("| conversations | positions | steps | train time | held-out 1-beam | "
+        plot(points, trained, also, args.trees, args.plot)
+    print("| conversations | positions | steps x batch | train time | held-out 1-beam | "
           + " | ".join(f"MT-Bench {t.replace('x', ' x ')}" for t in args.trees) + " | == AR |")
     print("|---" * (6 + len(args.trees)) + "|")
-    for p in points:
+    for p in points + list(trained.values()):
         m = p["mt_bench"]
-        print(f"| {p['conversations']} | {p['positions']:,} | {p['steps']} | {p['train_seconds'] / 60:.0f} min | "
+        print(f"| {p['conversations']} | {p['positions']:,} | {p['steps']} x {p['batch_size']} | "
+              f"{p['train_seconds'] / 60:.0f} min ({p['device']}) | "
               f"{p['held_out_expected_tokens_per_step_1beam']:.2f} | "
               + " | ".join(f"{m[t]['tokens_per_step']:.2f}" for t in args.trees)
               + f" | {'yes' if all(m[t]['identical_to_ar'] for t in args.trees) else 'NO'} |")
