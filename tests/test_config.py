@@ -124,3 +124,35 @@ def test_convert_config_validation():
     with pytest.raises(UserError, match="workers"):
         ConvertConfig.from_dict({"workers": 0})
     assert ConvertConfig.from_dict({}).tp is None
+
+
+def _parser(*configs):
+    import argparse
+
+    p = argparse.ArgumentParser()
+    for c in configs:
+        c.add_cli_args(p)
+    return p
+
+
+def test_a_config_reads_only_its_own_flags():
+    """BuildConfig's --dtype shares a field name with ConvertConfig.dtype: it sets only BuildConfig's, and a command
+    that means it for both says so (`flags=`), as build-engine does for --tp, --dtype and --workers."""
+    p = _parser(BuildConfig, ReDrafterConfig)
+    ConvertConfig.add_cli_args(p, only=("trtllm_format",))
+    args = p.parse_args(["--dtype", "bfloat16", "--trtllm-format", "legacy"])
+    assert BuildConfig.from_sources(None, args).dtype == "bfloat16"
+    convert = ConvertConfig.from_sources(None, args)
+    assert convert.dtype is None and convert.trtllm_format == "legacy"
+    assert ConvertConfig.from_sources(None, args, flags={"dtype": args.dtype, "tp": None}).dtype == "bfloat16"
+    # flags beat the recipe; a flag not given (None) leaves it
+    recipe = {"convert": {"dtype": "float16", "tp": 2}}
+    mapped = ConvertConfig.from_sources(recipe, args, flags={"dtype": "float32", "tp": None})
+    assert (mapped.dtype, mapped.tp) == ("float32", 2)
+
+
+def test_no_greedy_is_an_alias_of_no_greedy_search():
+    p = _parser(ReDrafterConfig)
+    assert ReDrafterConfig.from_sources(None, p.parse_args(["--no-greedy"])).greedy_search is False
+    assert ReDrafterConfig.from_sources(None, p.parse_args(["--no-greedy-search"])).greedy_search is False
+    assert ReDrafterConfig.from_sources(None, p.parse_args([])).greedy_search is True

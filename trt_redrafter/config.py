@@ -55,15 +55,17 @@ def torch_dtype(name: str):
     return getattr(torch, name)
 
 
-def _f(default: Any = dataclasses.MISSING, help: str = "", choices: tuple | None = None, cli: bool = True, **kw):
-    """A dataclass field carrying its CLI help text and choices."""
-    md = {"help": help, "choices": choices, "cli": cli}
+def option(default: Any = dataclasses.MISSING, help: str = "", choices: tuple | None = None, cli: bool = True,
+           negative_aliases: tuple[str, ...] = (), **kw):
+    """A dataclass field carrying its CLI flag's help text and choices (`cli=False`: no flag; `negative_aliases`:
+    more flags that set a bool field false)."""
+    md = {"help": help, "choices": choices, "cli": cli, "negative_aliases": negative_aliases}
     if default is dataclasses.MISSING and "default_factory" not in kw:
         return field(metadata=md, **kw)
     return field(default=default, metadata=md, **kw) if default is not dataclasses.MISSING else field(metadata=md, **kw)
 
 
-def _bad(section: str, name: str, expected: str, got: Any) -> UserError:
+def bad_value(section: str, name: str, expected: str, got: Any) -> UserError:
     return UserError(f"{section}.{name}: expected {expected}, got {got!r}.")
 
 
@@ -104,8 +106,11 @@ class ConfigBase:
     # ---- CLI ---------------------------------------------------------------------------------------------
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, only: tuple[str, ...] | None = None) -> None:
-        """Add `--field-name` flags (default None, so a recipe value survives unless the flag is given)."""
+        """Add `--field-name` flags (default None, so a recipe value survives unless the flag is given). The parser
+        remembers which fields they were: `from_sources` reads only those from the parsed namespace, so a flag of
+        another config that happens to share a field name never sets this one."""
         hints = typing.get_type_hints(cls)
+        added = []
         for f in dataclasses.fields(cls):
             if not f.metadata.get("cli", True) or (only is not None and f.name not in only):
                 continue
@@ -115,24 +120,38 @@ class ConfigBase:
             if typ is bool:
                 parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
                                     help=helptext)
+                for alias in f.metadata.get("negative_aliases", ()):
+                    parser.add_argument(alias, dest=f.name, action="store_false", default=None,
+                                        help=f"alias of --no-{flag[2:]}")
             elif typ in (int, float, str):
                 parser.add_argument(flag, dest=f.name, type=typ, default=None, help=helptext,
                                     choices=f.metadata.get("choices"))
+            else:
+                continue
+            added.append(f.name)
+        key = cls._owned_key()
+        parser.set_defaults(**{key: tuple(parser.get_default(key) or ()) + tuple(added)})
 
     @classmethod
-    def from_sources(cls, recipe: dict | None, args: argparse.Namespace | None, base: dict | None = None):
-        """Merge, lowest priority first: `base` (e.g. values read from a model), recipe section, CLI flags."""
+    def _owned_key(cls) -> str:
+        return f"_cli_fields_{cls.__module__}.{cls.__qualname__}"
+
+    @classmethod
+    def from_sources(cls, recipe: dict | None, args: argparse.Namespace | None, base: dict | None = None,
+                     flags: dict | None = None):
+        """Merge, lowest priority first: `base` (e.g. values read from a model), the recipe's section, then the
+        flags: this config's own (those `add_cli_args` added to the parser that made `args`) and `flags`, values
+        the command maps from flags of its own (a None value is a flag not given)."""
         d: dict = dict(base or {})
         if recipe:
             sec = recipe.get(cls.SECTION, {})
             if not isinstance(sec, dict):
                 raise UserError(f"recipe section '{cls.SECTION}' must be a mapping, got {type(sec).__name__}.")
             d.update(sec)
+        given = dict(flags or {})
         if args is not None:
-            for f in dataclasses.fields(cls):
-                v = getattr(args, f.name, None)
-                if v is not None:
-                    d[f.name] = v
+            given.update({name: getattr(args, name) for name in getattr(args, cls._owned_key(), ())})
+        d.update({k: v for k, v in given.items() if v is not None})
         return cls.from_dict(d, where=cls.SECTION)
 
 
@@ -152,21 +171,21 @@ def _coerce(cls, name: str, value: Any) -> Any:
     if value is None:
         return value
     if t is bool and not isinstance(value, bool):
-        raise _bad(cls.SECTION, name, "true or false", value)
+        raise bad_value(cls.SECTION, name, "true or false", value)
     if t is int and (isinstance(value, bool) or not isinstance(value, int)):
-        raise _bad(cls.SECTION, name, "an integer", value)
+        raise bad_value(cls.SECTION, name, "an integer", value)
     if t is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise _bad(cls.SECTION, name, "a number", value)
+            raise bad_value(cls.SECTION, name, "a number", value)
         return float(value)
     if t is str and not isinstance(value, str):
-        raise _bad(cls.SECTION, name, "a string", value)
+        raise bad_value(cls.SECTION, name, "a string", value)
     return value
 
 
-def _positive(section: str, name: str, value: Any) -> None:
+def check_positive(section: str, name: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise _bad(section, name, "a positive integer", value)
+        raise bad_value(section, name, "a positive integer", value)
 
 
 @dataclass
@@ -175,22 +194,22 @@ class ModelConfig(ConfigBase):
 
     SECTION: ClassVar[str] = "model"
 
-    vocab_size: int = _f(help="vocabulary size V")
-    hidden_size: int = _f(help="hidden size H")
-    intermediate_size: int = _f(help="MLP inner size I")
-    num_hidden_layers: int = _f(help="decoder layers")
-    num_attention_heads: int = _f(help="query heads")
-    num_key_value_heads: int = _f(help="key/value heads (< num_attention_heads means grouped-query attention)")
-    head_size: int = _f(0, help="per-head size; 0 means hidden_size // num_attention_heads")
-    max_position_embeddings: int = _f(2048, help="context length the model was trained for")
-    norm_epsilon: float = _f(1e-6, help="RMSNorm epsilon (HF rms_norm_eps)")
-    rotary_base: float = _f(10000.0, help="RoPE theta (HF rope_theta)")
-    rotary_scaling: Optional[dict] = _f(None, help="RoPE scaling as TensorRT-LLM stores it ({'type': ..., 'factor': ...})",
+    vocab_size: int = option(help="vocabulary size V")
+    hidden_size: int = option(help="hidden size H")
+    intermediate_size: int = option(help="MLP inner size I")
+    num_hidden_layers: int = option(help="decoder layers")
+    num_attention_heads: int = option(help="query heads")
+    num_key_value_heads: int = option(help="key/value heads (< num_attention_heads means grouped-query attention)")
+    head_size: int = option(0, help="per-head size; 0 means hidden_size // num_attention_heads")
+    max_position_embeddings: int = option(2048, help="context length the model was trained for")
+    norm_epsilon: float = option(1e-6, help="RMSNorm epsilon (HF rms_norm_eps)")
+    rotary_base: float = option(10000.0, help="RoPE theta (HF rope_theta)")
+    rotary_scaling: Optional[dict] = option(None, help="RoPE scaling as TensorRT-LLM stores it ({'type': ..., 'factor': ...})",
                                         cli=False)
-    hidden_act: str = _f("silu", help="MLP activation")
-    tie_word_embeddings: bool = _f(False, help="lm_head shares the embedding matrix")
-    dtype: str = _f("float16", help="weight dtype", choices=DTYPES)
-    architecture: str = _f("LlamaForCausalLM", help="Hugging Face architecture of the base model")
+    hidden_act: str = option("silu", help="MLP activation")
+    tie_word_embeddings: bool = option(False, help="lm_head shares the embedding matrix")
+    dtype: str = option("float16", help="weight dtype", choices=DTYPES)
+    architecture: str = option("LlamaForCausalLM", help="Hugging Face architecture of the base model")
 
     def __post_init__(self):
         if not self.head_size and self.num_attention_heads:
@@ -200,14 +219,14 @@ class ModelConfig(ConfigBase):
         s = self.SECTION
         for n in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                   "num_key_value_heads", "head_size", "max_position_embeddings"):
-            _positive(s, n, getattr(self, n))
+            check_positive(s, n, getattr(self, n))
         if self.num_attention_heads % self.num_key_value_heads:
-            raise _bad(s, "num_key_value_heads", f"a divisor of num_attention_heads={self.num_attention_heads}",
+            raise bad_value(s, "num_key_value_heads", f"a divisor of num_attention_heads={self.num_attention_heads}",
                        self.num_key_value_heads)
         if self.dtype not in DTYPES:
-            raise _bad(s, "dtype", f"one of {', '.join(DTYPES)}", self.dtype)
+            raise bad_value(s, "dtype", f"one of {', '.join(DTYPES)}", self.dtype)
         if self.hidden_act != "silu":
-            raise _bad(s, "hidden_act", "'silu' (Llama's gated MLP)", self.hidden_act)
+            raise bad_value(s, "hidden_act", "'silu' (Llama's gated MLP)", self.hidden_act)
         if self.rotary_scaling is not None:
             from .rope import validate_rotary_scaling
             validate_rotary_scaling(self.rotary_scaling, f"{s}.rotary_scaling")
@@ -223,26 +242,26 @@ class DrafterConfig(ConfigBase):
 
     SECTION: ClassVar[str] = "drafter"
 
-    vocab_size: int = _f(help="drafter vocabulary (must equal the base model's)")
-    hidden_size: int = _f(help="must equal the base model's hidden size H")
-    exit_dim: int = _f(help="ResBlock width; 2*H means no input_proj")
-    num_draft_layers: int = _f(help="number of ResBlocks")
-    rnn: bool = _f(False, help="recurrent state SiLU(W e + U s); otherwise the cumulative embedding sum")
-    draft_vocab_size: int = _f(0, help="0: the head scores the whole vocabulary (Apple's and TensorRT-LLM's "
+    vocab_size: int = option(help="drafter vocabulary (must equal the base model's)")
+    hidden_size: int = option(help="must equal the base model's hidden size H")
+    exit_dim: int = option(help="ResBlock width; 2*H means no input_proj")
+    num_draft_layers: int = option(help="number of ResBlocks")
+    rnn: bool = option(False, help="recurrent state SiLU(W e + U s); otherwise the cumulative embedding sum")
+    draft_vocab_size: int = option(0, help="0: the head scores the whole vocabulary (Apple's and TensorRT-LLM's "
                                        "format); K: it scores only the K token ids of its `draft_vocab` tensor "
                                        "(a frequency-ranked draft vocabulary, FR-Spec; this project's runtime only)")
-    replicated: bool = _f(False, help="every TP rank holds the whole drafter and runs it alone, where the TP size does "
+    replicated: bool = option(False, help="every TP rank holds the whole drafter and runs it alone, where the TP size does "
                                       "not divide its dimensions (draft TP 1, as vLLM runs draft models; this "
                                       "project's runtime only: TensorRT-LLM splits the drafter)", cli=False)
 
     def validate(self) -> None:
         for n in ("vocab_size", "hidden_size", "exit_dim"):
-            _positive(self.SECTION, n, getattr(self, n))
+            check_positive(self.SECTION, n, getattr(self, n))
         if not isinstance(self.num_draft_layers, int) or self.num_draft_layers < 0:
-            raise _bad(self.SECTION, "num_draft_layers", "a non-negative integer", self.num_draft_layers)
+            raise bad_value(self.SECTION, "num_draft_layers", "a non-negative integer", self.num_draft_layers)
         k = self.draft_vocab_size
         if not isinstance(k, int) or isinstance(k, bool) or k < 0 or k > self.vocab_size:
-            raise _bad(self.SECTION, "draft_vocab_size", f"0 (the whole vocabulary) or 1..{self.vocab_size}", k)
+            raise bad_value(self.SECTION, "draft_vocab_size", f"0 (the whole vocabulary) or 1..{self.vocab_size}", k)
 
     @property
     def head_rows(self) -> int:
@@ -260,13 +279,15 @@ class ReDrafterConfig(ConfigBase):
 
     SECTION: ClassVar[str] = "redrafter"
 
-    num_beams: int = _f(5, help="beams explored by the drafter (nb; Apple beam_width)")
-    draft_len_per_beam: int = _f(5, help="drafted tokens per beam (dl; Apple beam_length - 1)")
-    greedy_search: bool = _f(True, help="greedy verification engine (TensorRT-LLM redrafter_greedy_search)")
+    num_beams: int = option(5, help="beams explored by the drafter (nb; Apple beam_width)")
+    draft_len_per_beam: int = option(5, help="drafted tokens per beam (dl; Apple beam_length - 1)")
+    greedy_search: bool = option(True, help="greedy verification engine (TensorRT-LLM redrafter_greedy_search; "
+                                            "--no-greedy: its --redrafter_no_greedy_search)",
+                                 negative_aliases=("--no-greedy",))
 
     def validate(self) -> None:
-        _positive(self.SECTION, "num_beams", self.num_beams)
-        _positive(self.SECTION, "draft_len_per_beam", self.draft_len_per_beam)
+        check_positive(self.SECTION, "num_beams", self.num_beams)
+        check_positive(self.SECTION, "draft_len_per_beam", self.draft_len_per_beam)
 
     @property
     def beam_length(self) -> int:
@@ -289,15 +310,15 @@ class BuildConfig(ConfigBase):
 
     SECTION: ClassVar[str] = "build"
 
-    max_batch_size: int = _f(8, help="most requests decoded together")
-    max_input_len: int = _f(1024, help="longest prompt in tokens")
-    max_seq_len: int = _f(2048, help="longest prompt + output in tokens")
-    max_num_tokens: int = _f(0, help="most tokens in one engine step; 0 derives it from the other limits")
-    kv_block_size: int = _f(64, help="tokens per paged KV-cache block (torch backend)")
-    max_tokens_in_paged_kv_cache: int = _f(0, help="KV-cache capacity in tokens (torch backend); 0 sizes it for "
+    max_batch_size: int = option(8, help="most requests decoded together")
+    max_input_len: int = option(1024, help="longest prompt in tokens")
+    max_seq_len: int = option(2048, help="longest prompt + output in tokens")
+    max_num_tokens: int = option(0, help="most tokens in one engine step; 0 derives it from the other limits")
+    kv_block_size: int = option(64, help="tokens per paged KV-cache block (torch backend)")
+    max_tokens_in_paged_kv_cache: int = option(0, help="KV-cache capacity in tokens (torch backend); 0 sizes it for "
                                                    "max_batch_size requests of max_seq_len tokens")
-    dtype: str = _f("", help="compute dtype; empty means the checkpoint's dtype", choices=DTYPES + ("",))
-    drafter_semantics: str = _f("apple", help="the drafter's math baked into the engine: apple (what Apple's trainer "
+    dtype: str = option("", help="compute dtype; empty means the checkpoint's dtype", choices=DTYPES + ("",))
+    drafter_semantics: str = option("apple", help="the drafter's math baked into the engine: apple (what Apple's trainer "
                                               "and train-drafter optimise, and what TensorRT-LLM >= 0.14's "
                                               "ReDrafterForLLaMALM graph computes: SiLU on the RNN state update, "
                                               "beam search over the top-50 warp) or trtllm-0.13 (the graph of "
@@ -307,18 +328,18 @@ class BuildConfig(ConfigBase):
 
     def validate(self) -> None:
         for n in ("max_batch_size", "max_input_len", "max_seq_len", "kv_block_size"):
-            _positive(self.SECTION, n, getattr(self, n))
+            check_positive(self.SECTION, n, getattr(self, n))
         if self.max_input_len >= self.max_seq_len:
-            raise _bad(self.SECTION, "max_input_len", f"less than max_seq_len={self.max_seq_len}", self.max_input_len)
+            raise bad_value(self.SECTION, "max_input_len", f"less than max_seq_len={self.max_seq_len}", self.max_input_len)
         if self.max_tokens_in_paged_kv_cache < 0:
-            raise _bad(self.SECTION, "max_tokens_in_paged_kv_cache", "0 (derive) or a positive integer",
+            raise bad_value(self.SECTION, "max_tokens_in_paged_kv_cache", "0 (derive) or a positive integer",
                        self.max_tokens_in_paged_kv_cache)
         if self.max_num_tokens < 0:
-            raise _bad(self.SECTION, "max_num_tokens", "0 (derive) or a positive integer", self.max_num_tokens)
+            raise bad_value(self.SECTION, "max_num_tokens", "0 (derive) or a positive integer", self.max_num_tokens)
         if self.dtype not in DTYPES + ("",):
-            raise _bad(self.SECTION, "dtype", f"one of {', '.join(DTYPES)}", self.dtype)
+            raise bad_value(self.SECTION, "dtype", f"one of {', '.join(DTYPES)}", self.dtype)
         if self.drafter_semantics not in DRAFTER_SEMANTICS:
-            raise _bad(self.SECTION, "drafter_semantics", f"one of {', '.join(DRAFTER_SEMANTICS)}",
+            raise bad_value(self.SECTION, "drafter_semantics", f"one of {', '.join(DRAFTER_SEMANTICS)}",
                        self.drafter_semantics)
 
     def check_request(self, prompt: Sequence[int], max_tokens: int, vocab_size: int) -> None:
@@ -350,24 +371,24 @@ class ProposerConfig(ConfigBase):
 
     SECTION: ClassVar[str] = "proposer"
 
-    proposer: str = _f("", help="default drafts of a speculative request: redrafter (the trained drafter's beam "
+    proposer: str = option("", help="default drafts of a speculative request: redrafter (the trained drafter's beam "
                                 "search), ngram (learning-free: context N-grams, then the base's own bigrams), "
                                 "mixed (ReDrafter's beams, the lowest-ranked ones replaced by context N-gram "
                                 "matches); empty: redrafter when the engine has a drafter, else ngram",
                        choices=("",) + PROPOSERS)
-    ngram_beams: int = _f(0, help="beams of a mixed tree that context N-gram matches may take (0: half of "
+    ngram_beams: int = option(0, help="beams of a mixed tree that context N-gram matches may take (0: half of "
                                   "num_beams, at least 1)")
-    ngram_min: int = _f(1, help="shortest context match in tokens")
-    ngram_max: int = _f(4, help="longest context match in tokens (matches are tried longest first)")
-    ngram_when: str = _f("auto", help="what an N-gram request proposes: always (context matches, then the model's "
+    ngram_min: int = option(1, help="shortest context match in tokens")
+    ngram_max: int = option(4, help="longest context match in tokens (matches are tried longest first)")
+    ngram_when: str = option("auto", help="what an N-gram request proposes: always (context matches, then the model's "
                                       "bigram drafts), matched (context matches only; with none, nothing: an AR "
                                       "step); auto: always on a GPU, where a few more verified tokens cost almost "
                                       "nothing, matched on a CPU; adaptive: matched (the speculation policy, "
                                       "--speculate, now decides what is verified for every proposer)",
                          choices=NGRAM_WHEN)
-    mixed_min_match: int = _f(3, help="shortest context match that may take a drafter beam's place in a mixed tree "
+    mixed_min_match: int = option(3, help="shortest context match that may take a drafter beam's place in a mixed tree "
                                       "(short matches are right less often than a trained drafter)")
-    model_ngrams: str = _f("auto", help="precompute the base's bigram drafts from its weights at build time "
+    model_ngrams: str = option("auto", help="precompute the base's bigram drafts from its weights at build time "
                                          "(ngrams.safetensors: one forward pass per vocabulary entry): on, off, or "
                                          "auto: on a GPU, or on a CPU when it takes minutes (a model of a few "
                                          "hundred million parameters; a 7B one would take hours). Without the "
@@ -377,18 +398,18 @@ class ProposerConfig(ConfigBase):
     def validate(self) -> None:
         s = self.SECTION
         if self.proposer not in ("",) + PROPOSERS:
-            raise _bad(s, "proposer", f"one of {', '.join(PROPOSERS)}", self.proposer)
+            raise bad_value(s, "proposer", f"one of {', '.join(PROPOSERS)}", self.proposer)
         if not isinstance(self.ngram_beams, int) or self.ngram_beams < 0:
-            raise _bad(s, "ngram_beams", "0 (half the beams) or a positive integer", self.ngram_beams)
-        _positive(s, "ngram_min", self.ngram_min)
-        _positive(s, "ngram_max", self.ngram_max)
+            raise bad_value(s, "ngram_beams", "0 (half the beams) or a positive integer", self.ngram_beams)
+        check_positive(s, "ngram_min", self.ngram_min)
+        check_positive(s, "ngram_max", self.ngram_max)
         if self.ngram_max < self.ngram_min:
-            raise _bad(s, "ngram_max", f"at least ngram_min={self.ngram_min}", self.ngram_max)
-        _positive(s, "mixed_min_match", self.mixed_min_match)
+            raise bad_value(s, "ngram_max", f"at least ngram_min={self.ngram_min}", self.ngram_max)
+        check_positive(s, "mixed_min_match", self.mixed_min_match)
         if self.ngram_when not in NGRAM_WHEN:
-            raise _bad(s, "ngram_when", f"one of {', '.join(NGRAM_WHEN)}", self.ngram_when)
+            raise bad_value(s, "ngram_when", f"one of {', '.join(NGRAM_WHEN)}", self.ngram_when)
         if self.model_ngrams not in ("auto", "on", "off"):
-            raise _bad(s, "model_ngrams", "one of auto, on, off", self.model_ngrams)
+            raise bad_value(s, "model_ngrams", "one of auto, on, off", self.model_ngrams)
 
     def resolved(self, has_drafter: bool, num_beams: int) -> "ProposerConfig":
         """The default proposer and mixed split made explicit for an engine."""
@@ -398,7 +419,7 @@ class ProposerConfig(ConfigBase):
                             f"--drafter DIR, or use --proposer ngram.")
         k = self.ngram_beams or max(1, num_beams // 2)
         if k > num_beams:
-            raise _bad(self.SECTION, "ngram_beams", f"at most num_beams={num_beams}", self.ngram_beams)
+            raise bad_value(self.SECTION, "ngram_beams", f"at most num_beams={num_beams}", self.ngram_beams)
         return self.replace(proposer=proposer, ngram_beams=k)
 
 
@@ -411,29 +432,29 @@ class SamplingConfig(ConfigBase):
 
     SECTION: ClassVar[str] = "sampling"
 
-    max_tokens: int = _f(64, help="most new tokens to generate")
-    temperature: float = _f(0.0, help="0 means greedy")
-    top_k: int = _f(0, help="keep the k most likely tokens (0: all)")
-    top_p: float = _f(1.0, help="nucleus mass to keep (1.0: all)")
-    seed: int = _f(0, help="random seed of this request's sampler")
-    acceptance: str = _f("", help="greedy | exact | apple; empty picks greedy at temperature 0, else exact",
+    max_tokens: int = option(64, help="most new tokens to generate")
+    temperature: float = option(0.0, help="0 means greedy")
+    top_k: int = option(0, help="keep the k most likely tokens (0: all)")
+    top_p: float = option(1.0, help="nucleus mass to keep (1.0: all)")
+    seed: int = option(0, help="random seed of this request's sampler")
+    acceptance: str = option("", help="greedy | exact | apple; empty picks greedy at temperature 0, else exact",
                          choices=("",) + ACCEPTANCE_RULES)
 
     def validate(self) -> None:
         s = self.SECTION
-        _positive(s, "max_tokens", self.max_tokens)
+        check_positive(s, "max_tokens", self.max_tokens)
         if not 0 <= self.temperature < math.inf:  # NaN fails every comparison
-            raise _bad(s, "temperature", "a finite number >= 0", self.temperature)
+            raise bad_value(s, "temperature", "a finite number >= 0", self.temperature)
         if self.top_k < 0:
-            raise _bad(s, "top_k", "an integer >= 0", self.top_k)
+            raise bad_value(s, "top_k", "an integer >= 0", self.top_k)
         if not 0.0 < self.top_p <= 1.0:
-            raise _bad(s, "top_p", "a number in (0, 1]", self.top_p)
+            raise bad_value(s, "top_p", "a number in (0, 1]", self.top_p)
         if not 0 <= self.seed < MAX_SEED:  # it lives in an int64 tensor (runtime/state.py); 2**63 would overflow it
-            raise _bad(s, "seed", "an integer in [0, 2**63)", self.seed)
+            raise bad_value(s, "seed", "an integer in [0, 2**63)", self.seed)
         if self.acceptance not in ("",) + ACCEPTANCE_RULES:
-            raise _bad(s, "acceptance", "one of greedy, exact, apple", self.acceptance)
+            raise bad_value(s, "acceptance", "one of greedy, exact, apple", self.acceptance)
         if self.acceptance == "greedy" and self.temperature > 0:
-            raise _bad(s, "acceptance", "exact or apple when temperature > 0", self.acceptance)
+            raise bad_value(s, "acceptance", "exact or apple when temperature > 0", self.acceptance)
 
     @property
     def greedy(self) -> bool:
@@ -451,26 +472,26 @@ class RuntimeConfig(ConfigBase):
 
     SECTION: ClassVar[str] = "runtime"
 
-    device: str = _f("auto", help="auto (CUDA when visible), cpu or cuda", choices=("auto", "cpu", "cuda"))
-    dtype: str = _f("", help="compute dtype; empty means the engine's", choices=DTYPES + ("",))
-    drafter_dtype: str = _f("", help="the drafter's compute dtype; empty: bfloat16 for a float32 engine on a CPU "
+    device: str = option("auto", help="auto (CUDA when visible), cpu or cuda", choices=("auto", "cpu", "cuda"))
+    dtype: str = option("", help="compute dtype; empty means the engine's", choices=DTYPES + ("",))
+    drafter_dtype: str = option("", help="the drafter's compute dtype; empty: bfloat16 for a float32 engine on a CPU "
                                      "with AVX512-BF16 and the avx512 linear layers, else the model's. The drafter "
                                      "only proposes and the model verifies every token, so it changes how many tokens "
                                      "a step accepts, not which (greedy); bfloat16 halves a float32 engine's drafter "
                                      "reads", choices=DTYPES + ("",))
-    drafter_semantics: str = _f("", help="override the engine's drafter math (build-engine --drafter-semantics): "
+    drafter_semantics: str = option("", help="override the engine's drafter math (build-engine --drafter-semantics): "
                                          "apple or trtllm-0.13; empty means the engine's (model/drafter.py)",
                                 choices=DRAFTER_SEMANTICS + ("",))
-    kv_cache_tokens: int = _f(0, help="KV-cache capacity in tokens; 0 means the engine's")
-    compile: str = _f("auto", help="decode-step compilation: off (eager), inductor (torch.compile), cudagraphs "
+    kv_cache_tokens: int = option(0, help="KV-cache capacity in tokens; 0 means the engine's")
+    compile: str = option("auto", help="decode-step compilation: off (eager), inductor (torch.compile), cudagraphs "
                                    "(captured per batch bucket), inductor+cudagraphs; auto: cudagraphs on CUDA, "
                                    "inductor on a one-rank CPU engine, off for TP > 1 on the CPU (and for a "
                                    "one-shot `run` on the CPU)", choices=COMPILE_MODES)
-    kernels: str = _f("auto", help="custom kernels: triton (trt_redrafter.plugins, CUDA), cpu (trt_redrafter/cpu's "
+    kernels: str = option("auto", help="custom kernels: triton (trt_redrafter.plugins, CUDA), cpu (trt_redrafter/cpu's "
                                    "C++ tree attention, AVX-512 CPUs, built at first use); auto: triton on CUDA when "
                                    "triton imports, cpu on a CPU that has AVX-512 for the engine's dtype; torch keeps "
                                    "the PyTorch path", choices=KERNEL_CHOICES)
-    linear: str = _f("auto", help="the model's and drafter's linear layers on the CPU, weights packed once at load "
+    linear: str = option("auto", help="the model's and drafter's linear layers on the CPU, weights packed once at load "
                                   "and a token's logits the same whatever else shares the GEMM: avx512 (this "
                                   "project's kernel, trt_redrafter/cpu/linear.cpp, built at first use; float32 on "
                                   "AVX-512, bfloat16 on AVX512-BF16), onednn (one oneDNN GEMM per layer); or torch "
@@ -479,10 +500,10 @@ class RuntimeConfig(ConfigBase):
                                   "computes the engine's dtype natively, torch elsewhere and on CUDA "
                                   "(model/linear.py)",
                      choices=LINEAR_CHOICES)
-    threads: int = _f(0, help="torch CPU threads in this process (0: torch's default)")
-    profile_phases: bool = _f(False, help="time each phase of every step (verify/accept/rewind/draft/pack); the "
+    threads: int = option(0, help="torch CPU threads in this process (0: torch's default)")
+    profile_phases: bool = option(False, help="time each phase of every step (verify/accept/rewind/draft/pack); the "
                                           "phases then run as separate graphs, so steps are a little slower")
-    speculate: str = _f("auto", help="how much of each draft tree a step verifies: auto (the speculation policy: the "
+    speculate: str = option("auto", help="how much of each draft tree a step verifies: auto (the speculation policy: the "
                                      "nodes whose expected acceptance, from the proposer's own confidence calibrated "
                                      "on this engine's outcomes, pays for what they add to the step, by a cost model "
                                      "measured on this machine at load and cached beside the engine; down to AR "
@@ -497,13 +518,13 @@ class RuntimeConfig(ConfigBase):
                               ("drafter_semantics", DRAFTER_SEMANTICS + ("",)), ("compile", COMPILE_MODES),
                               ("kernels", KERNEL_CHOICES), ("linear", LINEAR_CHOICES)):
             if getattr(self, name) not in allowed:
-                raise _bad(s, name, f"one of {', '.join(a for a in allowed if a)}", getattr(self, name))
+                raise bad_value(s, name, f"one of {', '.join(a for a in allowed if a)}", getattr(self, name))
         if self.kv_cache_tokens < 0:
-            raise _bad(s, "kv_cache_tokens", "0 (the engine's) or a positive integer", self.kv_cache_tokens)
+            raise bad_value(s, "kv_cache_tokens", "0 (the engine's) or a positive integer", self.kv_cache_tokens)
         if self.threads < 0:
-            raise _bad(s, "threads", "0 (torch's default) or a positive integer", self.threads)
+            raise bad_value(s, "threads", "0 (torch's default) or a positive integer", self.threads)
         if self.speculate not in ("auto", "full") and not (self.speculate.isdigit() and int(self.speculate) >= 1):
-            raise _bad(s, "speculate", "auto, full or a positive number of tree nodes", self.speculate)
+            raise bad_value(s, "speculate", "auto, full or a positive number of tree nodes", self.speculate)
 
 
 def load_recipe(path: str | Path) -> dict:

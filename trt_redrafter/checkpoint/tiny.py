@@ -25,7 +25,7 @@ from typing import ClassVar
 import torch
 from safetensors.torch import save_file
 
-from ..config import ConfigBase, _f
+from ..config import ConfigBase, option
 from ..errors import UserError
 from ..fsutil import atomic_output_dir, write_json
 from ..log import get_logger
@@ -47,18 +47,18 @@ class TinyConfig(ConfigBase):
 
     SECTION: ClassVar[str] = "make_tiny"
 
-    seed: int = _f(0, help="random seed of weights (same seed, same bytes)")
-    vocab_size: int = _f(384, help="vocabulary size V (>= 260: 256 bytes + 4 special tokens)")
-    hidden_size: int = _f(64, help="hidden size H")
-    num_layers: int = _f(2, help="decoder layers")
-    num_heads: int = _f(4, help="query heads")
-    num_kv_heads: int = _f(2, help="key/value heads")
-    intermediate_size: int = _f(128, help="MLP inner size")
-    max_position_embeddings: int = _f(512, help="context length")
-    drafter_layers: int = _f(1, help="drafter ResBlocks")
-    exit_dim: int = _f(0, help="drafter ResBlock width; 0 means 2*hidden_size (no input_proj)")
-    rnn: bool = _f(True, help="recurrent drafter (rnn_u/rnn_w)")
-    tie_word_embeddings: bool = _f(False, help="lm_head shares the embedding matrix")
+    seed: int = option(0, help="random seed of weights (same seed, same bytes)")
+    vocab_size: int = option(384, help="vocabulary size V (>= 260: 256 bytes + 4 special tokens)")
+    hidden_size: int = option(64, help="hidden size H")
+    num_layers: int = option(2, help="decoder layers")
+    num_heads: int = option(4, help="query heads")
+    num_kv_heads: int = option(2, help="key/value heads")
+    intermediate_size: int = option(128, help="MLP inner size")
+    max_position_embeddings: int = option(512, help="context length")
+    drafter_layers: int = option(1, help="drafter ResBlocks")
+    exit_dim: int = option(0, help="drafter ResBlock width; 0 means 2*hidden_size (no input_proj)")
+    rnn: bool = option(True, help="recurrent drafter (rnn_u/rnn_w)")
+    tie_word_embeddings: bool = option(False, help="lm_head shares the embedding matrix")
 
     def validate(self) -> None:
         s = self.SECTION

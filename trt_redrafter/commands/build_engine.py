@@ -39,8 +39,6 @@ def register(sub) -> None:
     ProposerConfig.add_cli_args(p.add_argument_group("proposers (torch backend; runtime/ngram.py)"))
     g = p.add_argument_group("conversion (with --base-model); the tree shape of an engine without a drafter")
     ReDrafterConfig.add_cli_args(g)
-    g.add_argument("--no-greedy", dest="greedy_search", action="store_false", default=None,
-                   help="alias of --no-greedy-search")
     ConvertConfig.add_cli_args(g, only=("trtllm_format",))
     p.set_defaults(func=run)
 
@@ -75,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _convert(args, recipe, ckpt: Path) -> None:
     """--base-model (+ --drafter) -> a ReDrafter checkpoint, or without a drafter a plain LLaMA one."""
-    opts = ConvertConfig.from_sources(recipe, args)
+    # build-engine's own --tp, --dtype and --workers are the conversion's too
+    opts = ConvertConfig.from_sources(recipe, args, flags={"tp": args.tp, "dtype": args.dtype, "workers": args.workers})
     if not args.drafter:
         convert_base_checkpoint(args.base_model, ckpt, tp=opts.tp or 1, dtype=opts.dtype or DEFAULT_DTYPE,
                                 workers=opts.workers)

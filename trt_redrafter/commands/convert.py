@@ -28,8 +28,6 @@ def register(subparsers) -> None:
                    help="write only the plain TensorRT-LLM LLaMA checkpoint of --base-model (two-step input)")
     ConvertConfig.add_cli_args(p)
     ReDrafterConfig.add_cli_args(p)
-    p.add_argument("--no-greedy", dest="greedy_search", action="store_false", default=None,
-                   help="alias of --no-greedy-search (TensorRT-LLM's --redrafter_no_greedy_search)")
     p.set_defaults(func=run)
 
 

@@ -7,7 +7,7 @@ import dataclasses
 import json
 import subprocess
 
-from ..config import PROPOSERS, RuntimeConfig, SamplingConfig
+from ..config import DECODING_MODES, PROPOSERS, RuntimeConfig, SamplingConfig
 from ..log import rank0_print
 from ..prompt_args import load_prompts, resolve_end_id
 
@@ -22,7 +22,7 @@ def register(sub) -> None:
     p.add_argument("--chat", action="store_true",
                    help="each --prompt is one user message, prompted in the model's chat template (the tokenizer's, "
                         "else FastChat's Vicuna v1.1)")
-    p.add_argument("--mode", choices=("redrafter", "ar"), default="redrafter",
+    p.add_argument("--mode", choices=DECODING_MODES, default="redrafter",
                    help="redrafter: speculative (drafts from --proposer); ar: one token per step")
     p.add_argument("--proposer", choices=PROPOSERS,
                    help="what drafts the trees of these requests (default: the engine's, set at build time): "
