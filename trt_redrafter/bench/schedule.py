@@ -5,7 +5,6 @@ Both depend only on the seed, so AR and ReDrafter (and every TP size) get the sa
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,28 +69,21 @@ def load_prompts(path: str | Path, chat_template: str = "auto", tokenizer=None) 
     `resolve_chat_template`) and leaves {"prompt": ...} rows as they are; `tokenizer` / `vicuna` / `none` force
     one template, or none, for every row. `path` may name a dataset (`mt-bench`: datasets.py fetches and caches it).
     """
-    from ..datasets import resolve_dataset
+    from ..datasets import read_jsonl, resolve_dataset
 
     path = resolve_dataset(path)
-    if not path.is_file():
-        raise UserError(f"dataset {path} does not exist; pass a JSONL file of MT-Bench questions or {{\"prompt\": ...}}.")
+    rows = read_jsonl(path, "dataset {path} does not exist; pass a JSONL file of MT-Bench questions or "
+                            "{{\"prompt\": ...}}.")
     template = resolve_chat_template(chat_template, tokenizer)
     prompts = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(f"{path}:{lineno} is not JSON ({e.msg}).") from e
-            if isinstance(row, dict) and isinstance(row.get("turns"), list) and row["turns"]:
-                text, chat = str(row["turns"][0]), True
-            elif isinstance(row, dict) and isinstance(row.get("prompt"), str):
-                text, chat = row["prompt"], chat_template != "auto"
-            else:
-                raise UserError(f"{path}:{lineno} has neither 'turns' (MT-Bench) nor a string 'prompt'.")
-            prompts.append(chat_prompt(text, template) if chat else Prompt(text))
+    for where, row in rows:
+        if isinstance(row, dict) and isinstance(row.get("turns"), list) and row["turns"]:
+            text, chat = str(row["turns"][0]), True
+        elif isinstance(row, dict) and isinstance(row.get("prompt"), str):
+            text, chat = row["prompt"], chat_template != "auto"
+        else:
+            raise UserError(f"{where} has neither 'turns' (MT-Bench) nor a string 'prompt'.")
+        prompts.append(chat_prompt(text, template) if chat else Prompt(text))
     if not prompts:
         raise UserError(f"dataset {path} holds no prompts.")
     return prompts

@@ -7,7 +7,6 @@ Each source answers `prompts_for(shard)` with the token ids of that shard's prom
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Callable, Optional
@@ -45,19 +44,10 @@ def _conversation(row, where: str) -> list[dict]:
 
 
 def read_jsonl(path: str | Path) -> list[list[dict]]:
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"--prompts {path} does not exist; pass a JSONL file of prompts or conversations.")
-    convs = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(f"{path}:{lineno} is not JSON ({e.msg}).") from e
-            convs.append(_conversation(row, f"{path}:{lineno}"))
+    from ..datasets import read_jsonl as rows
+
+    convs = [_conversation(row, where) for where, row in
+             rows(Path(path), "--prompts {path} does not exist; pass a JSONL file of prompts or conversations.")]
     if len(convs) < 2:
         raise UserError(f"--prompts {path} holds {len(convs)} conversation(s); need at least 2 (one is held out).")
     return convs
@@ -81,10 +71,9 @@ class EvalGuard:
 
     @classmethod
     def mt_bench(cls) -> "EvalGuard":
-        from ..datasets import mt_bench_path
+        from ..datasets import read_jsonl as rows
 
-        path = mt_bench_path()
-        turns = [t for line in path.read_text().splitlines() if line.strip() for t in json.loads(line)["turns"]]
+        turns = [t for _, row in rows("mt-bench", "{path} is missing") for t in row["turns"]]
         return cls("mt-bench", turns)
 
     def __contains__(self, text: str) -> bool:
