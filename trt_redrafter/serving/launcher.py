@@ -40,7 +40,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Optional, TextIO
+from typing import Callable, Optional, TextIO
 
 import numpy as np
 
@@ -171,11 +171,89 @@ def _ready(url: str) -> bool:
         return False
 
 
-class TritonServer:
+class ChildProcess:
+    """A child process of serve's in its own process group (so that whatever it starts can be found and killed), its
+    output pumped to `log_path` (a temporary file by default) and, with `echo`, to `echo` too. The one launcher:
+    `TritonServer` and the OpenAI frontend (openai_api/process.py) are its two kinds. `NAME` names it in errors."""
+
+    NAME = "the child process"
+
+    def __init__(self, tmp_prefix: str, log_name: str, log_path: str | Path | None, echo: Optional[TextIO],
+                 ready_timeout: float):
+        self._tmp = Path(tempfile.mkdtemp(prefix=tmp_prefix))
+        self.log_path = Path(log_path) if log_path else self._tmp / log_name
+        self._echo, self.ready_timeout = echo, ready_timeout
+        self.proc: Optional[subprocess.Popen] = None
+        self._pump: Optional[threading.Thread] = None
+        self.starts = 0
+
+    def _spawn(self, cmd: list[str], env: dict[str, str]) -> None:
+        log = open(self.log_path, "ab" if self.starts else "wb")  # a restart's log follows the first's
+        self.starts += 1
+        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        self._pump = threading.Thread(target=pump_output, args=(self.proc.stdout, log, self._echo),
+                                      name=f"{Path(cmd[0]).name}-log", daemon=True)
+        self._pump.start()
+
+    def _wait_ready(self, ready: Callable[[], bool]) -> float:
+        """Poll `ready` until it holds -> seconds waited; one sentence with the log's tail if the process exits or
+        `ready_timeout` passes first."""
+        t0 = time.monotonic()
+        while not ready():
+            if self.proc.poll() is not None:
+                raise UserError(f"{self.NAME} exited with status {self.proc.returncode} before it was ready; "
+                                f"its log ({self.log_path}) ends with:\n{self.log_tail()}")
+            if time.monotonic() - t0 > self.ready_timeout:
+                raise UserError(f"{self.NAME} was not ready after {self.ready_timeout:.0f} s; its log "
+                                f"({self.log_path}) ends with:\n{self.log_tail()}")
+            time.sleep(0.1)
+        return time.monotonic() - t0
+
+    def log_tail(self, n: int = LOG_TAIL_LINES) -> str:
+        time.sleep(0.2)  # let the log pump catch up
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+    def poll(self) -> Optional[int]:
+        return None if self.proc is None else self.proc.poll()
+
+    def _interrupt(self, timeout: float) -> None:
+        """SIGINT and wait up to `timeout` s for the process (not its group) to exit; SIGKILL it past that."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                logger.warning("%s did not exit within %.0f s; killing it", self.NAME, timeout)
+                self.proc.kill()
+                self.proc.wait()
+
+    def _reap(self) -> int:
+        """After the process exited: wait for the log pump, close its pipe -> the exit status."""
+        rc = self.proc.returncode
+        if self._pump is not None:
+            self._pump.join(timeout=5)
+        self.proc.stdout.close()
+        self.proc = None
+        return rc
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class TritonServer(ChildProcess):
     """`with TritonServer(repo, grpc_port=..., ...) as srv:` a ready server; leaving the block shuts it down.
 
     Logs go to `log_path` (a temporary file by default) and, with `echo`, to `echo` too.
     """
+
+    NAME = "tritonserver"
 
     def __init__(self, repo: str | Path, grpc_port: int = 8001, http_port: int = 8000, metrics_port: int = 8002,
                  host: str = "127.0.0.1", ready_timeout: float = 180.0, exit_timeout: int = 10,
@@ -185,14 +263,9 @@ class TritonServer:
             raise UserError(f"{self.repo} is not a Triton model repository; make one with `trt-redrafter make-repo`.")
         self.engine_backend, self.world_size = repo_engine(self.repo)
         self.host, self.grpc_port, self.http_port, self.metrics_port = host, grpc_port, http_port, metrics_port
-        self.ready_timeout, self.exit_timeout, self.verbose = ready_timeout, exit_timeout, verbose
+        self.exit_timeout, self.verbose = exit_timeout, verbose
         self.shm_prefix = f"{SHM_PREFIX_STEM}{os.getpid()}x{int(time.time() * 1e3) % 100000}_"
-        self._tmp = Path(tempfile.mkdtemp(prefix="trt-redrafter-triton-"))
-        self.log_path = Path(log_path) if log_path else self._tmp / "tritonserver.log"
-        self._echo = echo
-        self.proc: Optional[subprocess.Popen] = None
-        self._pump: Optional[threading.Thread] = None
-        self.starts = 0
+        super().__init__("trt-redrafter-triton-", "tritonserver.log", log_path, echo, ready_timeout)
         self._expected: dict[int, str] = {}
 
     # ---- addresses (what a client on this machine connects to) -------------------------------------------------
@@ -256,45 +329,16 @@ class TritonServer:
                 _bundled_backends(binary.parents[1], backends)
         cmd = self.command(binary, backends)
         logger.debug("starting %s", " ".join(cmd))
-        log = open(self.log_path, "ab" if self.starts else "wb")  # a restart's log follows the first's
-        self.starts += 1
-        # own process group: whatever the server starts (stubs, mpirun followers) can be found and killed
-        self.proc = subprocess.Popen(cmd, env=server_env(bundled), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        self._pump = threading.Thread(target=pump_output, args=(self.proc.stdout, log, self._echo),
-                                      name="tritonserver-log", daemon=True)
-        self._pump.start()
+        self._spawn(cmd, server_env(bundled))
         try:
-            self._wait_ready()
+            waited = self._wait_ready(lambda: _ready(f"{self.http_url}/v2/health/ready"))
         except BaseException:
             self.stop()
             raise
+        logger.info("tritonserver ready in %.1f s (gRPC %s, HTTP %s, metrics %s)", waited, self.grpc_url,
+                    self.http_url, self.metrics_url)
         self._expected = self.model_processes()  # what fault() checks
         return self
-
-    def _wait_ready(self) -> None:
-        t0 = time.monotonic()
-        url = f"{self.http_url}/v2/health/ready"
-        while not _ready(url):
-            if self.proc.poll() is not None:
-                raise UserError(f"tritonserver exited with status {self.proc.returncode} before it was ready; "
-                                f"its log ({self.log_path}) ends with:\n{self.log_tail()}")
-            if time.monotonic() - t0 > self.ready_timeout:
-                raise UserError(f"tritonserver was not ready after {self.ready_timeout:.0f} s; its log "
-                                f"({self.log_path}) ends with:\n{self.log_tail()}")
-            time.sleep(0.1)
-        logger.info("tritonserver ready in %.1f s (gRPC %s, HTTP %s, metrics %s)", time.monotonic() - t0,
-                    self.grpc_url, self.http_url, self.metrics_url)
-
-    def log_tail(self, n: int = LOG_TAIL_LINES) -> str:
-        time.sleep(0.2)  # let the log pump catch up
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return "(no log)"
-
-    def poll(self) -> Optional[int]:
-        return None if self.proc is None else self.proc.poll()
 
     # ---- faults (serve's supervision) --------------------------------------------------------------------------
     def model_processes(self) -> dict[int, str]:
@@ -374,19 +418,9 @@ class TritonServer:
             if self.proc.poll() is None:
                 self.drain()
                 time.sleep(0.3)  # let the final responses reach clients before the endpoints close
-                self.proc.send_signal(signal.SIGINT)
-                try:
-                    self.proc.wait(timeout=self.exit_timeout + 10)
-                except subprocess.TimeoutExpired:
-                    logger.warning("tritonserver did not exit within %d s; killing it", self.exit_timeout + 10)
-                    self.proc.kill()
-                    self.proc.wait()
-            report["returncode"] = self.proc.returncode
+            self._interrupt(self.exit_timeout + 10)
             report["killed"] = self._kill_group(pgid)
-            if self._pump is not None:
-                self._pump.join(timeout=5)
-            self.proc.stdout.close()
-            self.proc = None
+            report["returncode"] = self._reap()
         for p in glob.glob(f"/dev/shm/{self.shm_prefix}*"):
             try:
                 os.unlink(p)
@@ -415,12 +449,6 @@ class TritonServer:
         for pid in group_members(pgid):
             _signal(pid, signal.SIGKILL)
         return left
-
-    def __enter__(self) -> "TritonServer":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
 class Supervisor:
