@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The CPU sweep of docs/perf.md: the small trained pair (models/small), TP 1 and 2 torch engines, AR vs ReDrafter
+# The CPU sweep of docs/perf-history.md: the small trained pair (models/small), TP 1 and 2 torch engines, AR vs ReDrafter
 # on the same engines, MT-Bench turn-1 prompts (Vicuna v1.1 template), Poisson QPS 0.5/1/2/4, 2 repeats.
 # About 10 minutes on 2 CPU cores. Copy the plots into docs/perf/ by hand when the numbers are published.
 #
