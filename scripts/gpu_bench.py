@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import statistics
 import sys
@@ -43,6 +44,8 @@ from trt_redrafter.model.tp import Dist  # noqa: E402
 from trt_redrafter.runtime.engine import Engine  # noqa: E402
 from trt_redrafter.runtime.engine_config import EngineConfig  # noqa: E402
 from trt_redrafter.runtime.generate import generate  # noqa: E402
+from trt_redrafter.runtime.proposer import Draft, Proposer  # noqa: E402
+from trt_redrafter.runtime.step import SCORE_FLOOR, quantize_scores  # noqa: E402
 
 SHAPES = {
     # name: (ModelConfig kwargs, drafter exit_dim, drafter layers)
@@ -63,7 +66,7 @@ class Pair:
 
 
 def random_pair(shape: str, nb: int, dl: int, max_batch: int, max_input: int, max_seq: int, device: torch.device,
-                dtype: torch.dtype, seed: int) -> Pair:
+                dtype: torch.dtype, seed: int, successor: bool = False) -> Pair:
     """HF LlamaForCausalLM with HF's random init + an Apple-format drafter (fan-in scaled), both on `device`;
     the engine's tensors are the checkpoint layout of the same weights (shared storage where the layout agrees)."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -87,6 +90,8 @@ def random_pair(shape: str, nb: int, dl: int, max_batch: int, max_input: int, ma
     finally:
         torch.set_default_dtype(default)
     sd = dict(hf.state_dict())
+    if successor:
+        make_successor(sd, seed)
     m = Mapping(1, 0)
     tensors = shard_base(sd.__getitem__, model, m, lambda t: t.to(dtype))
     # the Apple-format drafter with make-tiny's random init (fan-in scaled), at this shape
@@ -101,6 +106,73 @@ def random_pair(shape: str, nb: int, dl: int, max_batch: int, max_input: int, ma
     base_bytes = sum(t.numel() * t.element_size() for t in sd.values())
     drafter_bytes = sum(t.numel() * t.element_size() for t in apple.values())
     return Pair(cfg, tensors, hf, base_bytes, drafter_bytes)
+
+
+def make_successor(sd: dict[str, torch.Tensor], seed: int) -> None:
+    """Random weights whose greedy choice is unmistakable: the attention and MLP outputs scaled by 1e-5 (the residual
+    stream stays the current token's embedding) and lm_head row perm[u] = embedding u, so the next token is perm(current)
+    by a margin of ~|e|^2 against random dot products. A random model's top-2 logits are near-ties that bf16 rounding
+    flips (a 25-token verify and a 1-token AR step round differently), which would make the oracle's known
+    continuation wrong after the first flip; with this one, greedy ReDrafter == AR holds and the oracle's rate is the
+    acceptance. Step times do not depend on weight values (dense GEMMs of the same shapes)."""
+    with torch.no_grad():
+        for k, t in sd.items():
+            if k.endswith(("o_proj.weight", "down_proj.weight")):
+                t.mul_(1e-5)
+        emb = sd["model.embed_tokens.weight"]
+        perm = torch.randperm(emb.shape[0], generator=torch.Generator().manual_seed(seed)).to(emb.device)
+        sd["lm_head.weight"].index_copy_(0, perm, emb)
+
+
+def per_token_acceptance(tokens_per_step: float, dl: int) -> float:
+    """p such that a beam whose every drafted token is accepted with probability p (given its prefix was) emits
+    1 + p + p^2 + ... + p^dl tokens per step on average."""
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sum(mid ** j for j in range(dl + 1)) < tokens_per_step else (lo, mid)
+    return (lo + hi) / 2
+
+
+class RateOracle(Proposer):
+    """A host proposer with a set acceptance rate (benchmarks only): its first beam is the request's known greedy
+    continuation, each drafted token kept with probability p and replaced by a random one at the first miss; the other
+    beams branch off it at random depths with random tokens. Scores are calibrated: a node on the oracle's path at
+    depth j scores log(p^j), random nodes log(1/V) per random token. So a step that verifies the whole tree emits
+    1 + p + ... + p^dl tokens on average, and the speculation policy sees honest confidences."""
+
+    name = "rate-oracle"
+    on_host = True
+
+    def __init__(self, nb: int, dl: int, vocab: int, tokens_per_step: float, seed: int):
+        import random
+
+        self.num_beams, self.draft_len, self.vocab = nb, dl, vocab
+        self.p = per_token_acceptance(tokens_per_step, dl)
+        self.rng = random.Random(seed)
+        self.continuations: dict[tuple[int, ...], list[int]] = {}
+        self.hit = [int(quantize_scores(torch.tensor(j * math.log(self.p))).item()) for j in range(dl + 1)]
+        miss = int(quantize_scores(torch.tensor(-math.log(vocab))).item())
+        # scores of a branch that leaves the oracle's path after d drafted tokens, at depths d+1..dl
+        self.branch = [[max(SCORE_FLOOR, self.hit[d] + (j - d + 1) * miss) for j in range(d, dl)] for d in range(dl)]
+        self.pool = [self.rng.randrange(3, vocab) for _ in range(4096 + nb * dl)]
+
+    def compose(self, seq, device=None) -> Draft:
+        nb, dl, rng, pool = self.num_beams, self.draft_len, self.rng, self.pool
+        known = self.continuations.get(tuple(seq.prompt), [])[len(seq.output):]
+        k = rng.randrange(len(pool) - nb * dl)  # random tokens: a window of a pre-drawn pool (cheap on the host)
+        oracle = pool[k:k + dl]
+        for j in range(min(dl, len(known))):
+            if rng.random() >= self.p:
+                break
+            oracle[j] = known[j]
+        # the oracle does not know where it misses: its node at depth j scores log(p^j), calibrated
+        rows, scores = [[seq.true_token] + oracle], [self.hit[1:]]
+        for i in range(1, nb):
+            d = rng.randrange(dl)  # shares the oracle's first d drafted tokens, then random ones
+            rows.append([seq.true_token] + oracle[:d] + pool[k + i * dl + d:k + (i + 1) * dl])
+            scores.append(self.hit[1:d + 1] + self.branch[d])
+        return Draft(rows, scores)
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
@@ -228,6 +300,78 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+def oracle_main(args) -> int:
+    """AR vs ReDrafter with a rate oracle, --speculate full and auto, at every batch: ms/token, tokens/step, the
+    step ratio, and the crossover batch (the first where ReDrafter is slower than AR) of each."""
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    batches = [int(b) for b in args.batches.split(",")]
+    dl = args.beam_length - 1
+    max_seq = args.prompt_len + args.max_tokens + 8
+    t0 = time.perf_counter()
+    pair = random_pair(args.shape, args.num_beams, dl, max(batches), args.prompt_len, max_seq, device, dtype,
+                       args.seed, successor=True)
+    del pair.hf
+    m = pair.cfg.checkpoint.model
+    print(f"built the random pair in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+    oracle = RateOracle(args.num_beams, dl, m.vocab_size, args.oracle_tokens_per_step, args.seed)
+    doc = {"shape": args.shape, "dtype": args.dtype, "num_beams": args.num_beams, "beam_length": args.beam_length,
+           "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "repeats": args.repeats,
+           "oracle_tokens_per_step": args.oracle_tokens_per_step, "per_token_acceptance": oracle.p,
+           "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+           "torch": torch.__version__, "runs": []}
+    engines = {}
+    for compile_mode in args.compile.split(","):
+        for speculate in ("full", "auto"):
+            t0 = time.perf_counter()
+            engine = Engine.from_tensors(pair.cfg, pair.tensors, Dist(0, 1, device),
+                                         RuntimeConfig(device=device.type, compile=compile_mode,
+                                                       kernels=args.kernels.split(",")[0], speculate=speculate),
+                                         proposer=oracle)
+            engines[speculate] = engine
+            print(f"engine ({compile_mode}, speculate {speculate}) ready in {time.perf_counter() - t0:.1f}s",
+                  file=sys.stderr, flush=True)
+        for b in batches:
+            prompts = prompts_for(b, args.prompt_len, m.vocab_size, args.seed + b)
+            ar = measure(engines["full"], prompts, args.max_tokens, "ar", args.repeats)
+            oracle.continuations.update({tuple(p): o for p, o in zip(prompts, ar["outputs"])})
+            row = {"compile": engines["full"].compiler.mode, "kernels": engines["full"].kernels, "batch": b,
+                   "ar_tpot_ms": ar["tpot_ms"], "ar_step_ms": ar["step_ms"]}
+            for speculate, engine in engines.items():
+                rd = measure(engine, prompts, args.max_tokens, "redrafter", args.repeats)
+                row[speculate] = {"tpot_ms": rd["tpot_ms"], "step_ms": rd["step_ms"],
+                                  "host_ms_per_step": rd["tpot_ms"] * rd["tokens_per_step"] - rd["step_ms"],
+                                  "tokens_per_step": rd["tokens_per_step"], "speedup": ar["tpot_ms"] / rd["tpot_ms"],
+                                  "equals_ar": sum(a == r for a, r in zip(ar["outputs"], rd["outputs"])),
+                                  "widths": dict(engine.step_times.widths)}
+            row["ar_host_ms_per_step"] = ar["tpot_ms"] - ar["step_ms"]
+            row["full_step_ratio"] = row["full"]["step_ms"] / ar["step_ms"]
+            doc["runs"].append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+        for speculate in engines:
+            slower = [r["batch"] for r in doc["runs"] if r[speculate]["speedup"] < 1.0]
+            doc[f"crossover_{speculate}"] = min(slower) if slower else None
+        engines.clear()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    print(f"\n{doc['device']}, {args.shape} {args.dtype}, nb={args.num_beams} beam length={args.beam_length}, "
+          f"rate oracle {args.oracle_tokens_per_step} tokens/step (p={oracle.p:.3f} per drafted token), prompt "
+          f"{args.prompt_len} + {args.max_tokens} tokens, greedy")
+    print("| batch | AR ms/token | full: ms/token | tokens/step | RD/AR step | speedup | auto: ms/token | tokens/step "
+          "| speedup | outputs == AR (full, auto) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in doc["runs"]:
+        f, a = r["full"], r["auto"]
+        print(f"| {r['batch']} | {r['ar_tpot_ms']:.2f} | {f['tpot_ms']:.2f} | {f['tokens_per_step']:.2f} | "
+              f"{r['full_step_ratio']:.2f} | {f['speedup']:.2f}x | {a['tpot_ms']:.2f} | {a['tokens_per_step']:.2f} | "
+              f"{a['speedup']:.2f}x | {f['equals_ar']}/{r['batch']}, {a['equals_ar']}/{r['batch']} |")
+    print(f"crossover (first batch where ReDrafter is slower than AR): full {doc['crossover_full']}, "
+          f"auto {doc['crossover_auto']}")
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps(doc, indent=1))
+    print(json.dumps(doc))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="vicuna-7b")
@@ -247,8 +391,14 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true", help="also list each kernel's time per step (eager engine)")
     ap.add_argument("--parity-prompts", type=int, default=0,
                     help="greedy AR vs ReDrafter vs HF on this many prompts, with the logit gap where they diverge")
+    ap.add_argument("--oracle-tokens-per-step", type=float, default=0.0,
+                    help="draft with a host oracle at this mean acceptance (tokens/step of a full tree) instead of "
+                         "the random drafter, and compare --speculate full (every tree verified whole) with auto (the "
+                         "speculation policy): ms/token per batch and where ReDrafter stops paying")
     ap.add_argument("--output", default="out/gpu_bench.json")
     args = ap.parse_args()
+    if args.oracle_tokens_per_step:
+        return oracle_main(args)
 
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
