@@ -33,3 +33,18 @@ def make_tiny_pair(tmp_path_factory) -> Callable[..., Path]:
 @pytest.fixture(scope="session")
 def tiny_pair(make_tiny_pair) -> Path:
     return make_tiny_pair()
+
+
+@pytest.fixture(autouse=True)
+def _own_inductor_cache_dir():
+    """An engine compiled in this process points TORCHINDUCTOR_CACHE_DIR at its own directory (Engine.
+    _keep_inductor_cache); restore it after each test, so that a later test's child processes (run, serve, mpirun
+    ranks) use their own engine's cache, as a user's would, not the last in-process engine's."""
+    import os
+
+    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    yield
+    if before is None:
+        os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    else:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
