@@ -156,3 +156,30 @@ def test_no_greedy_is_an_alias_of_no_greedy_search():
     assert ReDrafterConfig.from_sources(None, p.parse_args(["--no-greedy"])).greedy_search is False
     assert ReDrafterConfig.from_sources(None, p.parse_args(["--no-greedy-search"])).greedy_search is False
     assert ReDrafterConfig.from_sources(None, p.parse_args([])).greedy_search is True
+
+
+def test_train_drafter_flags_come_from_its_config():
+    """train-drafter's flags are DrafterTrainConfig's fields (one place for flag, help and default): every CLI field
+    has a flag, no flag given leaves the config's default, a flag given sets only its field, and the one-data-source
+    rule is the config's check."""
+    import argparse
+    import dataclasses
+
+    from trt_redrafter.commands import train_drafter
+    from trt_redrafter.errors import UserError
+    from trt_redrafter.training.config import DrafterTrainConfig
+
+    top = argparse.ArgumentParser()
+    train_drafter.register(top.add_subparsers())
+    base = ["train-drafter", "--base-model", "b", "--output", "o"]
+    args = top.parse_args(base)
+    assert DrafterTrainConfig.from_sources(None, args) == DrafterTrainConfig()
+    cli_fields = [f.name for f in dataclasses.fields(DrafterTrainConfig) if f.metadata.get("cli", True)]
+    assert set(getattr(args, DrafterTrainConfig._owned_key())) == set(cli_fields)
+    args = top.parse_args(base + ["--draft-len", "3", "--no-rnn", "--lr", "0.01", "--magpie", "--dtype", "bfloat16"])
+    cfg = DrafterTrainConfig.from_sources(None, args)
+    assert (cfg.draft_len, cfg.rnn, cfg.lr, cfg.magpie, cfg.dtype) == (3, False, 0.01, True, "bfloat16")
+    assert dataclasses.replace(cfg, draft_len=4, rnn=True, lr=2e-3, magpie=False, dtype="float32") == \
+        DrafterTrainConfig()
+    with pytest.raises(UserError, match="one data source"):
+        DrafterTrainConfig.from_sources(None, top.parse_args(base + ["--magpie", "--prompts", "p.jsonl"]))

@@ -1,6 +1,12 @@
 """Training a small real base model and distilling a ReDrafter drafter from any HF Llama base.
 
-`data` holds the offline text (the Python standard library's sources) and tokenizer training; `drafter_training`
-the drafter distillation (the base model generates its own greedy continuations; the drafter learns its
-predictions) and the Apple-format writer.
+    config             DrafterTrainConfig: train-drafter's settings, flags and checks (one ConfigBase)
+    prompts            where the corpus's prompts come from: text windows, a JSONL, Magpie self-prompts; the
+                       MT-Bench guard that keeps the evaluation set out
+    generation         the base writes the corpus: the project's batched engine (default) or HF `generate`
+    corpus             corpus shards on disk (hidden states, tokens, targets), streamed back while training
+    drafter_training   the drafter module, the loop (DDP under torchrun, checkpoints, resume), held-out evaluation
+                       and the Apple-format writer
+    data               the offline text (the Python standard library's sources) and tokenizer training of
+                       scripts/train_base.py
 """

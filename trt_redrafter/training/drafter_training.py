@@ -46,88 +46,11 @@ from . import corpus as corpus_mod
 from . import data as data_mod
 from . import generation as gen_mod
 from . import prompts as prompt_mod
+from .config import DRAFT_HEAD_BUDGET, DTYPES, DrafterTrainConfig
 
 log = get_logger(__name__)
 
 MODEL_TYPE = "recurrent_drafting_drafter"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# --exit-dim auto: the drafter's vocabulary head, read once per drafting step, costs at most this share of the
-# base's weights per decoding step (draft_len * exit_dim * V <= budget * base parameters)
-DRAFT_HEAD_BUDGET = 0.25
-MIN_DRAFT_VOCAB = 64  # a draft vocabulary below this cannot fill a beam search's candidates meaningfully
-
-
-@dataclass
-class DrafterTrainConfig:
-    draft_len: int = 4  # T: drafter steps trained (match --draft-len-per-beam at inference)
-    num_layers: int = 1  # ResBlocks
-    rnn: bool = True
-    exit_dim: int = 0  # 0: auto (`_exit_dim`: 2*H, Apple's recipe, unless its head is too big next to the base's)
-    draft_vocab: int = 0  # K > 0: the head scores only the K most frequent generated tokens (FR-Spec)
-    steps: int = 600
-    lr: float = 2e-3
-    warmup: int = 30
-    weight_decay: float = 0.0
-    soft_targets: float = 0.0  # weight of the base's softmax (knowledge distillation) against its greedy token
-    batch_size: int = 512  # positions per step
-    seq_len: int = 160  # generated tokens per distillation sequence
-    prompt_min: int = 16  # prompt window length range (tokens, bos added)
-    prompt_max: int = 64
-    num_sequences: int = 512  # distillation corpus size (training)
-    eval_sequences: int = 64  # held-out corpus (prompts from held-out text)
-    gen_batch_size: int = 64
-    seed: int = 0
-    data: Optional[str] = None  # None/'stdlib', a directory of text files or one text file
-    prompts: Optional[str] = None  # a JSONL of prompts or conversations (chat template applied)
-    magpie: bool = False  # the base writes its own user prompts from its chat template's user-turn prefix
-    work_dir: Optional[str] = None  # corpus shards + checkpoint (default: OUTPUT.work)
-    save_every: int = 100  # checkpoint every this many steps
-    resume: bool = False
-    stop_after: int = 0  # end this run after this many steps (a checkpoint; continue with resume)
-    shards_in_memory: int = 4  # corpus shards loaded at once while training
-    dtype: str = "float32"  # of the written weights
-    generator: str = "engine"  # who writes the corpus: engine (the project's torch engine) or hf (HF generate)
-    generate_dtype: str = "float32"  # the base's dtype while it writes the corpus
-    device: str = "auto"
-    threads: int = 0  # 0: leave torch's default
-    log_every: int = 25
-
-    def validate(self) -> None:
-        for n in ("draft_len", "steps", "batch_size", "seq_len", "prompt_min", "prompt_max", "num_sequences",
-                  "eval_sequences", "gen_batch_size"):
-            v = getattr(self, n)
-            if not isinstance(v, int) or v <= 0:
-                raise UserError(f"--{n.replace('_', '-')}: expected a positive integer, got {v!r}.")
-        for n in ("save_every", "shards_in_memory"):
-            if not isinstance(getattr(self, n), int) or getattr(self, n) <= 0:
-                raise UserError(f"--{n.replace('_', '-')}: expected a positive integer, got {getattr(self, n)!r}.")
-        if self.stop_after < 0:
-            raise UserError(f"--stop-after: expected a step count >= 0, got {self.stop_after}.")
-        if sum(bool(x) for x in (self.data, self.prompts, self.magpie)) > 1:
-            raise UserError("pass one data source: --data (text windows), --prompts (JSONL) or --magpie.")
-        if self.dtype not in DTYPES:
-            raise UserError(f"--dtype: expected one of {', '.join(DTYPES)}, got {self.dtype!r}.")
-        if self.generate_dtype not in DTYPES:
-            raise UserError(f"--generate-dtype: expected one of {', '.join(DTYPES)}, got {self.generate_dtype!r}.")
-        gen_mod.check_generator(self.generator)
-        if self.num_layers < 0 or self.exit_dim < 0:
-            raise UserError("--num-layers and --exit-dim must be >= 0.")
-        if self.draft_vocab and self.draft_vocab < MIN_DRAFT_VOCAB:
-            raise UserError(f"--draft-vocab {self.draft_vocab}: expected 0 (the whole vocabulary) or at least "
-                            f"{MIN_DRAFT_VOCAB} tokens.")
-        if self.prompt_min > self.prompt_max:
-            raise UserError(f"prompt length range {self.prompt_min}..{self.prompt_max} is empty.")
-        if not 0.0 <= self.soft_targets <= 1.0:
-            raise UserError(f"--soft-targets: expected a weight in [0, 1] (0: the base's greedy token only, 1: its "
-                            f"whole distribution), got {self.soft_targets}.")
-        if self.weight_decay < 0:
-            raise UserError(f"--weight-decay: expected a number >= 0, got {self.weight_decay}.")
-        if not self.lr > 0:
-            raise UserError(f"--lr: expected a positive number, got {self.lr}.")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise UserError(f"--device: expected auto, cpu or cuda, got {self.device!r}.")
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise UserError("--device cuda: no CUDA device is available; use --device cpu.")
 
 
 class ResBlock(nn.Module):
