@@ -228,6 +228,15 @@ class Calibration:
         n = len(SCORE_BINS) + 1
         self.accepted, self.verified, self.claimed = [0.0] * n, [0.0] * n, [0.0] * n
         self._table: Optional[tuple[list[Optional[float]], float]] = None
+        self._age = 0  # steps whose DECAY is not applied yet (applied when the counts are next read or added to)
+
+    def _settle(self) -> None:
+        if self._age:
+            f = DECAY ** self._age
+            for arr in (self.accepted, self.verified, self.claimed):
+                for i in range(len(arr)):
+                    arr[i] *= f
+            self._age, self._table = 0, None
 
     @staticmethod
     def bin(score: int) -> int:
@@ -236,10 +245,12 @@ class Calibration:
 
     def trust(self) -> float:
         """All accepted / all claimed, with TRUST_WEIGHT claimed-and-accepted nodes as its prior."""
+        self._settle()
         return (sum(self.accepted) + TRUST_WEIGHT) / (sum(self.claimed) + TRUST_WEIGHT)
 
     def _probabilities(self) -> tuple[list[Optional[float]], float]:
         """(per bin: P(accepted), or None for a bin never verified, whose prior is each node's own claim; trust)."""
+        self._settle()
         if self._table is None:
             trust, table = self.trust(), []
             for a, v, c in zip(self.accepted, self.verified, self.claimed):
@@ -248,12 +259,13 @@ class Calibration:
         return self._table
 
     def probability(self, score: int) -> float:
-        table, trust = self._probabilities()
+        table, trust = self._table if self._table is not None and not self._age else self._probabilities()
         p = table[bisect.bisect_left(self._EDGES, -score)]
         return min(1.0, math.exp(score / SCORE_SCALE) * trust) if p is None else p
 
     def observe(self, verified: list[int], accepted: list[int]) -> None:
         """One step's outcome for one request: the scores of the drafted nodes it verified and of those accepted."""
+        self._settle()
         edges, find = self._EDGES, bisect.bisect_left
         for s in verified:
             i = find(edges, -s)
@@ -264,13 +276,12 @@ class Calibration:
         self._table = None
 
     def decay(self) -> None:
-        for arr in (self.accepted, self.verified, self.claimed):
-            for i in range(len(arr)):
-                arr[i] *= DECAY
-        self._table = None
+        """One step passed: old outcomes fade by DECAY (applied lazily: a resting policy reads nothing)."""
+        self._age += 1
 
     def summary(self) -> list[dict]:
         """Per bin: the claimed probability, the observed acceptance, and the observations (decayed counts)."""
+        self._settle()
         out = []
         for i in range(len(self.verified)):
             n = self.verified[i]
@@ -321,7 +332,7 @@ class Policy:
         self.P = max_tree_tokens
         self.widths = tree_buckets(max_tree_tokens)
         self._costs = costs  # CostModel, or a callable that measures one the first time it is needed
-        self.rest, self.probe_every, self.probing = 0, PROBE_MIN, False
+        self.rest, self.probe_every, self.probing, self.hopeless = 0, PROBE_MIN, False, False
         self.speculating, self.mean_gain, self.mean_cost, self.mean_batch = False, 1.0, 1.0, 0
         self.calibrations: dict[tuple[str, bool], Calibration] = {}
 
@@ -365,12 +376,15 @@ class Policy:
             self.rest += 1
             if not can_draft or self.rest < self.probe_every:
                 return AR_STEP
-            stale = [c for c in spec if c.scores]  # their last trees, as if drafted again now
-            width, expected, ms = self._best(stale, B, context, widths=self.widths)
-            hopeful = (B + expected) / ms >= PROBE_HOPE * B / ar_ms
+            hopeful = False
+            if not self.hopeless:  # asked once per rest: the stale trees do not change while nothing drafts
+                stale = [c for c in spec if c.scores]  # their last trees, as if drafted again now
+                width, expected, ms = self._best(stale, B, context, widths=self.widths)
+                hopeful = (B + expected) / ms >= PROBE_HOPE * B / ar_ms
+                self.hopeless = not hopeful
             if hopeful or self.rest >= PROBE_MAX:
                 self.rest, self.probe_every = 0, min(2 * self.probe_every, PROBE_MAX)
-                self.speculating, self.probing = False, True
+                self.speculating, self.probing, self.hopeless = False, True, False
                 return StepDecision(1, {c.seq_id: 1 for c in cands}, True)
             return AR_STEP
         widths = self.widths if can_draft else self.widths[1:]  # width 1: verify nothing, draft the next trees
@@ -395,7 +409,7 @@ class Policy:
         if self.mean_gain >= self.mean_cost:
             self.rest, self.probe_every = 0, PROBE_MIN
             return StepDecision(width, self._keep(cands, width), True, expected / B)
-        self.rest, self.speculating = 0, False
+        self.rest, self.speculating, self.hopeless = 0, False, False
         return AR_STEP
 
     def _best(self, cands: list[Candidate], B: int, context: float, widths: list[int], claims: bool = False
