@@ -275,7 +275,9 @@ class DrafterConfig(ConfigBase):
 
 @dataclass
 class ReDrafterConfig(ConfigBase):
-    """The speculative-decoding shape, fixed when a checkpoint is converted (TensorRT-LLM unrolls it)."""
+    """The speculative-decoding shape, fixed when a checkpoint is converted (TensorRT-LLM unrolls it). Its defaults,
+    5 x 5, are TensorRT-LLM's converter's (examples/redrafter/convert_checkpoint.py); `ReDrafterConfig.project()` is
+    the tree this project's own engines default to."""
 
     SECTION: ClassVar[str] = "redrafter"
 
@@ -288,6 +290,12 @@ class ReDrafterConfig(ConfigBase):
     def validate(self) -> None:
         check_positive(self.SECTION, "num_beams", self.num_beams)
         check_positive(self.SECTION, "draft_len_per_beam", self.draft_len_per_beam)
+
+    @classmethod
+    def project(cls) -> "ReDrafterConfig":
+        """4 beams x 4 drafted tokens: what an engine without a drafter (N-gram proposers) drafts and what
+        train-drafter trains for (--draft-len), the shape of the committed drafters (docs/models.md)."""
+        return cls(num_beams=4, draft_len_per_beam=4)
 
     @property
     def beam_length(self) -> int:

@@ -58,13 +58,13 @@ def build_torch_engine(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, 
                        tp: int | None = None, tokenizer_dir: str | os.PathLike | None = None,
                        force: bool = False, tree: ReDrafterConfig | None = None,
                        proposer: ProposerConfig | None = None) -> Path:
-    """`tree` (nb, dl) is the draft-tree shape of an engine whose checkpoint has no drafter (default 4 x 4); a
+    """`tree` (nb, dl) is the draft-tree shape of an engine whose checkpoint has no drafter (default: ReDrafterConfig.project(), 4 x 4); a
     ReDrafter checkpoint fixes its own. `proposer` holds the proposer settings (config.ProposerConfig)."""
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
     info = check_checkpoint(ckpt_dir, tp)
     proposer = proposer or ProposerConfig()
     if info.redrafter is None:
-        tree = tree or ReDrafterConfig(num_beams=4, draft_len_per_beam=4)
+        tree = tree or ReDrafterConfig.project()
         logger.info("%s has no drafter: the engine drafts with N-grams (%d beams x %d tokens)", ckpt_dir,
                     tree.num_beams, tree.draft_len_per_beam)
     elif tree is not None and (tree.num_beams, tree.draft_len_per_beam) != (info.redrafter.num_beams,

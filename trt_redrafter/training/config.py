@@ -8,7 +8,7 @@ from typing import ClassVar, Optional
 
 import torch
 
-from ..config import ConfigBase, option
+from ..config import ConfigBase, ReDrafterConfig, option
 from ..errors import UserError
 from .generation import GENERATORS, check_generator
 
@@ -23,7 +23,8 @@ MIN_DRAFT_VOCAB = 64  # a draft vocabulary below this cannot fill a beam search'
 class DrafterTrainConfig(ConfigBase):
     SECTION: ClassVar[str] = "train"
 
-    draft_len: int = option(4, help="drafter steps trained (T; match --draft-len-per-beam at inference)")
+    draft_len: int = option(ReDrafterConfig.project().draft_len_per_beam,
+                            help="drafter steps trained (T; match --draft-len-per-beam at inference)")
     num_layers: int = option(1, help="ResBlocks")
     rnn: bool = option(True, help="recurrent state")
     exit_dim: int = option(0, help="ResBlock width; 2*hidden has no input projection (Apple's recipe); 0 (default): "
