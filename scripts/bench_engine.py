@@ -39,7 +39,7 @@ from trt_redrafter.config import PROPOSERS, RuntimeConfig, SamplingConfig
 from trt_redrafter.errors import UserError
 from trt_redrafter.runtime.distributed import init_dist, shutdown_dist
 from trt_redrafter.runtime.engine import PHASES, Engine
-from trt_redrafter.runtime.engine_config import load_engine_config
+from trt_redrafter.checkpoint.engine_config import load_engine_config
 from trt_redrafter.runtime.generate import generate
 from trt_redrafter.runtime.scheduler import follow
 

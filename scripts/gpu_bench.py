@@ -42,7 +42,7 @@ from trt_redrafter.config import (BuildConfig, DrafterConfig, ModelConfig, Propo
                                   RuntimeConfig, SamplingConfig)
 from trt_redrafter.model.tp import Dist  # noqa: E402
 from trt_redrafter.runtime.engine import Engine  # noqa: E402
-from trt_redrafter.runtime.engine_config import EngineConfig  # noqa: E402
+from trt_redrafter.checkpoint.engine_config import EngineConfig  # noqa: E402
 from trt_redrafter.runtime.generate import generate  # noqa: E402
 from trt_redrafter.runtime.proposer import Draft, Proposer  # noqa: E402
 from trt_redrafter.runtime.step import SCORE_FLOOR, quantize_scores  # noqa: E402

@@ -880,7 +880,7 @@ def main() -> int:
     p.add_argument("--find-step", type=float, default=60.0, help="seconds per rate with --find-rate")
     a = p.parse_args()
 
-    from trt_redrafter.runtime.engine_config import load_engine_config
+    from trt_redrafter.checkpoint.engine_config import load_engine_config
     from trt_redrafter.serving.launcher import kernel_log, kernel_log_since
     from trt_redrafter.serving.text import TextCodec
 

@@ -109,7 +109,7 @@ class OracleProposer(HostDrafts):
     name = "oracle"
 
     def __init__(self, engine_dir: Path, continuations: dict[int, list[int]], corrupt_every: int = 0, seed: int = 0):
-        from trt_redrafter.runtime.engine_config import load_engine_config
+        from trt_redrafter.checkpoint.engine_config import load_engine_config
 
         info = load_engine_config(engine_dir).checkpoint
         self.num_beams, self.draft_len = info.redrafter.num_beams, info.redrafter.draft_len_per_beam

@@ -59,7 +59,7 @@ class Top2Proposer(HostDrafts):
     deeper tokens, so verification both hits and misses."""
 
     def __init__(self, engine_dir, probs):
-        from trt_redrafter.runtime.engine_config import load_engine_config
+        from trt_redrafter.checkpoint.engine_config import load_engine_config
 
         info = load_engine_config(engine_dir).checkpoint
         self.num_beams, self.draft_len = info.redrafter.num_beams, info.redrafter.draft_len_per_beam

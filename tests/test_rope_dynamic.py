@@ -25,7 +25,7 @@ from trt_redrafter.checkpoint.hf import model_config_from_hf
 from trt_redrafter.checkpoint.tiny import TinyConfig, make_tiny
 from trt_redrafter.fsutil import read_json, write_json
 from trt_redrafter.rope import RotaryEmbedding
-from trt_redrafter.runtime.engine_config import load_engine_config
+from trt_redrafter.checkpoint.engine_config import load_engine_config
 from trt_redrafter.runtime.generate import generate
 
 ORIG = 32  # max_position_embeddings: the trained context

@@ -261,7 +261,7 @@ def trtllm_engine(tiny_ckpt, tmp_path_factory) -> Path:
 @pytest.mark.gpu
 @pytest.mark.slow
 def test_trtllm_build_of_tiny_checkpoint(trtllm_engine):
-    from trt_redrafter.runtime.engine_config import load_engine_config
+    from trt_redrafter.checkpoint.engine_config import load_engine_config
 
     assert (trtllm_engine / "rank0.engine").is_file()
     assert (trtllm_engine / "tokenizer" / "tokenizer.json").is_file()

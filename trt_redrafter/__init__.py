@@ -13,7 +13,7 @@ tests/test_layers.py walks every import and holds the code to this list.
     config       config
                  every user-facing configuration type and its CLI flags
     artifacts    checkpoint
-                 HF and Apple readers, TP sharding, TensorRT-LLM's checkpoint format
+                 HF and Apple readers, TP sharding, TensorRT-LLM's checkpoint format, the engine directory's schema
     model        model
                  the Llama rank and the drafter rank, TP collectives, linear layers
     runtime      runtime

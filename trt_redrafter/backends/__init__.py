@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from ..runtime.engine_config import BACKENDS  # noqa: F401  (the engine directory's schema names them)
+from ..checkpoint.engine_config import BACKENDS  # noqa: F401  (the engine directory's schema names them)
 
 
 def trtllm_available() -> bool:

@@ -20,7 +20,7 @@ from ..config import BuildConfig, ProposerConfig, ReDrafterConfig, torch_dtype
 from ..errors import UserError
 from ..fsutil import atomic_output_dir, read_json, write_json
 from ..log import get_logger
-from ..runtime.engine_config import engine_config_dict
+from ..checkpoint.engine_config import engine_config_dict
 
 logger = get_logger(__name__)
 

@@ -15,7 +15,7 @@ Engine directory written by `build_trtllm_engine` (OUT):
 The backend marker is NOT put into config.json's build_config: TensorRT-LLM's runtime re-reads that object
 (`ModelRunnerCpp.from_dir` -> `EngineConfig.from_json_file` -> `BuildConfig.from_dict`), and from TensorRT-LLM's
 move of BuildConfig to pydantic (PR #8330, late 2025) we could not verify that an unknown key is still ignored.
-`runtime/engine_config.load_engine_config` already reads an engine without `build_config.backend` as `trtllm`.
+`checkpoint/engine_config.load_engine_config` already reads an engine without `build_config.backend` as `trtllm`.
 """
 
 from __future__ import annotations

@@ -158,7 +158,7 @@ def serve_engines(ar_engines: dict[int, str], rd_engines: dict[int, str], modes:
     `decoding_mode`, so when both maps name the same dir it is served once.
     """
     from ..runtime.distributed import free_port
-    from ..runtime.engine_config import load_engine_config
+    from ..checkpoint.engine_config import load_engine_config
     from ..serving.launcher import TritonServer
     from ..serving.repo import make_repo
 
@@ -267,7 +267,7 @@ def prompts_digest(prompts: list[Prompt]) -> str:
 def fit_prompts(prompts: list[Prompt], engine_dirs: list[str], max_tokens: int) -> tuple[list[Prompt], int]:
     """Drop prompts that some engine cannot take (prompt > max_input_len, or prompt + max_tokens > max_seq_len),
     tokenized as its preprocessing model does. Without engine dirs (--url) nothing is dropped."""
-    from ..runtime.engine_config import load_engine_config
+    from ..checkpoint.engine_config import load_engine_config
     from ..serving.text import load_tokenizer
 
     keep = list(prompts)
@@ -317,7 +317,7 @@ def _fmt(x) -> str:
 
 def engines_info(targets: list[Target]) -> dict:
     """What the served engines were (recorded in the results document)."""
-    from ..runtime.engine_config import load_engine_config
+    from ..checkpoint.engine_config import load_engine_config
 
     out = {}
     for t in targets:

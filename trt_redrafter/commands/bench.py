@@ -39,7 +39,7 @@ def register(sub) -> None:
 
 def _engine_map(spec: str | None, dirs: list[str], flag: str) -> dict[int, str]:
     from ..errors import UserError
-    from ..runtime.engine_config import load_engine_config
+    from ..checkpoint.engine_config import load_engine_config
 
     out: dict[int, str] = {}
     items = [s for s in (spec or "").split(",") if s.strip()]

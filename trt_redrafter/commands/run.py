@@ -38,7 +38,7 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..runtime.distributed import in_mpi_world, init_dist, mpirun_command, shutdown_dist
-    from ..runtime.engine_config import load_engine_config
+    from ..checkpoint.engine_config import load_engine_config
 
     ecfg = load_engine_config(args.engine)
     if ecfg.backend != "torch":

@@ -5,9 +5,9 @@ into a batch slot (`sequence.Sequence` on the host, `state.SlotState` rows and `
 device), prefills it, then runs batched steps: `policy.Policy` decides each step (an AR step, or how many nodes of
 each draft tree to verify, by the measured `policy.CostModel` and the proposer's calibrated confidence), and
 `step.DecodeStep` runs it (verify -> accept -> rewind -> draft -> pack) as one compiled or captured unit
-(`graphs`). Proposers (`proposer`, `ngram`) fill the trees.
+(`graphs`). Proposers (`proposer`, `ngram`) fill the trees. The engine directory's schema is
+`checkpoint.engine_config`.
 
-    engine_config  the engine directory's config.json (shaped like TensorRT-LLM's)
     engine         load an engine directory; admit, step, finish requests
     scheduler      in-flight batching: a queue in front of the engine; TP plans broadcast to the other ranks
     generate       offline generation of a list of prompts through the scheduler

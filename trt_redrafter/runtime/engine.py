@@ -48,7 +48,7 @@ from ..model.attention import cpu_tree_attention
 from ..model.linear import resolve_linear
 from ..model.llama import LlamaRank
 from .distributed import Dist
-from .engine_config import EngineConfig, load_engine_config
+from ..checkpoint.engine_config import EngineConfig, load_engine_config
 from .graphs import Compiler, batch_buckets, bucket_for
 from .kv_cache import PagedKVCache
 from .ngram import NGRAMS_FILE, ModelNgrams, NgramProposer

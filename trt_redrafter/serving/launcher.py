@@ -492,7 +492,7 @@ def repo_engine(repo: Path) -> tuple[str, int]:
     m = re.search(r'^\s*backend:\s*"([^"]+)"', text, re.M)
     if m is None or m.group(1) != "tensorrtllm":
         return (m.group(1) if m else ""), 1
-    from ..runtime.engine_config import load_engine_config
+    from ..checkpoint.engine_config import load_engine_config
     from .repo import repo_parameter
 
     path = repo_parameter(repo, ENGINE_MODEL, "gpt_model_path")

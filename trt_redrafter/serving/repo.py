@@ -25,7 +25,7 @@ from ..config import RuntimeConfig
 from ..errors import UserError
 from ..fsutil import atomic_output_dir
 from ..log import get_logger
-from ..runtime.engine_config import EngineConfig, load_engine_config
+from ..checkpoint.engine_config import EngineConfig, load_engine_config
 from . import ENGINE_MODEL
 
 logger = get_logger(__name__)

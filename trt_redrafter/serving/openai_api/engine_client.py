@@ -40,7 +40,7 @@ class ServedModel:
 
 
 def served_model(repo: str | Path, name: Optional[str] = None) -> ServedModel:
-    from ...runtime.engine_config import load_engine_config
+    from ...checkpoint.engine_config import load_engine_config
 
     repo = Path(repo).absolute()
     engine = repo_parameter(repo, ENGINE_MODEL, "engine_dir")

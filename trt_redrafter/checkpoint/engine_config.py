@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import __version__
-from ..checkpoint.trtllm_config import CheckpointInfo, parse_checkpoint_config
+from .trtllm_config import CheckpointInfo, parse_checkpoint_config
 from ..config import BuildConfig, ProposerConfig, ReDrafterConfig
 from ..errors import UserError
 from ..fsutil import read_json
