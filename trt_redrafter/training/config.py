@@ -81,13 +81,10 @@ class DrafterTrainConfig(ConfigBase):
 
     def validate(self) -> None:
         for n in ("draft_len", "steps", "batch_size", "seq_len", "prompt_min", "prompt_max", "num_sequences",
-                  "eval_sequences", "gen_batch_size"):
+                  "eval_sequences", "gen_batch_size", "save_every", "shards_in_memory"):
             v = getattr(self, n)
             if not isinstance(v, int) or v <= 0:
                 raise UserError(f"--{n.replace('_', '-')}: expected a positive integer, got {v!r}.")
-        for n in ("save_every", "shards_in_memory"):
-            if not isinstance(getattr(self, n), int) or getattr(self, n) <= 0:
-                raise UserError(f"--{n.replace('_', '-')}: expected a positive integer, got {getattr(self, n)!r}.")
         if self.stop_after < 0:
             raise UserError(f"--stop-after: expected a step count >= 0, got {self.stop_after}.")
         if sum(bool(x) for x in (self.data, self.prompts, self.magpie)) > 1:
