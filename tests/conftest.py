@@ -7,6 +7,7 @@ Treat both as read-only: copy a directory before editing it.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Callable
 
@@ -35,16 +36,17 @@ def tiny_pair(make_tiny_pair) -> Path:
     return make_tiny_pair()
 
 
+_INDUCTOR_CACHE_AT_START = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+
+
 @pytest.fixture(autouse=True)
 def _own_inductor_cache_dir():
     """An engine compiled in this process points TORCHINDUCTOR_CACHE_DIR at its own directory (Engine.
-    _keep_inductor_cache); restore it after each test, so that a later test's child processes (run, serve, mpirun
-    ranks) use their own engine's cache, as a user's would, not the last in-process engine's."""
-    import os
-
-    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    _keep_inductor_cache); put back the value the session started with after each test (not the one before it: a
+    module-scoped engine sets it before the first test's function fixtures run), so that a later test's child
+    processes (run, serve, mpirun ranks) use their own engine's cache, as a user's would, not an in-process engine's."""
     yield
-    if before is None:
+    if _INDUCTOR_CACHE_AT_START is None:
         os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
     else:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = _INDUCTOR_CACHE_AT_START

@@ -21,3 +21,20 @@ def test_tp_ranks_compile_into_their_own_inductor_caches(tmp_path, monkeypatch):
     engine_mod.Engine._keep_inductor_cache(SimpleNamespace(engine_dir=tmp_path / "e",
                                                            dist=SimpleNamespace(rank=0, world_size=2)))
     assert engine_mod.os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine" / "rank0")
+
+
+def test_the_users_inductor_cache_is_not_torchs_default(tmp_path):
+    """Importing the runtime makes inductor write its default directory into TORCHINDUCTOR_CACHE_DIR; the engine must
+    not take that for the user's choice (it did: every engine's kernels went to /tmp, none beside the engine), and
+    must keep a directory the user did set."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import trt_redrafter.runtime.engine as e; print(repr(e.USER_INDUCTOR_CACHE))"
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "None", out.stdout
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "mine")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == repr(str(tmp_path / "mine")), out.stdout

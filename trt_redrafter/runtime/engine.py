@@ -61,8 +61,22 @@ from .step import DecodeStep, RowLayout, StepKernels
 from .timing import PhaseTimer
 
 logger = get_logger(__name__)
-# the user's inductor cache, read at import: torch writes its own default into the environment on first use
-USER_INDUCTOR_CACHE = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+
+
+def _users_inductor_cache() -> Optional[str]:
+    """TORCHINDUCTOR_CACHE_DIR if the user set it. Inductor writes its default (/tmp/torchinductor_<user>) into the
+    environment on first use (cache_dir_utils.cache_dir), which importing the model's kernels already does: that
+    value is not the user's choice (read as one, every engine's kernels went to /tmp instead of beside the engine)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    value = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if value is None or os.path.abspath(value) == os.path.abspath(default_cache_dir()):
+        return None
+    return value
+
+
+# read at import, before an engine of this process points it at its own directory
+USER_INDUCTOR_CACHE = _users_inductor_cache()
 
 PHASES = ("verify", "accept", "rewind", "draft", "pack")
 COST_CONTEXTS = (32, 1024)  # context lengths the cost model is measured at (the longer one capped by max_seq_len)
