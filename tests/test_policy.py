@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from engine_utils import OracleProposer, build_tiny_engines, greedy, load_engine, random_prompts
+from engine_utils import HostDrafts, OracleProposer, build_tiny_engines, greedy, load_engine, random_prompts
 from trt_redrafter.config import RuntimeConfig, SamplingConfig
 from trt_redrafter.errors import UserError
 from trt_redrafter.runtime import policy as pol
@@ -220,6 +220,35 @@ def test_large_batches_on_a_compute_bound_machine_take_ar_steps():
     assert not policy.decide(cands(8, good, Calibration()), True).is_tree
 
 
+def test_host_trees_pay_for_their_composing_too():
+    """Trees composed on the host (no device drafting) are verified only where what they add pays for the verify and
+    the host's time to compose them; while they do not, the policy rests from composing (AR steps that compose
+    nothing), composes again to probe after PROBE_MIN AR steps, then twice as long each time the probe finds nothing,
+    and goes back to composing and verifying every step once the trees pay."""
+    good = [0, q(0.6), q(0.35)]
+    policy = Policy("auto", 13, flat_costs())
+    d = policy.decide(cands(1, good, Calibration()), can_draft=False)
+    assert d.is_tree and d.compose
+    policy.observe_host(20.0)  # composing a tree costs two AR steps: no tree of this batch pays for that
+    d = policy.decide(cands(1, good, Calibration()), can_draft=False)
+    assert not d.is_tree and not d.compose
+    composed, fresh = [], False
+    for i in range(PROBE_MIN + 2 * PROBE_MIN):
+        d = policy.decide(cands(1, good, Calibration(), fresh=fresh), can_draft=False)
+        assert not d.is_tree
+        if d.compose:
+            composed.append(i)
+        fresh = d.compose  # the step after a composing one has a fresh tree
+    assert composed == [PROBE_MIN - 2, PROBE_MIN - 2 + 2 * PROBE_MIN], composed
+    for _ in range(10):
+        policy.observe_host(0.0)  # composing got cheap
+    while not d.compose:
+        d = policy.decide(cands(1, good, Calibration(), fresh=False), can_draft=False)
+    for _ in range(3):
+        d = policy.decide(cands(1, good, Calibration()), can_draft=False)
+        assert d.is_tree and d.compose
+
+
 def test_fixed_modes_and_apple_verify_what_they_say():
     costs = flat_costs()
     weak = [0, q(0.01), q(0.001)]
@@ -344,3 +373,48 @@ def test_an_oracle_gets_its_whole_tree(tiny):
     assert [r.output_ids for r in res] == [r.output_ids for r in ar.values()]
     assert [w for w in seen if w is not None] and all(w == 5 for w in seen if w is not None)
     assert min(r.tokens_per_step for r in res) > 4.0
+
+
+class ConfidentlyWrong(HostDrafts):
+    """A host proposer that claims certainty for random drafts (tests only)."""
+
+    def __init__(self, engine_dir, seed: int = 0):
+        import torch
+
+        from trt_redrafter.checkpoint.engine_config import load_engine_config
+
+        info = load_engine_config(engine_dir).checkpoint
+        self.num_beams, self.draft_len = info.redrafter.num_beams, info.redrafter.draft_len_per_beam
+        self.vocab, self.g, self.calls = info.model.vocab_size, torch.Generator().manual_seed(seed), 0
+
+    def beams(self, seq):
+        import torch
+
+        self.calls += 1
+        beams = torch.randint(3, self.vocab, (self.num_beams, self.draft_len + 1), generator=self.g)
+        beams[:, 0] = seq.true_token
+        return beams
+
+
+def test_host_trees_that_never_pay_are_not_composed_every_step(tiny):
+    """A host proposer's trees that are never accepted: the policy learns it, takes AR steps and stops asking the
+    proposer for trees between them (it probes now and then); the output is AR's."""
+    proposer = ConfidentlyWrong(tiny["engine_dir"])
+    engine = load_engine(tiny["engine_dir"], proposer, speculate="auto")
+    engine.policy._costs = flat_costs()  # a tree step costs 10% more than an AR step: measured ones vary by run
+    decisions = []
+    step = engine.step
+
+    def recording(seqs, decision=None):
+        decision = decision if decision is not None else engine.decide(seqs)
+        if any(not s.in_prompt_phase for s in seqs):
+            decisions.append(decision)
+        return step(seqs, decision)
+
+    engine.step = recording
+    res = generate(engine, tiny["prompts"] * 2, greedy(MAX_NEW))
+    assert [r.output_ids for r in res] == tiny["greedy_ar"] * 2
+    late = decisions[len(decisions) // 2:]
+    assert all(not d.is_tree for d in late), [d.width for d in late]
+    assert sum(d.compose for d in late) <= 0.3 * len(late), [d.compose for d in late]
+    assert proposer.calls < 0.5 * sum(len(r.output_ids) for r in res)

@@ -436,7 +436,7 @@ class Engine:
             s.tree_fresh, s.pending = False, None  # the tree is the last one it had, until a new one is drafted
             if layout is None:  # AR step: [token | 1 | 0]
                 emitted[s.seq_id] = row[:1]
-                if spec and prop.on_host:
+                if spec and prop.on_host and decision.compose:
                     compose[s.seq_id] = None
                 continue
             r = layout.parse(row)
@@ -480,7 +480,9 @@ class Engine:
             draft = self.proposer_of(s).compose(s, device.get(s.seq_id))
             if draft is not None:
                 s.pending, s.tree, s.tree_fresh = draft, TreeNodes(*draft.nodes()), True
-        self.step_times.add("propose", time.perf_counter() - t0)
+        took = time.perf_counter() - t0
+        self.step_times.add("propose", took)
+        self.policy.observe_host(1e3 * took / len(seqs))
 
     def _rule(self, group: list[Sequence]) -> str:
         """The batch's acceptance variant: apple (some speculative request asks for it), greedy (every request is

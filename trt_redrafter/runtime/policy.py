@@ -25,7 +25,12 @@ steps; as those draft nothing, it probes after PROBE_MIN steps, backing off to P
 worth verifying, and waits PROBE_MAX where the requests' last trees, drafted again, would not pay either. A probe is
 a step that drafts (width 1) and then one that verifies the fresh trees where the proposer's own claims say they
 would pay, whatever the calibration says: a calibration that turned pessimistic on a hard stretch of text learns
-only from verified nodes, and a policy that stopped verifying would never see the drafter recover. The published anchors: EAGLE-2 (trees from draft confidence), SpecDec++ (stop drafting when
+only from verified nodes, and a policy that stopped verifying would never see the drafter recover.
+
+Trees composed on the host between steps (N-gram, a test's oracle) cost host time as well as the verify: where every
+tree of the batch comes from the host, that time (a running mean per request, measured) is added to the tree step's
+cost, and while their trees do not pay the policy rests from composing them too (`StepDecision.compose`), composing
+again to probe after PROBE_MIN AR steps, backing off to PROBE_MAX. The published anchors: EAGLE-2 (trees from draft confidence), SpecDec++ (stop drafting when
 acceptance is unlikely), SmartSpec and vLLM's dynamic speculation (speculate only while goodput gains: less under
 load).
 
@@ -314,6 +319,7 @@ class StepDecision:
     keep: dict[int, int] = field(default_factory=dict)
     draft: bool = True
     expected: float = 0.0  # tokens per request the policy expected (tree steps), for the record
+    compose: bool = True  # host proposers compose the next trees after this step (not while the policy rests)
 
     @property
     def is_tree(self) -> bool:
@@ -321,6 +327,7 @@ class StepDecision:
 
 
 AR_STEP = StepDecision(0, {}, False)
+AR_REST = StepDecision(0, {}, False, compose=False)  # resting from host trees: an AR step, and no tree composed
 
 
 class Policy:
@@ -335,6 +342,12 @@ class Policy:
         self.rest, self.probe_every, self.probing, self.hopeless = 0, PROBE_MIN, False, False
         self.speculating, self.mean_gain, self.mean_cost, self.mean_batch = False, 1.0, 1.0, 0
         self.calibrations: dict[tuple[str, bool], Calibration] = {}
+        self.host_ms, self.host_resting = 0.0, False  # ms to compose one request's tree on the host (running mean)
+
+    def observe_host(self, ms_per_request: float) -> None:
+        """The host's time to compose one request's tree, measured by the engine after each step that composed."""
+        self.host_ms = ms_per_request if self.host_ms == 0 else \
+            MEAN_DECAY * self.host_ms + (1 - MEAN_DECAY) * ms_per_request
 
     @property
     def costs(self) -> CostModel:
@@ -356,7 +369,16 @@ class Policy:
 
     def decide(self, cands: list[Candidate], can_draft: bool) -> StepDecision:
         """The step for these decoding requests. `can_draft`: some request's next tree is drafted on the device (a
-        tree step drafts, an AR step does not; without it, trees come from the host whatever the step)."""
+        tree step drafts, an AR step does not; without it, trees come from the host, composed after any step the
+        decision does not rest)."""
+        d = self._decide(cands, can_draft)
+        if d is AR_STEP and self.host_resting and self.rest + 1 < self.probe_every:
+            return AR_REST  # the next step is an AR step too: nothing to compose for it
+        return d
+
+    def _decide(self, cands: list[Candidate], can_draft: bool) -> StepDecision:
+        if can_draft:
+            self.host_resting = False
         spec = [c for c in cands if c.speculative]
         if not spec:
             return AR_STEP
@@ -394,9 +416,14 @@ class Policy:
             if (B + expected) / ms > B / ar_ms:
                 return StepDecision(width, self._keep(cands, width), True, expected / B)
         width, expected, ms = self._best(fresh, B, context, widths)
-        if not can_draft:  # trees from the host: verify the best part of them, or take an AR step
-            if (B + expected) / ms > B / ar_ms:
+        if not can_draft:  # trees from the host: verify the best part of them, or take AR steps and rest from them
+            host = self.host_ms * len(fresh)  # what composing these trees again costs, whatever width is verified
+            if (B + expected) / (ms + host) > B / ar_ms:
+                self.host_resting, self.rest, self.probe_every = False, 0, PROBE_MIN
                 return StepDecision(width, self._keep(cands, width), False, expected / B)
+            if self.host_resting:  # a probe that found nothing worth it: wait twice as long for the next
+                self.probe_every = min(2 * self.probe_every, PROBE_MAX)
+            self.host_resting, self.rest = True, 0
             return AR_STEP
         # drafting: worth its cost while the trees it makes pay on average (running means, at this batch size, of
         # what a step emits and costs in AR steps); a run of trees with nothing worth verifying stops it
