@@ -270,3 +270,17 @@ def test_engine_with_kernels_greedy_equals_ar_and_hf(tmp_path):
     ar = [r.output_ids for r in generate(engine, prompts, greedy(10), "ar")]
     rd = [r.output_ids for r in generate(engine, prompts, greedy(10), "redrafter")]
     assert rd == ar == [hf_greedy(base, p, 10) for p in prompts]
+
+
+def test_importing_the_model_and_runtime_leaves_triton_unimported():
+    """triton.jit reads TRITON_INTERPRET when a kernel (triton.language's own included) is defined, and this file sets
+    it before importing the kernels: a model or runtime module that imported triton (or dynamo, which imports it) at
+    import would leave every interpreted kernel test of the suite failing ("Cannot call @triton.jit'd outside of the
+    scope of a kernel"), as the CPU collectives' torch.compiler.disable once did."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import trt_redrafter.runtime.engine, trt_redrafter.model.llama, trt_redrafter.model.tp; "
+            "print(sorted(m for m in ('triton', 'torch._dynamo', 'torch._inductor') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

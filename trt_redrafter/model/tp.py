@@ -6,14 +6,16 @@ so the single-process path pays nothing and traces to nothing under `torch.compi
 
 On the CPU (gloo) the collectives run eagerly, outside compiled graphs: `torch.compile` splits a step's graph at
 each one. Traced into an inductor graph as functional collectives, gloo's asynchronous all-gather/all-reduce
-crashed a rank with signal 11 in about one run in six of the TP=2 compiled test (in the drafter's graph, in CI and
-here); a CPU step gains nothing from having them in the graph (no CUDA graphs to capture). On CUDA (NCCL) they stay
+corrupted the heap ("malloc(): unaligned tcache chunk detected", then signal 6 or 11 at the all-gather's
+wait_tensor in the drafter's graph) in 3 of 14 runs of a TP=2 compiled engine measuring its step costs, and once in CI;
+a CPU step gains nothing from having them in the graph (no CUDA graphs to capture). On CUDA (NCCL) they stay
 in the graph, where CUDA graphs capture them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as tdist
@@ -26,6 +28,17 @@ class Dist:
     rank: int
     world_size: int
     device: torch.device
+    _all_reduce: Callable = field(init=False, repr=False, compare=False)
+    _all_gather: Callable = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        self._all_reduce, self._all_gather = _all_reduce, _all_gather
+        if self.world_size > 1 and self.device.type != "cuda":
+            # the CPU's collectives are never traced (module docstring). Wrapped here, not at import:
+            # torch.compiler.disable imports dynamo and with it triton, whose jit reads TRITON_INTERPRET when a kernel
+            # is defined (tests set it before they import the kernels)
+            self._all_reduce = torch.compiler.disable(_all_reduce)
+            self._all_gather = torch.compiler.disable(_all_gather)
 
     @property
     def is_driver(self) -> bool:
@@ -34,14 +47,14 @@ class Dist:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, in place (row-parallel linears)."""
         if self.world_size > 1:
-            (_all_reduce if self.device.type == "cuda" else _all_reduce_eager)(x)
+            self._all_reduce(x)
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Concatenate every rank's `x` along `dim` (column-parallel outputs, vocab-parallel logits)."""
         if self.world_size == 1:
             return x
-        return (_all_gather if self.device.type == "cuda" else _all_gather_eager)(x, self.world_size, dim)
+        return self._all_gather(x, self.world_size, dim)
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Rank `src`'s value everywhere; decisions (accepted tokens, drafts) use this so ranks never drift."""
@@ -71,6 +84,3 @@ def _all_gather(x: torch.Tensor, world_size: int, dim: int) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
-# the CPU's: never traced (module docstring)
-_all_reduce_eager = torch.compiler.disable(_all_reduce)
-_all_gather_eager = torch.compiler.disable(_all_gather)

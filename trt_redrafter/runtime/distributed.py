@@ -91,10 +91,11 @@ def init_dist(tp_size: int, device: str = "auto") -> Dist:
     port = comm.bcast(_free_port() if rank == 0 else None, root=0)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     backend = "nccl" if dev.type == "cuda" else "gloo"
+    dist = Dist(rank, world, dev)  # before the group starts its threads: Dist may import dynamo (model/tp.py)
     tdist.init_process_group(backend, init_method=f"tcp://{os.environ['MASTER_ADDR']}:{port}", rank=rank,
                              world_size=world, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     logger.debug("rank %d/%d joined a %s group on %s", rank, world, backend, dev)
-    return Dist(rank, world, dev)
+    return dist
 
 
 def init_dist_tcp(rank: int, world_size: int, port: int, device: str = "auto",
@@ -105,9 +106,10 @@ def init_dist_tcp(rank: int, world_size: int, port: int, device: str = "auto",
     if world_size == 1:
         return Dist(0, 1, dev)
     backend = "nccl" if dev.type == "cuda" else "gloo"
+    dist = Dist(rank, world_size, dev)  # before the group starts its threads (as in init_dist)
     tdist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world_size,
                              timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-    return Dist(rank, world_size, dev)
+    return dist
 
 
 def free_port() -> int:
