@@ -8,10 +8,11 @@ def test_tp_ranks_compile_into_their_own_inductor_caches(tmp_path, monkeypatch):
     TORCHINDUCTOR_CACHE_DIR the user set at start-up wins over the engine directory."""
     from types import SimpleNamespace
 
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
     from trt_redrafter.runtime import engine as engine_mod
 
-    monkeypatch.setattr(engine_mod, "USER_INDUCTOR_CACHE", None)
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/somewhere/torch/set/itself")  # torch's default, written on use
+    monkeypatch.setattr(engine_mod, "USER_INDUCTOR_CACHE", default_cache_dir())  # torch's own, written on first use
     for rank, world, want in ((0, 1, tmp_path / "e" / ".cache" / "inductor"),
                               (1, 2, tmp_path / "e" / ".cache" / "inductor" / "rank1")):
         fake = SimpleNamespace(engine_dir=tmp_path / "e", dist=SimpleNamespace(rank=rank, world_size=world))
@@ -31,7 +32,7 @@ def test_the_users_inductor_cache_is_not_torchs_default(tmp_path):
     import subprocess
     import sys
 
-    code = "import trt_redrafter.runtime.engine as e; print(repr(e.USER_INDUCTOR_CACHE))"
+    code = "import trt_redrafter.runtime.engine as e; print(repr(e._users_inductor_cache()))"
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "None", out.stdout

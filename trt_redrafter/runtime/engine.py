@@ -63,20 +63,21 @@ from .timing import PhaseTimer
 logger = get_logger(__name__)
 
 
+# TORCHINDUCTOR_CACHE_DIR at import, before an engine of this process points it at its own directory
+USER_INDUCTOR_CACHE = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+
+
 def _users_inductor_cache() -> Optional[str]:
     """TORCHINDUCTOR_CACHE_DIR if the user set it. Inductor writes its default (/tmp/torchinductor_<user>) into the
     environment on first use (cache_dir_utils.cache_dir), which importing the model's kernels already does: that
-    value is not the user's choice (read as one, every engine's kernels went to /tmp instead of beside the engine)."""
+    value is not the user's choice (read as one, every engine's kernels went to /tmp instead of beside the engine).
+    Called when compiling: importing torch._inductor at import would import triton too early for TRITON_INTERPRET."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    value = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    value = USER_INDUCTOR_CACHE
     if value is None or os.path.abspath(value) == os.path.abspath(default_cache_dir()):
         return None
     return value
-
-
-# read at import, before an engine of this process points it at its own directory
-USER_INDUCTOR_CACHE = _users_inductor_cache()
 
 PHASES = ("verify", "accept", "rewind", "draft", "pack")
 COST_CONTEXTS = (32, 1024)  # context lengths the cost model is measured at (the longer one capped by max_seq_len)
@@ -246,7 +247,8 @@ class Engine:
         compiled test (tests/test_tp.py) lost a rank to signal 6 or 11 in two full-suite runs."""
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-        where = [Path(USER_INDUCTOR_CACHE)] if USER_INDUCTOR_CACHE else []
+        user = _users_inductor_cache()
+        where = [Path(user)] if user else []
         if not where and self.engine_dir is not None:
             where.append(self.engine_dir / ".cache" / "inductor")
         where.append(Path(default_cache_dir()))
