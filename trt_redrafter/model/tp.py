@@ -82,5 +82,3 @@ def _all_gather(x: torch.Tensor, world_size: int, dim: int) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(world_size)]
     tdist.all_gather(parts, x.contiguous())
     return torch.cat(parts, dim=dim)
-
-

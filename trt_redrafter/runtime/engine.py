@@ -61,16 +61,15 @@ from .step import DecodeStep, RowLayout, StepKernels
 from .timing import PhaseTimer
 
 logger = get_logger(__name__)
-
-
 # TORCHINDUCTOR_CACHE_DIR at import, before an engine of this process points it at its own directory
 USER_INDUCTOR_CACHE = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
 
 
 def _users_inductor_cache() -> Optional[str]:
     """TORCHINDUCTOR_CACHE_DIR if the user set it. Inductor writes its default (/tmp/torchinductor_<user>) into the
-    environment on first use (cache_dir_utils.cache_dir), which importing the model's kernels already does: that
-    value is not the user's choice (read as one, every engine's kernels went to /tmp instead of beside the engine).
+    environment on first use (cache_dir_utils.cache_dir), so in a process that imported dynamo or inductor before
+    this module it holds that default, which is not the user's choice (read as one, every engine's kernels went to
+    /tmp instead of beside the engine).
     Called when compiling: importing torch._inductor at import would import triton too early for TRITON_INTERPRET."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
@@ -78,6 +77,7 @@ def _users_inductor_cache() -> Optional[str]:
     if value is None or os.path.abspath(value) == os.path.abspath(default_cache_dir()):
         return None
     return value
+
 
 PHASES = ("verify", "accept", "rewind", "draft", "pack")
 COST_CONTEXTS = (32, 1024)  # context lengths the cost model is measured at (the longer one capped by max_seq_len)
@@ -243,8 +243,8 @@ class Engine:
         """Inductor's compiled kernels go beside the engine (`.cache/inductor`), so that the next process that loads
         it reuses them instead of compiling for minutes again; or where TORCHINDUCTOR_CACHE_DIR says; or, if the
         engine directory cannot be written, inductor's default under /tmp. Under TP each rank has its own
-        subdirectory: the ranks compile the same graphs at the same moment, and with one shared directory the TP=2
-        compiled test (tests/test_tp.py) lost a rank to signal 6 or 11 in two full-suite runs."""
+        subdirectory, as the ranks compile the same graphs at the same moment. (The TP=2 compiled test's lost ranks,
+        once blamed on a shared directory, came from collectives traced into the graphs: model/tp.py.)"""
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
         user = _users_inductor_cache()

@@ -30,9 +30,10 @@ only from verified nodes, and a policy that stopped verifying would never see th
 Trees composed on the host between steps (N-gram, a test's oracle) cost host time as well as the verify: where every
 tree of the batch comes from the host, that time (a running mean per request, measured) is added to the tree step's
 cost, and while their trees do not pay the policy rests from composing them too (`StepDecision.compose`), composing
-again to probe after PROBE_MIN AR steps, backing off to PROBE_MAX. The published anchors: EAGLE-2 (trees from draft confidence), SpecDec++ (stop drafting when
-acceptance is unlikely), SmartSpec and vLLM's dynamic speculation (speculate only while goodput gains: less under
-load).
+again to probe after PROBE_MIN AR steps, backing off to PROBE_MAX.
+
+The published anchors: EAGLE-2 (trees from draft confidence), SpecDec++ (stop drafting when acceptance is unlikely),
+SmartSpec and vLLM's dynamic speculation (speculate only while goodput gains: less under load).
 
 Every TP rank runs the decisions rank 0 made (the scheduler broadcasts them with the step plan), so a cost model
 measured per rank, or a float rounded differently, can never make ranks disagree.
