@@ -3,6 +3,8 @@ as the torch ops `trt_redrafter_cpu::*`, which eager code calls directly and `to
 kernels (their fake functions below give it the output shapes).
 
     pack, linear     y = x W^T (+ b) over W packed in 16-column panels      linear.cpp   oracle: F.linear
+    linear_wo        the same over weight-only int8 / int4 W = q s           linear.cpp   oracle: F.linear of q s
+                     (q and s packed by `pack_wo` below)
     tree_attention   tree attention reading the paged KV cache in place      attention.cpp
                                                               oracle: model.attention.torch_tree_attention
 
@@ -75,6 +77,7 @@ def ops():
                             f"--kernels torch")
         raise UserError(_BUILD_ERROR[0]) from e
     torch.library.register_fake("trt_redrafter_cpu::linear", _linear_fake)
+    torch.library.register_fake("trt_redrafter_cpu::linear_wo", _linear_wo_fake)
     torch.library.register_fake("trt_redrafter_cpu::tree_attention", _tree_attention_fake)
     return torch.ops.trt_redrafter_cpu
 
@@ -123,6 +126,31 @@ def _quiet(name: str):
 
 def _linear_fake(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias) -> torch.Tensor:
     return x.new_empty(x.shape[0], out_features)
+
+
+def _linear_wo_fake(x, qweight, scales, bits: int, group_size: int, out_features: int, bias) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features)
+
+
+PANEL = 16  # output columns per panel (linear.cpp kCols)
+
+
+def pack_wo(q: torch.Tensor, scales: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight-only q [N, K] (int8 values; for bits=4 in [-8, 7]) and scales [N, G] -> (bytes, fp32 scales) in the
+    panel layouts `linear_wo` reads: int8 [P, K, 16], int4 [P, K / 2, 16] (k = 2j in the low nibble, 2j + 1 in the
+    high one), scales [P, G, 16]; P = ceil(N / 16), padded with zeros."""
+    N, K = q.shape
+    assert bits in (4, 8) and scales.shape[0] == N and (bits == 8 or K % 2 == 0), (bits, tuple(q.shape))
+    P = -(-N // PANEL)
+    qp = torch.zeros(P * PANEL, K, dtype=torch.int8)
+    qp[:N] = q
+    u = qp.view(torch.uint8)
+    if bits == 4:
+        u = (u[:, 0::2] & 0xF) | ((u[:, 1::2] & 0xF) << 4)
+    sp = torch.zeros(P * PANEL, scales.shape[1], dtype=torch.float32)
+    sp[:N] = scales.float()
+    return (u.reshape(P, PANEL, -1).transpose(1, 2).contiguous(),
+            sp.view(P, PANEL, -1).transpose(1, 2).contiguous())
 
 
 def _tree_attention_fake(q, k_cache, v_cache, block_table, ctx_len, tree_mask, block_size: int, scale: float):

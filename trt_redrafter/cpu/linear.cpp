@@ -199,14 +199,165 @@ at::Tensor linear_op(const at::Tensor& x_in, const at::Tensor& packed, int64_t N
   return y;
 }
 
+// ---- weight-only int8 / int4: y = x (q s)^T (+ b) -------------------------------------------------------------
+// q is packed in 16-column panels of bytes: int8 [P, K, 16]; int4 [P, K / 2, 16], each byte holding k = 2 j (low
+// nibble) and k = 2 j + 1 (high nibble), two's complement. s [P, G, 16] fp32, one scale per column and group of
+// `gs` k (G = K / gs; gs = K: per channel). Each y[m, n] is, per group in ascending order, an fp32 chain over k
+// ascending of x[m, k] * q[n, k] (x widened to fp32 for bf16), folded into the running sum as fma(chain, s, sum)
+// (per channel: chain * s), then + b[n], then rounded: one fixed order whatever M, the tiling and the threads, as
+// for the float kernels.
+// The integer weights become floats in registers: int8 by sign extension, int4 through a 16-entry vpermps table
+// (vpermps reads only the low 4 bits of each index, so the low nibble needs no mask).
+inline __m512 int8x16(const int8_t* q) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)q))); }
+
+inline float widen(float v) { return v; }
+inline float widen(c10::BFloat16 v) { return static_cast<float>(v); }
+
+// GROUPED: G > 1, each group's chain folded into a running sum (2 MR NP accumulators); else one chain per output
+// scaled at the end, acc * s (the same value as fma(acc, s, 0)), with MR NP accumulators and so larger tiles
+template <int BITS, bool GROUPED, int MR, int NP, typename T>
+void tile_wo(const T* x, int64_t ldx, int64_t K, const uint8_t* qp, const float* sp, int64_t gs, int64_t n0,
+             int64_t N, const T* bias, T* y, int64_t ldy) {
+  const int64_t G = K / gs;
+  const int64_t panel = BITS == 8 ? K * kCols : K / 2 * kCols;  // bytes per panel
+  const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1);
+  __m512 acc[MR][NP], part[MR][NP];
+  if constexpr (GROUPED)
+    for (int m = 0; m < MR; ++m)
+      for (int p = 0; p < NP; ++p) acc[m][p] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    for (int m = 0; m < MR; ++m)
+      for (int p = 0; p < NP; ++p) part[m][p] = _mm512_setzero_ps();
+    if constexpr (BITS == 8) {
+      for (int64_t k = g * gs; k < (g + 1) * gs; ++k) {
+        __m512 w[NP];
+        for (int p = 0; p < NP; ++p) w[p] = int8x16((const int8_t*)qp + p * panel + k * kCols);
+        for (int m = 0; m < MR; ++m) {
+          const __m512 xv = _mm512_set1_ps(widen(x[m * ldx + k]));
+          for (int p = 0; p < NP; ++p) part[m][p] = _mm512_fmadd_ps(xv, w[p], part[m][p]);
+        }
+      }
+    } else {
+      for (int64_t k = g * gs; k < (g + 1) * gs; k += 2) {
+        __m512 lo[NP], hi[NP];
+        for (int p = 0; p < NP; ++p) {
+          const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(qp + p * panel + k / 2 * kCols)));
+          lo[p] = _mm512_permutexvar_ps(b, table);
+          hi[p] = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
+        }
+        for (int m = 0; m < MR; ++m) {
+          const __m512 x0 = _mm512_set1_ps(widen(x[m * ldx + k])), x1 = _mm512_set1_ps(widen(x[m * ldx + k + 1]));
+          for (int p = 0; p < NP; ++p) part[m][p] = _mm512_fmadd_ps(x1, hi[p], _mm512_fmadd_ps(x0, lo[p], part[m][p]));
+        }
+      }
+    }
+    for (int p = 0; p < NP; ++p) {
+      const __m512 s = _mm512_loadu_ps(sp + (p * G + g) * kCols);
+      for (int m = 0; m < MR; ++m)
+        acc[m][p] = GROUPED ? _mm512_fmadd_ps(part[m][p], s, acc[m][p]) : _mm512_mul_ps(part[m][p], s);
+    }
+  }
+  store_tile(acc, n0, N, bias, y, ldy);
+}
+
+template <int BITS, bool GROUPED, typename T, int MR, int NP>
+void panels_wo(const T* x, int64_t K, const uint8_t* qp, const float* sp, int64_t gs, int64_t p0, int64_t np,
+               int64_t N, const T* b, T* y) {
+  const int64_t pb = BITS == 8 ? K * kCols : K / 2 * kCols, ps = K / gs * kCols;
+  int64_t p = p0;
+  for (; p + NP <= p0 + np; p += NP)
+    tile_wo<BITS, GROUPED, MR, NP>(x, K, K, qp + p * pb, sp + p * ps, gs, p * kCols, N, b, y, N);
+  for (; p < p0 + np; ++p) tile_wo<BITS, GROUPED, MR, 1>(x, K, K, qp + p * pb, sp + p * ps, gs, p * kCols, N, b, y, N);
+}
+
+template <int BITS, bool GROUPED, typename T>
+void linear_wo(const T* x, int64_t M, int64_t K, const uint8_t* qp, const float* sp, int64_t gs, int64_t N,
+               const T* b, T* y) {
+  const int64_t P = (N + kCols - 1) / kCols;
+  at::parallel_for(0, P, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; g += kGroup) {
+      const int64_t np = std::min(kGroup, end - g);
+      for (int64_t m = 0; m < M; m += kRows) {
+        const T* xm = x + m * K;
+        T* ym = y + m * N;
+        const int64_t mr = std::min(kRows, M - m);
+        if constexpr (GROUPED) {  // 2 MR NP accumulators (group sums and totals) + NP weights
+          switch (mr) {
+            case 1: panels_wo<BITS, true, T, 1, 8>(xm, K, qp, sp, gs, g, np, N, b, ym); break;
+            case 2: panels_wo<BITS, true, T, 2, 6>(xm, K, qp, sp, gs, g, np, N, b, ym); break;
+            case 3: panels_wo<BITS, true, T, 3, 4>(xm, K, qp, sp, gs, g, np, N, b, ym); break;
+            case 4: panels_wo<BITS, true, T, 4, 3>(xm, K, qp, sp, gs, g, np, N, b, ym); break;
+            case 5: panels_wo<BITS, true, T, 5, 2>(xm, K, qp, sp, gs, g, np, N, b, ym); break;
+            default: panels_wo<BITS, true, T, 6, 2>(xm, K, qp, sp, gs, g, np, N, b, ym); break;
+          }
+        } else {  // the float kernels' tiles
+          switch (mr) {
+            case 1: panels_wo<BITS, false, T, 1, 8>(xm, K, qp, sp, gs, g, np, N, b, ym); break;
+            case 2: panels_wo<BITS, false, T, 2, 8>(xm, K, qp, sp, gs, g, np, N, b, ym); break;
+            case 3: panels_wo<BITS, false, T, 3, 6>(xm, K, qp, sp, gs, g, np, N, b, ym); break;
+            case 4: panels_wo<BITS, false, T, 4, 4>(xm, K, qp, sp, gs, g, np, N, b, ym); break;
+            case 5: panels_wo<BITS, false, T, 5, 4>(xm, K, qp, sp, gs, g, np, N, b, ym); break;
+            default: panels_wo<BITS, false, T, 6, 4>(xm, K, qp, sp, gs, g, np, N, b, ym); break;
+          }
+        }
+      }
+    }
+  });
+}
+
+at::Tensor linear_wo_op(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales, int64_t bits,
+                        int64_t group_size, int64_t N, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x_in.dim() == 2, "cpu_linear_wo: x must be [M, K]");
+  check_dtype(x_in, "x");
+  TORCH_CHECK(bits == 8 || bits == 4, "cpu_linear_wo: bits must be 8 or 4, got ", bits);
+  const at::Tensor x = x_in.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), P = (N + kCols - 1) / kCols;
+  TORCH_CHECK(group_size > 0 && K % group_size == 0 && (bits == 8 || group_size % 2 == 0),
+              "cpu_linear_wo: group size ", group_size, " must divide K = ", K, " (and be even for int4)");
+  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.is_contiguous() &&
+                  qweight.numel() == P * kCols * (bits == 8 ? K : K / 2),
+              "cpu_linear_wo: the packed weight does not match x [", M, ", ", K, "] and ", N, " outputs");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == P * kCols * (K / group_size),
+              "cpu_linear_wo: the packed scales do not match ", N, " outputs and groups of ", group_size);
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  std::optional<at::Tensor> b;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N && bias->scalar_type() == x.scalar_type(), "cpu_linear_wo: bias must be [", N,
+                "] ", x.scalar_type());
+    b = bias->contiguous();
+  }
+  const uint8_t* qp = qweight.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    const T* bp = b ? b->data_ptr<T>() : nullptr;
+    const T* xp = x.data_ptr<T>();
+    T* yp = y.data_ptr<T>();
+    const bool grouped = group_size < K;
+    if (bits == 8) {
+      if (grouped) linear_wo<8, true, T>(xp, M, K, qp, sp, group_size, N, bp, yp);
+      else linear_wo<8, false, T>(xp, M, K, qp, sp, group_size, N, bp, yp);
+    } else {
+      if (grouped) linear_wo<4, true, T>(xp, M, K, qp, sp, group_size, N, bp, yp);
+      else linear_wo<4, false, T>(xp, M, K, qp, sp, group_size, N, bp, yp);
+    }
+  };
+  if (x.scalar_type() == at::kBFloat16) run(c10::BFloat16());
+  else run(float());
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(trt_redrafter_cpu, m) {
   m.def("pack(Tensor w) -> Tensor");
   m.def("linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
+  m.def("linear_wo(Tensor x, Tensor qweight, Tensor scales, int bits, int group_size, int out_features, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(trt_redrafter_cpu, CPU, m) {
   m.impl("pack", &pack);
   m.impl("linear", &linear_op);
+  m.impl("linear_wo", &linear_wo_op);
 }

@@ -31,7 +31,8 @@ kernels, eager calls them directly.
 
 from __future__ import annotations
 
-from typing import Literal, Optional, get_args
+from dataclasses import dataclass
+from typing import Literal, Optional, Union, get_args
 
 import torch
 import torch.nn as nn
@@ -129,12 +130,48 @@ torch.library.register_fake("trt_redrafter::onednn_linear", _onednn_linear_fake,
 onednn_linear = torch.ops.trt_redrafter.onednn_linear
 
 
+@dataclass
+class QuantWeight:
+    """A weight-only quantized weight W = q * s: q [out, in] int8 (int4: values in [-8, 7], one per byte here),
+    s [out, in / group_size] float, one scale per output channel and group of `group_size` inputs
+    (group_size = in: per channel). `dtype` is the float type the layer computes in."""
+
+    q: torch.Tensor
+    scales: torch.Tensor
+    bits: int
+    group_size: int
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    def dequantize(self) -> torch.Tensor:
+        """-> W [out, in] in `dtype` (q * s computed in fp32, then rounded once)."""
+        out, k = self.q.shape
+        s = self.scales.float().repeat_interleave(self.group_size, dim=1)[:, :k]
+        return (self.q.float() * s).to(self.dtype)
+
+    @staticmethod
+    def cat(parts: list["QuantWeight"]) -> "QuantWeight":
+        """Stack along the output dimension (fused column-parallel projections)."""
+        first = parts[0]
+        assert all((p.bits, p.group_size, p.dtype) == (first.bits, first.group_size, first.dtype) for p in parts)
+        return QuantWeight(torch.cat([p.q for p in parts]), torch.cat([p.scales for p in parts]), first.bits,
+                           first.group_size, first.dtype)
+
+
 class Linear(nn.Module):
     """y = x W^T (+ b) with a frozen W [out, in]: `F.linear` ("torch"), or `onednn_linear` / the avx512 kernel over W
     packed at construction ("onednn" / "avx512"); the unpacked W is then not kept (pass a copy if something else
-    still reads it)."""
+    still reads it).
 
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, impl: str = "torch"):
+    A `QuantWeight` runs in the avx512 kernel's weight-only path (`linear_wo`: int8 / int4 bytes read, scaled in
+    registers) and, under any other impl, as its dequantized float weight (the same quantized model, no
+    bandwidth saved)."""
+
+    def __init__(self, weight: Union[torch.Tensor, QuantWeight], bias: Optional[torch.Tensor] = None,
+                 impl: str = "torch"):
         super().__init__()
         assert impl in LINEAR_IMPLS, impl
         self.impl = impl
@@ -142,6 +179,13 @@ class Linear(nn.Module):
         self.bias = None if bias is None else _frozen(bias)  # [out]
         self.weight: Optional[nn.Parameter] = None
         self.packed: Optional[torch.Tensor] = None  # a plain attribute: module moves and state dicts skip it
+        self.quant: Optional[tuple[torch.Tensor, int, int]] = None  # weight-only: (packed scales, bits, group size)
+        if isinstance(weight, QuantWeight):
+            if impl == "avx512":
+                self.packed, scales = cpu.pack_wo(weight.q, weight.scales, weight.bits)
+                self.quant = (scales, weight.bits, weight.group_size)
+                return
+            weight = weight.dequantize()
         if impl == "torch":
             self.weight = _frozen(weight)
             return
@@ -154,14 +198,19 @@ class Linear(nn.Module):
             return F.linear(x, self.weight, self.bias)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        if self.impl == "avx512":
+        if self.quant is not None:
+            scales, bits, group_size = self.quant
+            y = torch.ops.trt_redrafter_cpu.linear_wo(x2, self.packed, scales, bits, group_size, self.out_features,
+                                                      self.bias)
+        elif self.impl == "avx512":
             y = torch.ops.trt_redrafter_cpu.linear(x2, self.packed, self.out_features, self.bias)
         else:
             y = onednn_linear(x2, self.packed, self.bias)
         return y.view(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        return f"{self.in_features} -> {self.out_features}, {self.impl}"
+        q = f", int{self.quant[1]} weights" if self.quant else ""
+        return f"{self.in_features} -> {self.out_features}, {self.impl}{q}"
 
 
 def _frozen(t: torch.Tensor) -> nn.Parameter:
