@@ -22,9 +22,10 @@ def run_cli(*args) -> None:
 
 
 def build_tiny_engines(root: Path, *, seed: int, num_beams: int, draft_len: int, tps=(1,), dtype="float32",
-                       max_batch_size=4, max_seq_len=160, kv_block_size=64, build_args=(),
+                       max_batch_size=4, max_seq_len=160, kv_block_size=64, build_args=(), convert_args=(),
                        **sizes) -> tuple[Path, dict[int, Path]]:
-    """make-tiny -> convert (per TP) -> build-engine (plus `build_args`). Returns (HF base dir, {tp: engine dir})."""
+    """make-tiny -> convert (per TP, plus `convert_args`) -> build-engine (plus `build_args`). Returns (HF base dir,
+    {tp: engine dir})."""
     tiny = root / "tiny"
     flags = []
     for k, v in sizes.items():
@@ -37,7 +38,7 @@ def build_tiny_engines(root: Path, *, seed: int, num_beams: int, draft_len: int,
     for tp in tps:
         ckpt, eng = root / f"ckpt-tp{tp}", root / f"engine-tp{tp}"
         run_cli("convert", "--base-model", tiny / "base", "--drafter", tiny / "drafter", "--output", ckpt,
-                "--tp", tp, "--dtype", dtype, "--num-beams", num_beams, "--draft-len-per-beam", draft_len)
+                "--tp", tp, "--dtype", dtype, "--num-beams", num_beams, "--draft-len-per-beam", draft_len, *convert_args)
         run_cli("build-engine", "--checkpoint", ckpt, "--output", eng, "--tp", tp, "--backend", "torch",
                 "--max-batch-size", max_batch_size, "--max-input-len", 64, "--max-seq-len", max_seq_len,
                 "--kv-block-size", kv_block_size,

@@ -4,6 +4,11 @@ under torch.compile, and `model.linear.Linear` over a `QuantWeight` in every imp
 
 from __future__ import annotations
 
+import json
+import shutil
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -112,3 +117,160 @@ def test_compiled_weight_only_op_equals_eager(bits):
             if M > 1:
                 torch._dynamo.mark_dynamic(x, 0)
             assert torch.equal(compiled(x), mlp(x)), M
+
+
+# ---- checkpoints and engines -------------------------------------------------------------------------------------
+from engine_utils import (OracleProposer, build_tiny_engines, greedy, load_engine,  # noqa: E402
+                          random_prompts, run_cli)
+from trt_redrafter.checkpoint import quantization as qz  # noqa: E402
+from trt_redrafter.errors import UserError  # noqa: E402
+from trt_redrafter.fsutil import read_json  # noqa: E402
+from trt_redrafter.runtime.generate import generate  # noqa: E402
+
+MAX_NEW = 20
+PROMPT_LENS = [5, 11, 3, 8]
+
+
+def test_quantizer_is_tensorrt_llms_symmetric_quantize():
+    """cutlass_preprocessors.cpp `symmetric_quantize`: scale = amax / 128 (int8) or / 8 (int4) per output channel,
+    q = round half away from zero, clamped to [-128, 127] / [-8, 7]; a zero row gets scale 0 and q 0; the stored
+    scale is rounded to the model dtype, q computed with the fp32 one."""
+    w = torch.tensor([[1.0, -0.5, 0.25, 0.0], [0.0, 0.0, 0.0, 0.0], [-2.0, 1.0, 0.75, -0.1]])
+    q8, s8 = qz.quantize_per_channel(w, 8, torch.float32)
+    assert s8[:, 0].tolist() == [1 / 128, 0.0, 2 / 128]
+    assert q8.tolist() == [[127, -64, 32, 0], [0, 0, 0, 0], [-128, 64, 48, -6]]  # 128 clamps; -6.4 -> -6
+    q4, s4 = qz.quantize_per_channel(w, 4, torch.bfloat16)
+    assert s4.dtype == torch.bfloat16 and s4[:, 0].float().tolist() == [1 / 8, 0.0, 2 / 8]
+    assert q4.tolist() == [[7, -4, 2, 0], [0, 0, 0, 0], [-8, 4, 3, 0]]  # 0.25 * 8 = 2; 0.75 / 0.25 = 3; -0.4 -> 0
+    half = torch.tensor([[2.5, -2.5, 8.0]])  # amax 8 -> int4 scale 1: 2.5 rounds away from zero, to 3 and -3
+    assert qz.quantize_per_channel(half, 4, torch.float32)[0].tolist() == [[3, -3, 7]]
+
+
+def test_quantized_checkpoint_config_keeps_the_drafter_float(tmp_path):
+    """`convert --quantize int8_wo` writes quantize.py's form: quant_algo W8A16, float weights, an explicit
+    exclude_modules (TensorRT-LLM's default list) to which the ReDrafter converter's drafter names are added."""
+    run_cli("make-tiny", "--output", tmp_path / "tiny", "--seed", 3)
+    run_cli("convert", "--base-model", tmp_path / "tiny" / "base", "--drafter", tmp_path / "tiny" / "drafter",
+            "--output", tmp_path / "ckpt", "--dtype", "float32", "--quantize", "int8_wo")
+    q = read_json(tmp_path / "ckpt" / "config.json", "")["quantization"]
+    assert q["quant_algo"] == "W8A16"
+    assert q["exclude_modules"][:len(qz.DEFAULT_EXCLUDE)] == qz.DEFAULT_EXCLUDE
+    assert {"drafter", "drafter.lm_head", "drafter.layers.0.linear"} <= set(q["exclude_modules"])
+    mode = qz.parse_quantization({"quantization": q}, "")
+    assert mode.bits == 8 and not mode.quantizes("lm_head") and not mode.quantizes("drafter.layers.0.linear")
+    assert mode.quantizes("transformer.layers.0.mlp.proj")
+    from safetensors.torch import load_file
+    assert all(t.dtype == torch.float32 for t in load_file(str(tmp_path / "ckpt" / "rank0.safetensors")).values())
+
+
+def test_quantized_checkpoint_refusals(tmp_path):
+    with pytest.raises(UserError, match="quant_algo 'FP8' is not one this backend runs"):
+        qz.parse_quantization({"quantization": {"quant_algo": "FP8"}}, "cfg")
+    with pytest.raises(UserError, match="kv_cache_quant_algo 'FP8'"):
+        qz.parse_quantization({"quantization": {"quant_algo": None, "kv_cache_quant_algo": "FP8"}}, "cfg")
+    tensors = {"transformer.layers.0.mlp.proj.weight": torch.zeros(4, 8, dtype=torch.int8)}
+    with pytest.raises(UserError, match="CUTLASS's mixed-GEMM layout"):
+        qz.refuse_preprocessed(tensors, "transformer.layers.0.mlp.proj.weight", "engine weights")
+    with pytest.raises(SystemExit):  # argparse: not a choice
+        run_cli("convert", "--base-model", tmp_path, "--drafter", tmp_path, "--output", tmp_path / "x",
+                "--quantize", "int2")
+
+
+@pytest.fixture(scope="module", params=["int8_wo", "int4_wo"])
+def quantized(request, tmp_path_factory):
+    _need_kernel()
+    root = tmp_path_factory.mktemp(request.param)
+    _, engines = build_tiny_engines(root, seed=17, num_beams=4, draft_len=3, kv_block_size=16, num_heads=4,
+                                    num_kv_heads=2, intermediate_size=256,
+                                    convert_args=("--quantize", request.param, "--quantize-lm-head"))
+    _, plain = build_tiny_engines(root / "plain", seed=17, num_beams=4, draft_len=3, kv_block_size=16, num_heads=4,
+                                  num_kv_heads=2, intermediate_size=256)
+    prompts = random_prompts(384, PROMPT_LENS, seed=17)
+    return dict(mode=request.param, engine=engines[1], plain=plain[1], prompts=prompts)
+
+
+def test_quantized_engine_runs_its_linear_layers_in_the_weight_only_kernel(quantized):
+    engine = load_engine(quantized["engine"], linear="avx512")
+    bits = 8 if quantized["mode"] == "int8_wo" else 4
+    layer = engine.model.layers[0]
+    for lin_layer in (layer.attn.qkv, layer.attn.dense, layer.mlp.fc_gate, layer.mlp.proj, engine.model.lm_head):
+        assert lin_layer.quant is not None and lin_layer.quant[1] == bits, lin_layer
+    assert all(m.quant is None for m in engine.drafter.modules() if isinstance(m, lin.Linear))  # drafter float
+
+
+@pytest.mark.parametrize("corrupt_every", [None, 0, 2])
+def test_greedy_redrafter_equals_quantized_ar(quantized, corrupt_every):
+    """Verification runs on the quantized base itself: ReDrafter's tokens are the quantized model's AR tokens, with
+    the engine's drafter (None) and an oracle forcing long (0) and partial (2) acceptances."""
+    engine = load_engine(quantized["engine"], linear="avx512")
+    ar = [r.output_ids for r in generate(engine, quantized["prompts"], greedy(MAX_NEW), "ar")]
+    proposer = None if corrupt_every is None else \
+        OracleProposer(quantized["engine"], dict(enumerate(ar)), corrupt_every=corrupt_every)
+    engine = load_engine(quantized["engine"], proposer, linear="avx512")
+    res = generate(engine, quantized["prompts"], greedy(MAX_NEW), mode="redrafter")
+    assert [r.output_ids for r in res] == ar
+    if corrupt_every == 0:
+        assert min(r.tokens_per_step for r in res) > 1.5
+
+
+def test_quantized_engine_is_the_dequantized_model(quantized):
+    """The kernel's engine and the same engine on F.linear over q * s (impl torch) compute one model: their prompt
+    logits agree to fp32 rounding; the float model's differ from them by more (the quantization is really applied)."""
+    logits = {name: _prompt_logits(path, impl, quantized["prompts"][1])
+              for name, path, impl in (("kernel", quantized["engine"], "avx512"),
+                                       ("dequant", quantized["engine"], "torch"), ("float", quantized["plain"], "torch"))}
+    torch.testing.assert_close(logits["kernel"], logits["dequant"], rtol=1e-4, atol=1e-4)
+    assert (logits["float"] - logits["dequant"]).abs().max() > 10 * (logits["kernel"] - logits["dequant"]).abs().max()
+
+
+def _prompt_logits(path, impl: str, prompt: list[int]) -> torch.Tensor:
+    engine = load_engine(path, linear=impl)
+    captured = {}
+    orig = engine.model.logits
+
+    def spy(hidden):
+        out = orig(hidden)
+        captured["logits"] = out.reshape(-1, out.shape[-1]).float().clone()
+        return out
+
+    engine.model.logits = spy
+    engine.step([engine.new_sequence(prompt, greedy(2))])
+    return captured["logits"]
+
+
+def test_a_row_parallel_slice_quantized_with_the_rows_amax_is_the_slice_of_the_whole():
+    """What makes the quantized model independent of TP: a rank quantizing its half of each row with the row's amax
+    (all ranks', `Dist.all_reduce_max` at load) gets exactly its half of the TP=1 quantization; with its own
+    amax it would not."""
+    w = torch.randn(32, 64)
+    w[:, :32] *= 4  # the first rank's half holds the larger values
+    q, s = qz.quantize_per_channel(w, 4, torch.float32)
+    half = w[:, 32:]
+    q2, s2 = qz.quantize_per_channel(half, 4, torch.float32, qz.channel_amax(w))
+    assert torch.equal(q2, q[:, 32:]) and torch.equal(s2, s)
+    assert not torch.equal(qz.quantize_per_channel(half, 4, torch.float32)[0], q[:, 32:])
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI's mpirun is not installed")
+def test_tp2_quantized_engine_gives_the_tp1_tokens(tmp_path):
+    """int4 per channel, where a rank's own amax would change the model most: TP=2 (real mpirun ranks) gives the
+    TP=1 tokens, AR and ReDrafter."""
+    pytest.importorskip("mpi4py", reason="mpi4py is not installed")
+    _need_kernel()
+    _, engines = build_tiny_engines(tmp_path, seed=23, num_beams=4, draft_len=3, tps=(1, 2), num_heads=4,
+                                    num_kv_heads=2, vocab_size=512, convert_args=("--quantize", "int4_wo"))
+    prompts = random_prompts(512, [4, 9, 6], seed=3)
+    for mode in ("ar", "redrafter"):
+        ref = _run_json(engines[1], prompts, mode)
+        assert _run_json(engines[2], prompts, mode) == ref, mode
+
+
+def _run_json(engine_dir, prompts, mode):
+    cmd = [sys.executable, "-m", "trt_redrafter", "run", "--engine", str(engine_dir), "--mode", mode, "--json",
+           "--max-tokens", str(MAX_NEW), "--ignore-eos", "--prompt-ids", *[",".join(map(str, p)) for p in prompts]]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    docs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(docs) == len(prompts), proc.stdout
+    return [d["output_ids"] for d in docs]

@@ -132,6 +132,6 @@ def write_model_ngrams(engine_dir: Path, info, force: bool = False) -> None:
     dtype = tensors["transformer.vocab_embedding.weight"].dtype
     if device.type == "cpu" and dtype != torch.float32:
         dtype = torch.float32  # CPU matmuls in half precision are slow and not what the CPU runtime computes in
-    model = LlamaRank(m, tensors, Dist(0, 1, device), dtype, max_seq_len=1)
+    model = LlamaRank(m, tensors, Dist(0, 1, device), dtype, max_seq_len=1, quant=info.quant)
     del tensors
     build_model_ngrams(model, m.vocab_size).save(engine_dir / NGRAMS_FILE)

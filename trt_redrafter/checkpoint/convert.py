@@ -30,6 +30,7 @@ from ..log import get_logger
 from . import sharding
 from .drafter import DrafterCheckpoint, read_drafter
 from .hf import HFCheckpoint, read_hf_model
+from .quantization import MODES
 from .sharding import Mapping
 from .trtllm_config import (FORMATS, add_redrafter_keys, build_pretrained_config, llama_pretrained_config,
                             read_trtllm_checkpoint, write_config)
@@ -52,6 +53,13 @@ class ConvertConfig(ConfigBase):
     trtllm_format: str = option("1.x", help="1.x: ReDrafterForLLaMALM (TensorRT-LLM 1.0-1.2); legacy: "
                                         "ReDrafterForCausalLM (TensorRT-LLM 0.12-0.21)", choices=FORMATS)
     workers: int = option(1, help="ranks converted in parallel")
+    quantize: Optional[str] = option(None, help="weight-only quantized base: int8_wo or int4_wo (TensorRT-LLM's W8A16 / "
+                                            "W4A16, one scale per output channel; weights stay float in the "
+                                            "checkpoint, as TensorRT-LLM's quantize.py writes them, and are quantized "
+                                            "when the engine is built or loaded); the drafter stays float",
+                                     choices=tuple(MODES))
+    quantize_lm_head: bool = option(False, help="with --quantize: quantize the base's lm_head too (TensorRT-LLM "
+                                                "leaves it in float by default)")
 
     def validate(self) -> None:
         s = self.SECTION
@@ -64,6 +72,10 @@ class ConvertConfig(ConfigBase):
                             f"got {self.trtllm_format!r}.")
         if not isinstance(self.workers, int) or self.workers < 1:
             raise UserError(f"{s}.workers (--workers): expected a positive integer, got {self.workers!r}.")
+        if self.quantize is not None and self.quantize not in MODES:
+            raise UserError(f"{s}.quantize (--quantize): expected one of {', '.join(MODES)}, got {self.quantize!r}.")
+        if self.quantize_lm_head and self.quantize is None:
+            raise UserError(f"{s}.quantize_lm_head (--quantize-lm-head) needs --quantize.")
 
 
 # ---- checks shared by both forms -----------------------------------------------------------------------------
@@ -138,13 +150,15 @@ def _open_hf(base_model: Path, dtype: str, recipe_model: dict | None, recipe_whe
 # ---- entry points ---------------------------------------------------------------------------------------------
 
 def convert_base_checkpoint(base_model: str | Path, output: str | Path, tp: int = 1, dtype: str = DEFAULT_DTYPE,
-                            workers: int = 1, force: bool = False) -> Path:
-    """Write a plain TensorRT-LLM LLaMA checkpoint (what TensorRT-LLM's llama converter writes): the two-step input."""
+                            workers: int = 1, force: bool = False, quantize: Optional[str] = None,
+                            quantize_lm_head: bool = False) -> Path:
+    """Write a plain TensorRT-LLM LLaMA checkpoint (what TensorRT-LLM's llama converter writes, or with `quantize`
+    its quantize.py --qformat int8_wo|int4_wo): the two-step input."""
     output = Path(output)
     _refuse_existing(output, force)
     hf = _open_hf(Path(base_model), dtype, None, "")
     sharding.check_tp(tp, hf.config)
-    config = llama_pretrained_config(hf.config, tp, "1.x")
+    config = llama_pretrained_config(hf.config, tp, "1.x", quantize, quantize_lm_head)
     cast = _caster(hf.config.dtype)
     with atomic_output_dir(output, force=force, what="checkpoint") as tmp:
         write_config(tmp / "config.json", config)
@@ -172,6 +186,9 @@ def convert_checkpoint(drafter: str | Path, output: str | Path, opts: ConvertCon
         if tp != base.tp_size:
             raise UserError(f"--tp {tp} does not match the base checkpoint {base.path}, which was converted with "
                             f"tp_size={base.tp_size}; pass --tp {base.tp_size} or reconvert the base.")
+        if opts.quantize:
+            raise UserError(f"--quantize applies to a Hugging Face base (--base-model); a TensorRT-LLM base "
+                            f"checkpoint keeps its own quantization ({base.path}/config.json quantization).")
         if opts.dtype and opts.dtype != model.dtype:
             raise UserError(f"--dtype {opts.dtype} does not match the base checkpoint's dtype {model.dtype} "
                             f"(TensorRT-LLM requires drafter dtype == model dtype); pass --dtype {model.dtype}.")
@@ -188,7 +205,7 @@ def convert_checkpoint(drafter: str | Path, output: str | Path, opts: ConvertCon
     fmt = opts.trtllm_format
 
     if base_model is not None:
-        config = build_pretrained_config(model, d.config, redrafter, tp, fmt)
+        config = build_pretrained_config(model, d.config, redrafter, tp, fmt, opts.quantize, opts.quantize_lm_head)
 
         def make_rank(m: Mapping) -> dict[str, torch.Tensor]:
             return {**_base_rank(hf, cast, m), **sharding.shard_drafter(d.tensors, d.config, m, cast)}
@@ -206,8 +223,9 @@ def convert_checkpoint(drafter: str | Path, output: str | Path, opts: ConvertCon
     with atomic_output_dir(output, force=force, what="checkpoint") as tmp:
         write_config(tmp / "config.json", config)
         _write_ranks(tmp, tp, opts.workers, make_rank)
-    log.info("wrote ReDrafter checkpoint %s (%s, tp=%d, %s, nb=%d, dl=%d)", output, config["architecture"], tp,
-             model.dtype, redrafter.num_beams, redrafter.draft_len_per_beam)
+    log.info("wrote ReDrafter checkpoint %s (%s, tp=%d, %s%s, nb=%d, dl=%d)", output, config["architecture"], tp,
+             model.dtype, f", base {config['quantization']['quant_algo']}" if config["quantization"].get("quant_algo")
+             else "", redrafter.num_beams, redrafter.draft_len_per_beam)
     return output
 
 

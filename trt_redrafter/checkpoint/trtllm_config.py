@@ -28,6 +28,7 @@ from typing import Any, Optional
 from ..config import DTYPES, DrafterConfig, ModelConfig, ReDrafterConfig
 from ..errors import UserError
 from ..fsutil import read_json
+from .quantization import DEFAULT_EXCLUDE, WeightOnly, parse_quantization, quantization_section
 
 FORMATS = ("1.x", "legacy")
 REDRAFTER_ARCH = {"1.x": "ReDrafterForLLaMALM", "legacy": "ReDrafterForCausalLM"}
@@ -106,8 +107,10 @@ def _moe() -> dict:
             "device_limited_routed_scaling_factor": 1.0}
 
 
-def llama_pretrained_config(m: ModelConfig, tp: int, fmt: str = "1.x") -> dict:
-    """The base LLaMA config TensorRT-LLM writes for `m` at TP=tp (no ReDrafter keys)."""
+def llama_pretrained_config(m: ModelConfig, tp: int, fmt: str = "1.x", quantize: Optional[str] = None,
+                            quantize_lm_head: bool = False) -> dict:
+    """The base LLaMA config TensorRT-LLM writes for `m` at TP=tp (no ReDrafter keys); `quantize` (int8_wo,
+    int4_wo) sets the weight-only algorithm as TensorRT-LLM's quantize.py does (checkpoint/quantization.py)."""
     if fmt not in FORMATS:
         raise UserError(f"--trtllm-format must be one of {', '.join(FORMATS)}, got {fmt!r}.")
     generic = {
@@ -120,7 +123,9 @@ def llama_pretrained_config(m: ModelConfig, tp: int, fmt: str = "1.x") -> dict:
     generic.update({
         "position_embedding_type": "rope_gpt_neox", "num_key_value_heads": m.num_key_value_heads,
         "intermediate_size": m.intermediate_size, "max_position_embeddings": m.max_position_embeddings,
-        "mapping": _mapping(tp, fmt), "quantization": _quantization(fmt), "use_parallel_embedding": False,
+        "mapping": _mapping(tp, fmt), "quantization": {**_quantization(fmt),
+                                                        **quantization_section(quantize, quantize_lm_head)},
+        "use_parallel_embedding": False,
         "embedding_sharding_dim": 0,
     })
     if fmt == "legacy":
@@ -154,8 +159,14 @@ def add_redrafter_keys(base: dict, drafter: DrafterConfig, redrafter: ReDrafterC
     if drafter.replicated:  # this project's extension too (draft TP 1)
         out[REPLICATED_KEY] = True
     q = out.get("quantization") or {}
+    if q.get("quant_algo") and q.get("exclude_modules") is None:
+        # null means TensorRT-LLM's default list, and its converter adds the drafter only to a list that exists
+        # (it would quantize the drafter): write the default out
+        q["exclude_modules"] = list(DEFAULT_EXCLUDE)
     if q.get("exclude_modules") is not None:  # a quantized base: keep the drafter unquantized
         q["exclude_modules"] += ["drafter", "drafter.layers", "drafter.lm_head"]
+        if drafter.has_input_proj:  # not in TensorRT-LLM's list, which would quantize this float layer
+            q["exclude_modules"] += ["drafter.input_proj"]
         if drafter.rnn:
             q["exclude_modules"] += ["drafter.rnn_u", "drafter.rnn_w"]
         for j in range(drafter.num_draft_layers):
@@ -164,9 +175,10 @@ def add_redrafter_keys(base: dict, drafter: DrafterConfig, redrafter: ReDrafterC
 
 
 def build_pretrained_config(model: ModelConfig, drafter: DrafterConfig, redrafter: ReDrafterConfig, tp: int,
-                            fmt: str = "1.x") -> dict:
+                            fmt: str = "1.x", quantize: Optional[str] = None, quantize_lm_head: bool = False) -> dict:
     """The ReDrafter checkpoint config.json TensorRT-LLM's converter writes (one-step equivalent of two steps)."""
-    return add_redrafter_keys(llama_pretrained_config(model, tp, fmt), drafter, redrafter, fmt)
+    return add_redrafter_keys(llama_pretrained_config(model, tp, fmt, quantize, quantize_lm_head), drafter,
+                              redrafter, fmt)
 
 
 def write_config(path: str | Path, config: dict) -> None:
@@ -188,6 +200,7 @@ class CheckpointInfo:
     tp_size: int
     architecture: str
     raw: dict
+    quant: Optional[WeightOnly] = None  # the base's weight-only quantization (checkpoint/quantization.py)
 
 
 def _need(d: dict, keys: tuple[str, ...], where: str, what: str) -> None:
@@ -237,7 +250,7 @@ def parse_checkpoint_config(d: dict, where: str) -> CheckpointInfo:
         if d.get("dtype") not in DTYPES:
             raise UserError(f"{where}: dtype must be one of {', '.join(DTYPES)}, got {d.get('dtype')!r}.")
         return CheckpointInfo(model_config_from_trtllm(d, where), None, None, tp_size_of(d, where),
-                              d["architecture"], d)
+                              d["architecture"], d, parse_quantization(d, where))
     _need(d, REDRAFTER_KEYS, where, "ReDrafter checkpoint (converted with `trt-redrafter convert`)")
     arch = d.get("architecture")
     if arch not in REDRAFTER_ARCH.values():
@@ -254,7 +267,7 @@ def parse_checkpoint_config(d: dict, where: str) -> CheckpointInfo:
     redrafter = ReDrafterConfig.from_dict(dict(
         num_beams=d["redrafter_num_beams"], draft_len_per_beam=d["redrafter_draft_len_per_beam"],
         greedy_search=d["redrafter_greedy_search"]), where=f"{where} (redrafter_*)")
-    return CheckpointInfo(model, drafter, redrafter, tp_size_of(d, where), arch, d)
+    return CheckpointInfo(model, drafter, redrafter, tp_size_of(d, where), arch, d, parse_quantization(d, where))
 
 
 @dataclass

@@ -38,7 +38,8 @@ def run(args: argparse.Namespace) -> int:
         if args.base_model is None:
             raise UserError("--base-only needs --base-model (it writes the plain LLaMA checkpoint of an HF model).")
         convert_base_checkpoint(args.base_model, args.output, tp=opts.tp or 1, dtype=opts.dtype or DEFAULT_DTYPE,
-                                workers=opts.workers, force=args.force)
+                                workers=opts.workers, force=args.force, quantize=opts.quantize,
+                                quantize_lm_head=opts.quantize_lm_head)
         return 0
     if args.drafter is None:
         raise UserError("--drafter is required: the Apple-format drafter directory to attach to the base model.")

@@ -15,16 +15,17 @@ or on the CPU a oneDNN GEMM over weights prepacked at load (RuntimeConfig.linear
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional, Union
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..config import ModelConfig
+from ..checkpoint.quantization import WeightOnly, channel_amax, quantize_per_channel, refuse_preprocessed
+from ..config import ModelConfig, torch_dtype
 from ..rope import RotaryEmbedding
 from .attention import AttentionMeta, torch_tree_attention
-from .linear import Linear
+from .linear import Linear, QuantWeight
 from .tp import Dist
 
 # (q [bs, T, nh, D], k_cache, v_cache [slots, kvh, D], meta, scale) -> [bs, T, nh, D]
@@ -82,8 +83,11 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin:
     return x * c + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * s
 
 
+Weight = Union[torch.Tensor, QuantWeight]
+
+
 class Attention(nn.Module):
-    def __init__(self, qkv: torch.Tensor, dense: torch.Tensor, nh: int, nkv: int, head_size: int, dist: Dist,
+    def __init__(self, qkv: Weight, dense: Weight, nh: int, nkv: int, head_size: int, dist: Dist,
                  linear: str = "torch"):
         super().__init__()
         self.qkv = Linear(qkv, impl=linear)  # [(nh + 2 nkv) D, H]
@@ -104,7 +108,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, fc_gate: torch.Tensor, proj: torch.Tensor, dist: Dist, linear: str = "torch"):
+    def __init__(self, fc_gate: Weight, proj: Weight, dist: Dist, linear: str = "torch"):
         super().__init__()
         self.fc_gate = Linear(fc_gate, impl=linear)  # [2 I/tp, H]: gate_proj rows, then up_proj rows (one matmul)
         self.proj = Linear(proj, impl=linear)  # [H, I/tp]
@@ -131,10 +135,13 @@ class DecoderLayer(nn.Module):
 class LlamaRank(nn.Module):
     """Inference-only Llama shard. `forward` maps [bs, T] tokens to final-norm hidden states [bs, T, H].
 
-    `linear`: the linear layers' implementation, "torch", "onednn" or "avx512" (`linear.resolve_linear`)."""
+    `linear`: the linear layers' implementation, "torch", "onednn" or "avx512" (`linear.resolve_linear`).
+    `quant`: the checkpoint's weight-only quantization (checkpoint/quantization.py): the layers it names are
+    quantized here, from the rank's float weights, as TensorRT-LLM's build quantizes them; a row-parallel layer's
+    scales come from the whole row (all ranks), so the quantized model does not depend on TP."""
 
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], dist: Dist, dtype: torch.dtype,
-                 max_seq_len: int, linear: str = "torch"):
+                 max_seq_len: int, linear: str = "torch", quant: Optional[WeightOnly] = None):
         super().__init__()
         tp = dist.world_size
         self.cfg, self.dist, self.dtype = cfg, dist, dtype
@@ -147,26 +154,46 @@ class LlamaRank(nn.Module):
         def take(name: str) -> torch.Tensor:
             return tensors[name].to(device=dev, dtype=dtype).contiguous()
 
+        def weight(module: str, row_parallel: bool = False, source: Optional[str] = None) -> Weight:
+            """A linear layer's weight [out, in]: float, or quantized when `quant` names the module."""
+            name = source or module + ".weight"
+            if quant is None or not quant.quantizes(module):
+                return take(name)
+            refuse_preprocessed(tensors, name, "engine weights")
+            w = tensors[name]
+            amax = channel_amax(w)
+            if row_parallel:  # the rank holds a slice of each row: the row's amax is the max over ranks
+                amax = dist.all_reduce_max(amax.to(dev)).cpu()
+            q, s = quantize_per_channel(w, quant.bits, torch_dtype(cfg.dtype), amax)
+            return QuantWeight(q.to(dev), s.to(dev), quant.bits, w.shape[1], dtype)
+
+        def cat(parts: list[Weight]) -> Weight:
+            return QuantWeight.cat(parts) if isinstance(parts[0], QuantWeight) else torch.cat(parts, dim=0)
+
         self.embedding = _frozen(take("transformer.vocab_embedding.weight"))  # [V, H] (replicated)
         layers = []
         for i in range(cfg.num_hidden_layers):
             p = f"transformer.layers.{i}."
-            qkv = take(p + "attention.qkv.weight")
+            qkv = weight(p + "attention.qkv")
             exp_qkv = (self.nh + 2 * self.nkv) * self.D
             assert qkv.shape[0] == exp_qkv, (i, tuple(qkv.shape), exp_qkv)
             # fc = gate_proj (activated), gate = up_proj; fused into one column-parallel matmul
-            fc_gate = torch.cat([take(p + "mlp.fc.weight"), take(p + "mlp.gate.weight")], dim=0)
+            fc_gate = cat([weight(p + "mlp.fc"), weight(p + "mlp.gate")])
             layers.append(DecoderLayer(
                 take(p + "input_layernorm.weight"),
-                Attention(qkv, take(p + "attention.dense.weight"), self.nh, self.nkv, self.D, dist, linear),
+                Attention(qkv, weight(p + "attention.dense", row_parallel=True), self.nh, self.nkv, self.D, dist,
+                          linear),
                 take(p + "post_layernorm.weight"),
-                MLP(fc_gate, take(p + "mlp.proj.weight"), dist, linear),
+                MLP(fc_gate, weight(p + "mlp.proj", row_parallel=True), dist, linear),
                 cfg.norm_epsilon))
         self.layers = nn.ModuleList(layers)
         self.ln_f = _frozen(take("transformer.ln_f.weight"))
-        lm = tensors.get("lm_head.weight")
-        # tied: the embedding Parameter itself, or (onednn, avx512) a packed copy beside the lookup table
-        self.lm_head = Linear(take("lm_head.weight") if lm is not None else self.embedding, impl=linear)  # [Vp/tp, H]
+        tied = "lm_head.weight" not in tensors
+        if quant is not None and quant.quantizes("lm_head"):
+            lm_head = weight("lm_head", source="transformer.vocab_embedding.weight" if tied else None)
+        else:  # tied: the embedding Parameter itself, or (onednn, avx512) a packed copy beside the lookup table
+            lm_head = self.embedding if tied else take("lm_head.weight")
+        self.lm_head = Linear(lm_head, impl=linear)  # [Vp/tp, H]
         self.rope = RotaryEmbedding(self.D, cfg.rotary_base, cfg.rotary_scaling, cfg.max_position_embeddings,
                                     max(max_seq_len, cfg.max_position_embeddings) + 1, device=dev, dtype=dtype)
         self.attention_impl: AttentionImpl = torch_tree_attention

@@ -56,6 +56,12 @@ class Dist:
             return x
         return self._all_gather(x, self.world_size, dim)
 
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        """Elementwise max over ranks, in place (load time: a row-parallel layer's quantization scales)."""
+        if self.world_size > 1:
+            tdist.all_reduce(x, op=tdist.ReduceOp.MAX)
+        return x
+
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Rank `src`'s value everywhere; decisions (accepted tokens, drafts) use this so ranks never drift."""
         if self.world_size > 1:

@@ -155,7 +155,7 @@ class Engine:
         per_seq = self.build.max_seq_len + rd.max_tree_tokens  # a full request plus one draft tree
         self.linear = resolve_linear(runtime.linear, dist.device, self.dtype)  # "torch" | "onednn" | "avx512"
         t0 = time.perf_counter()
-        self.model = LlamaRank(info.model, tensors, dist, self.dtype, per_seq, self.linear)
+        self.model = LlamaRank(info.model, tensors, dist, self.dtype, per_seq, self.linear, info.quant)
         semantics = runtime.drafter_semantics or self.build.drafter_semantics
         self.drafter = None
         if info.drafter is not None:

@@ -1,0 +1,122 @@
+"""Weight-only quantized bases in TensorRT-LLM's checkpoint format: what `convert --quantize` writes, what the torch
+backend reads, and the quantizer both sides use.
+
+TensorRT-LLM (NVIDIA/TensorRT-LLM; the helper notes in docs/tensorrt-llm.md "Quantized bases" cite file and commit):
+- `quantization.quant_algo` "W8A16" / "W4A16": weight-only int8 / int4, one scale per output channel.
+  `examples/quantization/quantize.py --qformat int8_wo|int4_wo` writes such a checkpoint with the weights still in
+  float and the algorithm set (`quantization/quantize_by_modelopt.py` @042c510d); `trtllm-build` quantizes them
+  (`models/modeling_utils.py` `preprocess_weights` -> `weight_only_quantize_dict` @01ea6d79, which leaves weights
+  that are already int8 alone). `convert --quantize int8_wo|int4_wo` writes that form. The other form, what
+  `convert_checkpoint.py --use_weight_only` writes, holds int8 weights already run through CUTLASS's mixed-GEMM
+  preprocessing (`symmetric_quantize_last_axis_of_batched_matrix`, thop/weightOnlyQuantOp.cpp @23bc5b7c), whose
+  byte order depends on the GPU it ran on (`getSMVersion()`): this backend refuses it, naming the float form.
+- The quantizer (cpp/tensorrt_llm/kernels/cutlass_kernels/cutlass_preprocessors.cpp `symmetric_quantize` @05316d3):
+  per output channel, scale = amax * 1/128 (int8) or 1/8 (int4) in fp32; q = round(w / scale) (half away from zero)
+  clamped to [-128, 127] or [-8, 7]; the stored scale is rounded to the model dtype. `quantize_per_channel` below is
+  the same computation, so this backend runs the model TensorRT-LLM would build from the same checkpoint.
+- `quantization.exclude_modules` null means TensorRT-LLM's default list (`quantization/quantize.py`
+  `quantize_layers` @89fd9b74: lm_head, vocab_embedding, ...), fnmatch patterns over module names; a list replaces
+  the default. TensorRT-LLM's ReDrafter converter adds the drafter's modules only to a list that exists, so a
+  ReDrafter checkpoint of a quantized base always carries one (`convert` writes the default list explicitly).
+
+Tensor parallelism: TensorRT-LLM quantizes each rank's slice, so a row-parallel layer's scales (attention.dense,
+mlp.proj, split along their inputs) come from that rank's columns only and a TP=2 engine is a slightly different
+model from a TP=1 one. This backend takes each output channel's amax over every rank (one all-reduce at load), so
+the quantized model, and with it the output, does not depend on TP.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..errors import UserError
+
+# convert --quantize MODE -> (TensorRT-LLM quant_algo, bits); names as quantize.py's --qformat
+MODES: dict[str, tuple[str, int]] = {"int8_wo": ("W8A16", 8), "int4_wo": ("W4A16", 4)}
+ALGO_BITS = {algo: bits for algo, bits in MODES.values()}
+
+# quantization/quantize.py `quantize_layers`: what `exclude_modules: null` means
+DEFAULT_EXCLUDE = ["*lm_head", "*router", "*vocab_embedding", "*position_embedding", "*block_embedding",
+                   "*shared_expert_gate"]
+
+# the base's linear layers, by TensorRT-LLM module name under transformer.layers.{i}.
+LAYER_LINEARS = ("attention.qkv", "attention.dense", "mlp.fc", "mlp.gate", "mlp.proj")
+
+
+@dataclass(frozen=True)
+class WeightOnly:
+    """A checkpoint's weight-only quantization: `bits` per weight, one scale per output channel, the modules named
+    by `exclude` (fnmatch patterns) left in float."""
+
+    algo: str
+    bits: int
+    exclude: tuple[str, ...]
+
+    def quantizes(self, module: str) -> bool:
+        return not any(fnmatch.fnmatchcase(module, pattern) for pattern in self.exclude)
+
+
+def parse_quantization(raw: dict, where: str) -> Optional[WeightOnly]:
+    """The checkpoint config's `quantization` section -> WeightOnly, or None for an unquantized base; anything this
+    backend cannot run is refused by name."""
+    q = raw.get("quantization") or {}
+    if not isinstance(q, dict):
+        raise UserError(f"{where}: quantization must be an object, got {q!r}.")
+    algo = q.get("quant_algo")
+    if q.get("kv_cache_quant_algo"):
+        raise UserError(f"{where}: kv_cache_quant_algo {q['kv_cache_quant_algo']!r}: this backend keeps the KV cache "
+                        f"in the model dtype; convert without a quantized KV cache.")
+    if algo is None:
+        return None
+    if algo not in ALGO_BITS:
+        raise UserError(f"{where}: quant_algo {algo!r} is not one this backend runs (it runs "
+                        f"{', '.join(ALGO_BITS)}: `convert --quantize {'|'.join(MODES)}`).")
+    exclude = q.get("exclude_modules")
+    if exclude is not None and (not isinstance(exclude, list) or not all(isinstance(e, str) for e in exclude)):
+        raise UserError(f"{where}: quantization.exclude_modules must be a list of module names, got {exclude!r}.")
+    return WeightOnly(algo, ALGO_BITS[algo], tuple(DEFAULT_EXCLUDE if exclude is None else exclude))
+
+
+def quantization_section(mode: Optional[str], quantize_lm_head: bool = False) -> dict:
+    """The `quantization` keys `convert --quantize MODE` sets (the rest keep their defaults)."""
+    if mode is None:
+        return {}
+    if mode not in MODES:
+        raise UserError(f"--quantize: expected one of {', '.join(MODES)}, got {mode!r}.")
+    exclude = [p for p in DEFAULT_EXCLUDE if not (quantize_lm_head and p == "*lm_head")]
+    return {"quant_algo": MODES[mode][0], "exclude_modules": exclude}
+
+
+def _round_half_away(x: torch.Tensor) -> torch.Tensor:
+    return torch.sign(x) * torch.floor(x.abs() + 0.5)  # C's round(), not torch.round's half to even
+
+
+def channel_amax(w: torch.Tensor) -> torch.Tensor:
+    """w [out, in] -> |w| max per output channel [out], fp32."""
+    return w.detach().float().abs().amax(dim=1)
+
+
+def quantize_per_channel(w: torch.Tensor, bits: int, scale_dtype: torch.dtype,
+                         amax: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [out, in] -> (q [out, in] int8, scales [out, 1] in `scale_dtype`): TensorRT-LLM's symmetric_quantize (module
+    docstring). `amax` [out] overrides w's own (a row-parallel rank's slice takes the whole row's)."""
+    amax = channel_amax(w) if amax is None else amax.float()
+    scale = amax * (1.0 / float(1 << (bits - 1)))  # [out] fp32, as the quantizer divides by it
+    lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+    q = _round_half_away(w.detach().float() / safe[:, None]).clamp(lo, hi)
+    q = torch.where(scale[:, None] == 0, torch.zeros_like(q), q)
+    return q.to(torch.int8), scale.to(scale_dtype)[:, None]
+
+
+def refuse_preprocessed(tensors: dict[str, torch.Tensor], name: str, where: str) -> None:
+    """An int8 weight with a per_channel_scale is CUTLASS-preprocessed for one GPU architecture (module docstring)."""
+    if tensors[name].dtype == torch.int8:
+        raise UserError(f"{where}: {name} is int8, written by TensorRT-LLM's convert_checkpoint.py --use_weight_only "
+                        f"in CUTLASS's mixed-GEMM layout for the GPU it ran on, which this backend cannot read; "
+                        f"convert the base with `trt-redrafter convert --quantize int8_wo|int4_wo` or TensorRT-LLM's "
+                        f"quantize.py --qformat int8_wo|int4_wo (float weights, quantized at build).")
