@@ -176,13 +176,14 @@ def test_quantized_checkpoint_refusals(tmp_path):
                 "--quantize", "int2")
 
 
-@pytest.fixture(scope="module", params=["int8_wo", "int4_wo"])
+@pytest.fixture(scope="module", params=["int8_wo", "int4_wo", "int4_awq"])
 def quantized(request, tmp_path_factory):
     _need_kernel()
     root = tmp_path_factory.mktemp(request.param)
     _, engines = build_tiny_engines(root, seed=17, num_beams=4, draft_len=3, kv_block_size=16, num_heads=4,
                                     num_kv_heads=2, intermediate_size=256,
-                                    convert_args=("--quantize", request.param, "--quantize-lm-head"))
+                                    convert_args=("--quantize", request.param, "--quantize-lm-head",
+                                                  "--group-size", "64"))
     _, plain = build_tiny_engines(root / "plain", seed=17, num_beams=4, draft_len=3, kv_block_size=16, num_heads=4,
                                   num_kv_heads=2, intermediate_size=256)
     prompts = random_prompts(384, PROMPT_LENS, seed=17)
@@ -195,6 +196,7 @@ def test_quantized_engine_runs_its_linear_layers_in_the_weight_only_kernel(quant
     layer = engine.model.layers[0]
     for lin_layer in (layer.attn.qkv, layer.attn.dense, layer.mlp.fc_gate, layer.mlp.proj, engine.model.lm_head):
         assert lin_layer.quant is not None and lin_layer.quant[1] == bits, lin_layer
+        assert lin_layer.quant[2] == (64 if quantized["mode"] == "int4_awq" else lin_layer.in_features)
     assert all(m.quant is None for m in engine.drafter.modules() if isinstance(m, lin.Linear))  # drafter float
 
 
@@ -274,3 +276,49 @@ def _run_json(engine_dir, prompts, mode):
     docs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(docs) == len(prompts), proc.stdout
     return [d["output_ids"] for d in docs]
+
+
+def test_int4_rows_pack_two_output_channels_per_byte_and_unpack():
+    """ModelOpt's `pack_int4_in_uint8` layout: output rows 2j (low nibble) and 2j + 1 (high nibble), two's complement."""
+    q = torch.arange(-8, 8, dtype=torch.int8).repeat(4, 1).T.contiguous()  # [16, 4]: rows -8 .. 7
+    packed = qz.pack_int4_rows(q)
+    assert packed.shape == (8, 4) and packed.dtype == torch.int8
+    assert packed[0, 0].item() == ((-7 & 0xF) << 4 | (-8 & 0xF)) - 256  # rows 0 (-8) and 1 (-7)
+    assert torch.equal(qz.unpack_int4_rows(packed), q)
+
+
+def test_awq_checkpoint_stores_tensorrt_llms_w4a16_awq_layout(tmp_path):
+    run_cli("make-tiny", "--output", tmp_path / "tiny", "--seed", 4, "--intermediate-size", 256)
+    run_cli("convert", "--base-model", tmp_path / "tiny" / "base", "--drafter", tmp_path / "tiny" / "drafter",
+            "--output", tmp_path / "ckpt", "--dtype", "bfloat16", "--quantize", "int4_awq", "--group-size", "64")
+    run_cli("convert", "--base-model", tmp_path / "tiny" / "base", "--drafter", tmp_path / "tiny" / "drafter",
+            "--output", tmp_path / "float", "--dtype", "bfloat16")
+    cfg = read_json(tmp_path / "ckpt" / "config.json", "")["quantization"]
+    assert (cfg["quant_algo"], cfg["group_size"], cfg["pre_quant_scale"], cfg["has_zero_point"]) == \
+        ("W4A16_AWQ", 64, True, False)
+    from safetensors.torch import load_file
+    t, f = load_file(str(tmp_path / "ckpt" / "rank0.safetensors")), load_file(str(tmp_path / "float" / "rank0.safetensors"))
+    name = "transformer.layers.0.mlp.proj"
+    w = f[name + ".weight"]
+    out, k = w.shape
+    assert t[name + ".weight"].dtype == torch.int8 and t[name + ".weight"].shape == (out // 2, k)
+    assert t[name + ".weights_scaling_factor"].shape == (out, k // 64)
+    assert t[name + ".prequant_scaling_factor"].shape == (k,) and t[name + ".prequant_scaling_factor"].dtype == torch.bfloat16
+    q = qz.unpack_int4_rows(t[name + ".weight"]).float()
+    s = t[name + ".weights_scaling_factor"].float().repeat_interleave(64, dim=1)
+    assert ((q * s - w.float()).abs() <= s / 2 + 1e-6).all()  # round to nearest within each group
+    assert q.abs().amax(dim=1).max() == 7 and "transformer.layers.0.input_layernorm.weight" in t  # norms stay float
+    assert t["lm_head.weight"].dtype == torch.bfloat16 and t["drafter.lm_head.weight"].dtype == torch.bfloat16
+
+
+def test_awq_pre_quant_scale_multiplies_the_input():
+    _need_kernel()
+    w = _quant_weight(32, 128, 4, 64, torch.float32, 5)
+    w.pre_scale = 0.5 + torch.rand(128)
+    x = torch.randn(3, 128)
+    ref = F.linear(x * w.pre_scale, w.dequantize())
+    for impl in ("avx512", "torch"):
+        torch.testing.assert_close(lin.Linear(w, impl=impl)(x), ref, rtol=1e-5, atol=1e-5)
+    other = _quant_weight(16, 128, 4, 64, torch.float32, 6)
+    with pytest.raises(UserError, match="different AWQ pre-quant scales"):
+        lin.QuantWeight.cat([w, other])

@@ -82,11 +82,15 @@ def build_torch_engine(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, 
         for r in range(info.tp_size):
             src = ckpt_dir / f"rank{r}.safetensors"
             tensors = load_file(str(src))
-            # weights take the engine's dtype; integer tensors (a draft vocabulary's token ids) stay as they are
-            if all(t.dtype == dtype for t in tensors.values() if t.is_floating_point()):
+            # weights take the engine's dtype; integer tensors (a draft vocabulary's token ids, int4 weights) and
+            # the quantization scales of a W4A16_AWQ base stay as they are
+            def keep(name: str, t) -> bool:
+                return not t.is_floating_point() or t.dtype == dtype or name.endswith("weights_scaling_factor")
+
+            if all(keep(k, t) for k, t in tensors.items()):
                 shutil.copy2(src, tmp / src.name)
             else:
-                save_file({k: v.to(dtype).contiguous() if v.is_floating_point() else v for k, v in tensors.items()},
+                save_file({k: v if keep(k, v) else v.to(dtype).contiguous() for k, v in tensors.items()},
                           str(tmp / src.name))
             del tensors
         write_json(tmp / "config.json", engine_config_dict(info, build, "torch", tree, proposer))

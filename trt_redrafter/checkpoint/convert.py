@@ -30,7 +30,7 @@ from ..log import get_logger
 from . import sharding
 from .drafter import DrafterCheckpoint, read_drafter
 from .hf import HFCheckpoint, read_hf_model
-from .quantization import MODES
+from .quantization import GROUP_SIZES, MODES, parse_quantization, store_quantized
 from .sharding import Mapping
 from .trtllm_config import (FORMATS, add_redrafter_keys, build_pretrained_config, llama_pretrained_config,
                             read_trtllm_checkpoint, write_config)
@@ -60,6 +60,8 @@ class ConvertConfig(ConfigBase):
                                      choices=tuple(MODES))
     quantize_lm_head: bool = option(False, help="with --quantize: quantize the base's lm_head too (TensorRT-LLM "
                                                 "leaves it in float by default)")
+    group_size: int = option(128, help="with --quantize int4_awq: inputs per scale (TensorRT-LLM's kernels: 64 or "
+                                       "128; it must divide every layer's inputs per rank)", choices=GROUP_SIZES)
 
     def validate(self) -> None:
         s = self.SECTION
@@ -76,6 +78,8 @@ class ConvertConfig(ConfigBase):
             raise UserError(f"{s}.quantize (--quantize): expected one of {', '.join(MODES)}, got {self.quantize!r}.")
         if self.quantize_lm_head and self.quantize is None:
             raise UserError(f"{s}.quantize_lm_head (--quantize-lm-head) needs --quantize.")
+        if self.group_size not in GROUP_SIZES:
+            raise UserError(f"{s}.group_size (--group-size): expected one of {GROUP_SIZES}, got {self.group_size!r}.")
 
 
 # ---- checks shared by both forms -----------------------------------------------------------------------------
@@ -133,8 +137,11 @@ def _write_ranks(out: Path, tp: int, workers: int, make_rank: Callable[[Mapping]
             fut.result()
 
 
-def _base_rank(hf: HFCheckpoint, cast, m: Mapping) -> dict[str, torch.Tensor]:
-    return sharding.shard_base(hf.get, hf.config, m, cast)
+def _base_rank(hf: HFCheckpoint, cast, m: Mapping, config: dict) -> dict[str, torch.Tensor]:
+    """One rank's base tensors as the checkpoint stores them (`config`'s quantization applied where stored)."""
+    tensors = sharding.shard_base(hf.get, hf.config, m, cast)
+    return store_quantized(tensors, parse_quantization(config, "config.json"), hf.config.num_hidden_layers,
+                           torch_dtype(hf.config.dtype))
 
 
 def _open_hf(base_model: Path, dtype: str, recipe_model: dict | None, recipe_where: str) -> HFCheckpoint:
@@ -151,18 +158,18 @@ def _open_hf(base_model: Path, dtype: str, recipe_model: dict | None, recipe_whe
 
 def convert_base_checkpoint(base_model: str | Path, output: str | Path, tp: int = 1, dtype: str = DEFAULT_DTYPE,
                             workers: int = 1, force: bool = False, quantize: Optional[str] = None,
-                            quantize_lm_head: bool = False) -> Path:
+                            quantize_lm_head: bool = False, group_size: int = 128) -> Path:
     """Write a plain TensorRT-LLM LLaMA checkpoint (what TensorRT-LLM's llama converter writes, or with `quantize`
     its quantize.py --qformat int8_wo|int4_wo): the two-step input."""
     output = Path(output)
     _refuse_existing(output, force)
     hf = _open_hf(Path(base_model), dtype, None, "")
     sharding.check_tp(tp, hf.config)
-    config = llama_pretrained_config(hf.config, tp, "1.x", quantize, quantize_lm_head)
+    config = llama_pretrained_config(hf.config, tp, "1.x", quantize, quantize_lm_head, group_size)
     cast = _caster(hf.config.dtype)
     with atomic_output_dir(output, force=force, what="checkpoint") as tmp:
         write_config(tmp / "config.json", config)
-        _write_ranks(tmp, tp, workers, lambda m: _base_rank(hf, cast, m))
+        _write_ranks(tmp, tp, workers, lambda m: _base_rank(hf, cast, m, config))
     log.info("wrote TensorRT-LLM LLaMA checkpoint %s (tp=%d, %s)", output, tp, hf.config.dtype)
     return output
 
@@ -205,10 +212,11 @@ def convert_checkpoint(drafter: str | Path, output: str | Path, opts: ConvertCon
     fmt = opts.trtllm_format
 
     if base_model is not None:
-        config = build_pretrained_config(model, d.config, redrafter, tp, fmt, opts.quantize, opts.quantize_lm_head)
+        config = build_pretrained_config(model, d.config, redrafter, tp, fmt, opts.quantize, opts.quantize_lm_head,
+                                         opts.group_size)
 
         def make_rank(m: Mapping) -> dict[str, torch.Tensor]:
-            return {**_base_rank(hf, cast, m), **sharding.shard_drafter(d.tensors, d.config, m, cast)}
+            return {**_base_rank(hf, cast, m, config), **sharding.shard_drafter(d.tensors, d.config, m, cast)}
     else:
         config = add_redrafter_keys(base.raw, d.config, redrafter, fmt)
 

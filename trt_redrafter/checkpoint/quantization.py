@@ -19,6 +19,16 @@ TensorRT-LLM (NVIDIA/TensorRT-LLM; the helper notes in docs/tensorrt-llm.md "Qua
   the default. TensorRT-LLM's ReDrafter converter adds the drafter's modules only to a list that exists, so a
   ReDrafter checkpoint of a quantized base always carries one (`convert` writes the default list explicitly).
 
+- `quant_algo` "W4A16_AWQ" (quantize.py --qformat int4_awq, through NVIDIA ModelOpt): int4 with one scale per
+  output channel and group of `group_size` inputs, stored quantized and GPU-independent (the build preprocesses
+  it): `X.weight` int8 [out / 2, in], output rows 2j and 2j + 1 in the low and high nibble of one byte (ModelOpt
+  `pack_int4_in_uint8`, modelopt/torch/export/quant_utils.py @0338c843), `X.weights_scaling_factor` [out, in /
+  group] = group amax / 7, `X.prequant_scaling_factor` [in] that the input is multiplied by (AWQ's activation-
+  aware smoothing; the weight was divided by it before quantizing), config `group_size`, `pre_quant_scale: true`
+  (TensorRT-LLM `models/modeling_utils.py` `preprocess_weights` @01ea6d79 reads them). `convert --quantize int4_awq`
+  writes this layout; its scales come from round-to-nearest per group, with the pre-quant scale 1 (no activation-
+  aware search: see docs/tensorrt-llm.md "Quantized bases").
+
 Tensor parallelism: TensorRT-LLM quantizes each rank's slice, so a row-parallel layer's scales (attention.dense,
 mlp.proj, split along their inputs) come from that rank's columns only and a TP=2 engine is a slightly different
 model from a TP=1 one. This backend takes each output channel's amax over every rank (one all-reduce at load), so
@@ -36,8 +46,10 @@ import torch
 from ..errors import UserError
 
 # convert --quantize MODE -> (TensorRT-LLM quant_algo, bits); names as quantize.py's --qformat
-MODES: dict[str, tuple[str, int]] = {"int8_wo": ("W8A16", 8), "int4_wo": ("W4A16", 4)}
+MODES: dict[str, tuple[str, int]] = {"int8_wo": ("W8A16", 8), "int4_wo": ("W4A16", 4), "int4_awq": ("W4A16_AWQ", 4)}
 ALGO_BITS = {algo: bits for algo, bits in MODES.values()}
+GROUPED = "W4A16_AWQ"  # the one algorithm stored quantized, with per-group scales
+GROUP_SIZES = (64, 128)  # TensorRT-LLM's group-wise kernels' sizes (quantize.py --awq_block_size)
 
 # quantization/quantize.py `quantize_layers`: what `exclude_modules: null` means
 DEFAULT_EXCLUDE = ["*lm_head", "*router", "*vocab_embedding", "*position_embedding", "*block_embedding",
@@ -55,6 +67,11 @@ class WeightOnly:
     algo: str
     bits: int
     exclude: tuple[str, ...]
+    group_size: Optional[int] = None  # W4A16_AWQ: inputs per scale; None: one scale per output channel
+
+    @property
+    def stored_quantized(self) -> bool:
+        return self.algo == GROUPED
 
     def quantizes(self, module: str) -> bool:
         return not any(fnmatch.fnmatchcase(module, pattern) for pattern in self.exclude)
@@ -78,17 +95,28 @@ def parse_quantization(raw: dict, where: str) -> Optional[WeightOnly]:
     exclude = q.get("exclude_modules")
     if exclude is not None and (not isinstance(exclude, list) or not all(isinstance(e, str) for e in exclude)):
         raise UserError(f"{where}: quantization.exclude_modules must be a list of module names, got {exclude!r}.")
-    return WeightOnly(algo, ALGO_BITS[algo], tuple(DEFAULT_EXCLUDE if exclude is None else exclude))
+    group = None
+    if algo == GROUPED:
+        group = q.get("group_size", 128)
+        if not isinstance(group, int) or group < 2 or group % 2:
+            raise UserError(f"{where}: quantization.group_size must be an even positive integer, got {group!r}.")
+        if q.get("has_zero_point"):
+            raise UserError(f"{where}: has_zero_point: this backend runs symmetric int4 (ModelOpt's int4_awq), "
+                            f"not zero-point (GPTQ) checkpoints.")
+    return WeightOnly(algo, ALGO_BITS[algo], tuple(DEFAULT_EXCLUDE if exclude is None else exclude), group)
 
 
-def quantization_section(mode: Optional[str], quantize_lm_head: bool = False) -> dict:
+def quantization_section(mode: Optional[str], quantize_lm_head: bool = False, group_size: int = 128) -> dict:
     """The `quantization` keys `convert --quantize MODE` sets (the rest keep their defaults)."""
     if mode is None:
         return {}
     if mode not in MODES:
         raise UserError(f"--quantize: expected one of {', '.join(MODES)}, got {mode!r}.")
     exclude = [p for p in DEFAULT_EXCLUDE if not (quantize_lm_head and p == "*lm_head")]
-    return {"quant_algo": MODES[mode][0], "exclude_modules": exclude}
+    out = {"quant_algo": MODES[mode][0], "exclude_modules": exclude}
+    if MODES[mode][0] == GROUPED:
+        out.update(group_size=group_size, has_zero_point=False, pre_quant_scale=True)
+    return out
 
 
 def _round_half_away(x: torch.Tensor) -> torch.Tensor:
@@ -120,3 +148,77 @@ def refuse_preprocessed(tensors: dict[str, torch.Tensor], name: str, where: str)
                         f"in CUTLASS's mixed-GEMM layout for the GPU it ran on, which this backend cannot read; "
                         f"convert the base with `trt-redrafter convert --quantize int8_wo|int4_wo` or TensorRT-LLM's "
                         f"quantize.py --qformat int8_wo|int4_wo (float weights, quantized at build).")
+
+
+# ---- W4A16_AWQ: stored quantized, per group ---------------------------------------------------------------------
+
+def quantize_groups(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [out, in] -> (q [out, in] int8 in [-8, 7], scales [out, in / group] fp32): ModelOpt's int4 block
+    quantizer, scale = group amax / 7, q = round(w / scale) clamped (a zero group: scale 0, q 0)."""
+    out, k = w.shape
+    g = w.detach().float().reshape(out, k // group_size, group_size)
+    scale = g.abs().amax(dim=2) / 7.0
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+    q = torch.round(g / safe[..., None]).clamp(-8, 7)
+    q = torch.where(scale[..., None] == 0, torch.zeros_like(q), q)
+    return q.reshape(out, k).to(torch.int8), scale
+
+
+def pack_int4_rows(q: torch.Tensor) -> torch.Tensor:
+    """q [out, in] int8 in [-8, 7] -> [out / 2, in] int8: rows 2j and 2j + 1 in the low and high nibble."""
+    u = q.view(torch.uint8)
+    return ((u[0::2] & 0xF) | ((u[1::2] & 0xF) << 4)).view(torch.int8).contiguous()
+
+
+def unpack_int4_rows(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of `pack_int4_rows`: [out / 2, in] -> q [out, in] int8, each nibble sign-extended."""
+    lo = torch.bitwise_right_shift(torch.bitwise_left_shift(packed, 4), 4)  # int8: arithmetic shifts
+    hi = torch.bitwise_right_shift(packed, 4)
+    return torch.stack([lo, hi], dim=1).reshape(-1, packed.shape[1])
+
+
+def awq_tensors(w: torch.Tensor, group_size: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One linear layer's W4A16_AWQ tensors (suffixes after the module name) from its float weight [out, in]."""
+    out, k = w.shape
+    if out % 2 or k % group_size:
+        raise UserError(f"int4_awq needs an even number of outputs and inputs divisible by the group size "
+                        f"{group_size}; a layer has [{out}, {k}]: choose --group-size among "
+                        f"{', '.join(str(g) for g in GROUP_SIZES if k % g == 0) or 'none that divides it'}.")
+    q, scales = quantize_groups(w, group_size)
+    return {"weight": pack_int4_rows(q), "weights_scaling_factor": scales,
+            "prequant_scaling_factor": torch.ones(k, dtype=dtype)}
+
+
+def read_awq(tensors: dict[str, torch.Tensor], module: str, group_size: int, where: str
+             ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """A W4A16_AWQ layer -> (q [out, in] int8, scales [out, in / group], pre-quant scale [in] or None when it is 1)."""
+    need = [module + ".weight", module + ".weights_scaling_factor"]
+    missing = [n for n in need if n not in tensors]
+    if missing:
+        raise UserError(f"{where}: a W4A16_AWQ checkpoint lacks {', '.join(missing)}.")
+    packed, scales = tensors[need[0]], tensors[need[1]]
+    if packed.dtype not in (torch.int8, torch.uint8):
+        raise UserError(f"{where}: {need[0]} is {packed.dtype}; W4A16_AWQ stores int4 pairs in int8.")
+    q = unpack_int4_rows(packed.view(torch.int8))
+    if tuple(scales.shape) != (q.shape[0], q.shape[1] // group_size):
+        raise UserError(f"{where}: {need[1]} has shape {tuple(scales.shape)}, expected "
+                        f"[{q.shape[0]}, {q.shape[1] // group_size}] for group size {group_size}.")
+    pre = tensors.get(module + ".prequant_scaling_factor")
+    if pre is not None and bool((pre == 1).all()):
+        pre = None
+    return q, scales, None if pre is None else pre.reshape(-1)
+
+
+def store_quantized(tensors: dict[str, torch.Tensor], quant: Optional[WeightOnly], num_layers: int,
+                    dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A rank's float base tensors -> the form its checkpoint stores: W4A16_AWQ layers quantized and packed, every
+    other algorithm's weights left in float (TensorRT-LLM's build and this backend's load quantize them)."""
+    if quant is None or not quant.stored_quantized:
+        return tensors
+    modules = [f"transformer.layers.{i}.{m}" for i in range(num_layers) for m in LAYER_LINEARS] + ["lm_head"]
+    out = dict(tensors)
+    for module in modules:
+        if quant.quantizes(module) and module + ".weight" in out:
+            w = out.pop(module + ".weight")
+            out.update({f"{module}.{k}": v for k, v in awq_tensors(w, quant.group_size, dtype).items()})
+    return out

@@ -108,7 +108,7 @@ def _moe() -> dict:
 
 
 def llama_pretrained_config(m: ModelConfig, tp: int, fmt: str = "1.x", quantize: Optional[str] = None,
-                            quantize_lm_head: bool = False) -> dict:
+                            quantize_lm_head: bool = False, group_size: int = 128) -> dict:
     """The base LLaMA config TensorRT-LLM writes for `m` at TP=tp (no ReDrafter keys); `quantize` (int8_wo,
     int4_wo) sets the weight-only algorithm as TensorRT-LLM's quantize.py does (checkpoint/quantization.py)."""
     if fmt not in FORMATS:
@@ -124,7 +124,8 @@ def llama_pretrained_config(m: ModelConfig, tp: int, fmt: str = "1.x", quantize:
         "position_embedding_type": "rope_gpt_neox", "num_key_value_heads": m.num_key_value_heads,
         "intermediate_size": m.intermediate_size, "max_position_embeddings": m.max_position_embeddings,
         "mapping": _mapping(tp, fmt), "quantization": {**_quantization(fmt),
-                                                        **quantization_section(quantize, quantize_lm_head)},
+                                                        **quantization_section(quantize, quantize_lm_head,
+                                                                               group_size)},
         "use_parallel_embedding": False,
         "embedding_sharding_dim": 0,
     })
@@ -175,10 +176,11 @@ def add_redrafter_keys(base: dict, drafter: DrafterConfig, redrafter: ReDrafterC
 
 
 def build_pretrained_config(model: ModelConfig, drafter: DrafterConfig, redrafter: ReDrafterConfig, tp: int,
-                            fmt: str = "1.x", quantize: Optional[str] = None, quantize_lm_head: bool = False) -> dict:
+                            fmt: str = "1.x", quantize: Optional[str] = None, quantize_lm_head: bool = False,
+                            group_size: int = 128) -> dict:
     """The ReDrafter checkpoint config.json TensorRT-LLM's converter writes (one-step equivalent of two steps)."""
-    return add_redrafter_keys(llama_pretrained_config(model, tp, fmt, quantize, quantize_lm_head), drafter,
-                              redrafter, fmt)
+    return add_redrafter_keys(llama_pretrained_config(model, tp, fmt, quantize, quantize_lm_head, group_size),
+                              drafter, redrafter, fmt)
 
 
 def write_config(path: str | Path, config: dict) -> None:

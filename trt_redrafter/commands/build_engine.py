@@ -39,7 +39,7 @@ def register(sub) -> None:
     ProposerConfig.add_cli_args(p.add_argument_group("proposers (torch backend; runtime/ngram.py)"))
     g = p.add_argument_group("conversion (with --base-model); the tree shape of an engine without a drafter")
     ReDrafterConfig.add_cli_args(g)
-    ConvertConfig.add_cli_args(g, only=("trtllm_format", "quantize", "quantize_lm_head"))
+    ConvertConfig.add_cli_args(g, only=("trtllm_format", "quantize", "quantize_lm_head", "group_size"))
     p.set_defaults(func=run)
 
 
@@ -77,7 +77,8 @@ def _convert(args, recipe, ckpt: Path) -> None:
     opts = ConvertConfig.from_sources(recipe, args, flags={"tp": args.tp, "dtype": args.dtype, "workers": args.workers})
     if not args.drafter:
         convert_base_checkpoint(args.base_model, ckpt, tp=opts.tp or 1, dtype=opts.dtype or DEFAULT_DTYPE,
-                                workers=opts.workers, quantize=opts.quantize, quantize_lm_head=opts.quantize_lm_head)
+                                workers=opts.workers, quantize=opts.quantize, quantize_lm_head=opts.quantize_lm_head,
+                                group_size=opts.group_size)
         return
     convert_checkpoint(args.drafter, ckpt, opts, ReDrafterConfig.from_sources(recipe, args), base_model=args.base_model,
                        recipe_model=(recipe or {}).get("model"), recipe_where=str(args.config or ""))

@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
             raise UserError("--base-only needs --base-model (it writes the plain LLaMA checkpoint of an HF model).")
         convert_base_checkpoint(args.base_model, args.output, tp=opts.tp or 1, dtype=opts.dtype or DEFAULT_DTYPE,
                                 workers=opts.workers, force=args.force, quantize=opts.quantize,
-                                quantize_lm_head=opts.quantize_lm_head)
+                                quantize_lm_head=opts.quantize_lm_head, group_size=opts.group_size)
         return 0
     if args.drafter is None:
         raise UserError("--drafter is required: the Apple-format drafter directory to attach to the base model.")

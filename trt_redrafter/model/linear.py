@@ -141,6 +141,7 @@ class QuantWeight:
     bits: int
     group_size: int
     dtype: torch.dtype
+    pre_scale: Optional[torch.Tensor] = None  # [in]: AWQ's, the input is multiplied by it first (None: 1)
 
     @property
     def shape(self) -> torch.Size:
@@ -157,8 +158,16 @@ class QuantWeight:
         """Stack along the output dimension (fused column-parallel projections)."""
         first = parts[0]
         assert all((p.bits, p.group_size, p.dtype) == (first.bits, first.group_size, first.dtype) for p in parts)
+        if any(not _same(p.pre_scale, first.pre_scale) for p in parts):
+            raise UserError("layers fused into one matmul (attention q/k/v, mlp.fc/mlp.gate) have different AWQ "
+                            "pre-quant scales; they read the same input, so quantize them with one scale "
+                            "(ModelOpt does).")
         return QuantWeight(torch.cat([p.q for p in parts]), torch.cat([p.scales for p in parts]), first.bits,
-                           first.group_size, first.dtype)
+                           first.group_size, first.dtype, first.pre_scale)
+
+
+def _same(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
 
 
 class Linear(nn.Module):
@@ -180,7 +189,10 @@ class Linear(nn.Module):
         self.weight: Optional[nn.Parameter] = None
         self.packed: Optional[torch.Tensor] = None  # a plain attribute: module moves and state dicts skip it
         self.quant: Optional[tuple[torch.Tensor, int, int]] = None  # weight-only: (packed scales, bits, group size)
+        self.pre_scale: Optional[torch.Tensor] = None  # [in], AWQ's input scale
         if isinstance(weight, QuantWeight):
+            if weight.pre_scale is not None:
+                self.pre_scale = weight.pre_scale.to(weight.dtype)
             if impl == "avx512":
                 self.packed, scales = cpu.pack_wo(weight.q, weight.scales, weight.bits)
                 self.quant = (scales, weight.bits, weight.group_size)
@@ -194,6 +206,8 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out]."""
+        if self.pre_scale is not None:
+            x = x * self.pre_scale
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         lead = x.shape[:-1]

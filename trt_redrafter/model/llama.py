@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..checkpoint.quantization import WeightOnly, channel_amax, quantize_per_channel, refuse_preprocessed
+from ..checkpoint.quantization import WeightOnly, channel_amax, quantize_per_channel, read_awq, refuse_preprocessed
 from ..config import ModelConfig, torch_dtype
 from ..rope import RotaryEmbedding
 from .attention import AttentionMeta, torch_tree_attention
@@ -159,6 +159,10 @@ class LlamaRank(nn.Module):
             name = source or module + ".weight"
             if quant is None or not quant.quantizes(module):
                 return take(name)
+            if quant.stored_quantized:  # W4A16_AWQ: int4 pairs and per-group scales, as stored
+                q, scales, pre = read_awq(tensors, module, quant.group_size, "engine weights")
+                return QuantWeight(q.to(dev), scales.to(dev), quant.bits, quant.group_size, dtype,
+                                   None if pre is None else pre.to(dev))
             refuse_preprocessed(tensors, name, "engine weights")
             w = tensors[name]
             amax = channel_amax(w)
@@ -188,7 +192,7 @@ class LlamaRank(nn.Module):
                 cfg.norm_epsilon))
         self.layers = nn.ModuleList(layers)
         self.ln_f = _frozen(take("transformer.ln_f.weight"))
-        tied = "lm_head.weight" not in tensors
+        tied = "lm_head.weight" not in tensors and "lm_head.weights_scaling_factor" not in tensors
         if quant is not None and quant.quantizes("lm_head"):
             lm_head = weight("lm_head", source="transformer.vocab_embedding.weight" if tied else None)
         else:  # tied: the embedding Parameter itself, or (onednn, avx512) a packed copy beside the lookup table
