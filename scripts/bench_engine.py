@@ -171,6 +171,30 @@ def llama_cpp_baselines(gguf: Path, kinds: list[str], prompts: list[list[int]], 
     return out
 
 
+def memory_roofline(engine, buffer_mb: int = 512) -> dict | None:
+    """This machine's read bandwidth (a sum over a buffer much larger than the caches) and the bytes of the base's
+    linear layers as the engine holds them (packed floats, or quantized bytes and scales): the floor of an AR step."""
+    from trt_redrafter.model.linear import Linear
+
+    if engine.dist.device.type != "cpu":
+        return None
+    weight_bytes = 0
+    for m in engine.model.modules():
+        if isinstance(m, Linear):
+            held = [m.packed if m.packed is not None else m.weight] + ([m.quant[0]] if m.quant else [])
+            weight_bytes += sum(t.numel() * t.element_size() for t in held if t is not None and not t.is_mkldnn)
+    buf = torch.ones(buffer_mb * 2 ** 20 // 4)
+    buf.sum()
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        buf.sum()
+        times.append(time.perf_counter() - t0)
+    gbs = buf.numel() * 4 / statistics.median(times) / 1e9
+    return {"read_gb_s": gbs, "buffer_mb": buffer_mb, "weight_mb": weight_bytes / 1e6,
+            "floor_ms": weight_bytes / 1e6 / gbs}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine", required=True)
@@ -300,6 +324,7 @@ def main() -> int:
         phases = engine.timer.mean_ms()
     dist.broadcast_object("done")
     shutdown_dist()
+    roofline = memory_roofline(engine)
 
     summary = {
         "engine": str(args.engine), "tp": ecfg.tp_size, "dtype": str(engine.dtype).removeprefix("torch."),
@@ -308,7 +333,7 @@ def main() -> int:
         "chat_template": chat_template,
         "repeats": args.repeats, "rows": rows, "hf": hf, "phases_ms": phases, "runtime": runtime.to_dict(),
         "compile": engine.compiler.mode, "kernels": engine.kernels, "engine_load_s": load_s,
-        "speculate": engine.policy.mode, "cost_model": costs.to_dict() if costs else None,
+        "speculate": engine.policy.mode, "cost_model": costs.to_dict() if costs else None, "roofline": roofline,
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                     "torch_threads": torch.get_num_threads(), "loadavg": os.getloadavg(), "device": str(dist.device)},
     }
@@ -334,6 +359,12 @@ def main() -> int:
     for name, h in hf.items():
         print(f"| 1 | {name} | {h['ms_per_token']:.3f} | {h['speedup']:.2f}x | - | - | - | - | - | - | "
               f"{h.get('outputs_equal_to_ar') or h['greedy_outputs_equal']} |")
+    ar1 = next((r["ms_per_token"] for r in rows if r["batch_size"] == 1 and r["mode"] == "ar"), None)
+    if roofline and ar1:
+        print(f"memory roofline: this machine reads {roofline['read_gb_s']:.1f} GB/s (one thread per core, a "
+              f"{roofline['buffer_mb']} MB sum, median of 5); the base's linear layers hold "
+              f"{roofline['weight_mb']:.1f} MB, read once per AR step: {roofline['floor_ms']:.2f} ms/token at best; "
+              f"AR at batch 1 is at {100 * roofline['floor_ms'] / ar1:.0f}% of that bound")
     if phases:
         total = sum(phases.values()) or 1.0
         print("ReDrafter step phases (batch 1, each phase timed alone): " + ", ".join(

@@ -322,3 +322,60 @@ def test_awq_pre_quant_scale_multiplies_the_input():
     other = _quant_weight(16, 128, 4, 64, torch.float32, 6)
     with pytest.raises(UserError, match="different AWQ pre-quant scales"):
         lin.QuantWeight.cat([w, other])
+
+
+def test_awq_search_beats_round_to_nearest_where_inputs_have_outlier_channels():
+    """AWQ's point: with a few input channels much larger than the rest, scaling them up before quantizing (and the
+    input down by as much) loses less than plain round-to-nearest (alpha 0, s = 1), which the search also tries."""
+    from trt_redrafter.checkpoint.awq import _dequant, best_scale
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 128, generator=g)
+    x[:, :4] *= 30  # outlier channels
+    ws = [torch.randn(64, 128, generator=g), torch.randn(32, 128, generator=g)]
+    s, alpha = best_scale(x, ws, 64)
+    assert alpha > 0 and s.shape == (128,)
+
+    def err(scale):
+        return sum(float(((x / scale) @ _dequant(w * scale, 64).T - x @ w.T).pow(2).sum()) for w in ws)
+
+    assert err(s) < 0.9 * err(torch.ones(128))
+    t = qz.awq_tensors(ws[0], 64, torch.float32, s)
+    pre = t["prequant_scaling_factor"]
+    assert torch.allclose(pre, 1 / s) and t["weight"].shape == (32, 128)
+    q = qz.unpack_int4_rows(t["weight"]).float() * t["weights_scaling_factor"].repeat_interleave(64, dim=1)
+    assert float(((x * pre) @ q.T - x @ ws[0].T).pow(2).sum()) < float(((x @ _dequant(ws[0], 64).T) - x @ ws[0].T).pow(2).sum())
+
+
+def test_awq_row_parallel_scales_are_sliced_per_rank():
+    """A row-parallel layer's ranks hold halves of its inputs: each gets its half of s, so TP=2 stores exactly the
+    TP=1 layer split on dim 1 (groups never straddle ranks)."""
+    quant = qz.WeightOnly("W4A16_AWQ", 4, (), 64)
+    w, s = torch.randn(8, 256), 0.5 + torch.rand(256)
+    name = "transformer.layers.0.mlp.proj"
+    full = qz.store_quantized({name + ".weight": w}, quant, 1, torch.float32, {name: s})
+    for rank in (0, 1):
+        half = qz.store_quantized({name + ".weight": w.chunk(2, dim=1)[rank]}, quant, 1, torch.float32, {name: s},
+                                  tp_size=2, rank=rank)
+        for key, dim in (("weight", 1), ("weights_scaling_factor", 1), ("prequant_scaling_factor", 0)):
+            assert torch.equal(half[f"{name}.{key}"], full[f"{name}.{key}"].chunk(2, dim=dim)[rank]), key
+
+
+def test_awq_calibration_prompts_from_a_file_reach_the_search(tmp_path):
+    run_cli("make-tiny", "--output", tmp_path / "tiny", "--seed", 4, "--intermediate-size", 256)
+    calib = tmp_path / "calib.jsonl"
+    calib.write_text("\n".join(json.dumps({"prompt": f"calibration prompt number {i} about weights"}) for i in range(8)))
+    common = ("--base-model", tmp_path / "tiny" / "base", "--drafter", tmp_path / "tiny" / "drafter", "--dtype",
+              "float32", "--quantize", "int4_awq", "--group-size", "64")
+    run_cli("convert", *common, "--output", tmp_path / "awq", "--calib-prompts", calib)
+    run_cli("convert", *common, "--output", tmp_path / "rtn", "--calib-prompts", "none")
+    from safetensors.torch import load_file
+    awq, rtn = (load_file(str(tmp_path / d / "rank0.safetensors")) for d in ("awq", "rtn"))
+    pre = [k for k in awq if k.endswith("prequant_scaling_factor")]
+    assert pre and all(bool((rtn[k] == 1).all()) for k in pre)
+    assert any(not bool((awq[k] == 1).all()) for k in pre)  # the search chose scales
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"question": "no known key"}))
+    from trt_redrafter.checkpoint.convert import ConvertConfig
+    from trt_redrafter.commands.convert import calibration_ids
+    with pytest.raises(UserError, match="a calibration row needs 'turns', 'prompt' or 'text'"):
+        calibration_ids(ConvertConfig(quantize="int4_awq", calib_prompts=str(bad)), tmp_path / "tiny" / "base")

@@ -62,6 +62,10 @@ class ConvertConfig(ConfigBase):
                                                 "leaves it in float by default)")
     group_size: int = option(128, help="with --quantize int4_awq: inputs per scale (TensorRT-LLM's kernels: 64 or "
                                        "128; it must divide every layer's inputs per rank)", choices=GROUP_SIZES)
+    calib_prompts: Optional[str] = option(None, help="with --quantize int4_awq: prompts for AWQ's activation-aware "
+                                                     "scales, a JSONL file (rows with 'turns', 'prompt' or 'text') "
+                                                     "or 'magpie' (32 user prompts the base writes itself; the "
+                                                     "default); 'none': round-to-nearest, no search")
 
     def validate(self) -> None:
         s = self.SECTION
@@ -137,11 +141,26 @@ def _write_ranks(out: Path, tp: int, workers: int, make_rank: Callable[[Mapping]
             fut.result()
 
 
-def _base_rank(hf: HFCheckpoint, cast, m: Mapping, config: dict) -> dict[str, torch.Tensor]:
-    """One rank's base tensors as the checkpoint stores them (`config`'s quantization applied where stored)."""
+def _base_rank(hf: HFCheckpoint, cast, m: Mapping, config: dict,
+               smooth: Optional[dict[str, torch.Tensor]] = None) -> dict[str, torch.Tensor]:
+    """One rank's base tensors as the checkpoint stores them (`config`'s quantization applied where stored;
+    `smooth`: AWQ's input scales)."""
     tensors = sharding.shard_base(hf.get, hf.config, m, cast)
     return store_quantized(tensors, parse_quantization(config, "config.json"), hf.config.num_hidden_layers,
-                           torch_dtype(hf.config.dtype))
+                           torch_dtype(hf.config.dtype), smooth, m.tp_size, m.rank)
+
+
+def _awq_scales(hf: HFCheckpoint, config: dict, calib_ids: Optional[list[list[int]]]
+                ) -> Optional[dict[str, torch.Tensor]]:
+    quant = parse_quantization(config, "config.json")
+    if quant is None or not quant.stored_quantized:
+        return None
+    if not calib_ids:
+        log.warning("int4_awq without calibration prompts: pre-quant scales of 1 (round-to-nearest per group of "
+                    "%d); give --calib-prompts for AWQ's activation-aware scales", quant.group_size)
+        return None
+    from .awq import search_scales
+    return search_scales(hf.path, calib_ids, quant.group_size, hf.config.num_hidden_layers)
 
 
 def _open_hf(base_model: Path, dtype: str, recipe_model: dict | None, recipe_where: str) -> HFCheckpoint:
@@ -158,7 +177,8 @@ def _open_hf(base_model: Path, dtype: str, recipe_model: dict | None, recipe_whe
 
 def convert_base_checkpoint(base_model: str | Path, output: str | Path, tp: int = 1, dtype: str = DEFAULT_DTYPE,
                             workers: int = 1, force: bool = False, quantize: Optional[str] = None,
-                            quantize_lm_head: bool = False, group_size: int = 128) -> Path:
+                            quantize_lm_head: bool = False, group_size: int = 128,
+                            calib_ids: Optional[list[list[int]]] = None) -> Path:
     """Write a plain TensorRT-LLM LLaMA checkpoint (what TensorRT-LLM's llama converter writes, or with `quantize`
     its quantize.py --qformat int8_wo|int4_wo): the two-step input."""
     output = Path(output)
@@ -167,16 +187,18 @@ def convert_base_checkpoint(base_model: str | Path, output: str | Path, tp: int 
     sharding.check_tp(tp, hf.config)
     config = llama_pretrained_config(hf.config, tp, "1.x", quantize, quantize_lm_head, group_size)
     cast = _caster(hf.config.dtype)
+    smooth = _awq_scales(hf, config, calib_ids)
     with atomic_output_dir(output, force=force, what="checkpoint") as tmp:
         write_config(tmp / "config.json", config)
-        _write_ranks(tmp, tp, workers, lambda m: _base_rank(hf, cast, m, config))
+        _write_ranks(tmp, tp, workers, lambda m: _base_rank(hf, cast, m, config, smooth))
     log.info("wrote TensorRT-LLM LLaMA checkpoint %s (tp=%d, %s)", output, tp, hf.config.dtype)
     return output
 
 
 def convert_checkpoint(drafter: str | Path, output: str | Path, opts: ConvertConfig, redrafter: ReDrafterConfig, *,
                        base_model: str | Path | None = None, base_checkpoint: str | Path | None = None,
-                       force: bool = False, recipe_model: dict | None = None, recipe_where: str = "") -> Path:
+                       force: bool = False, recipe_model: dict | None = None, recipe_where: str = "",
+                       calib_ids: Optional[list[list[int]]] = None) -> Path:
     """Write a ReDrafter checkpoint from an HF base (`base_model`) or a TensorRT-LLM base (`base_checkpoint`)."""
     if (base_model is None) == (base_checkpoint is None):
         raise UserError("give exactly one of --base-model (Hugging Face directory) or --base-checkpoint "
@@ -214,9 +236,10 @@ def convert_checkpoint(drafter: str | Path, output: str | Path, opts: ConvertCon
     if base_model is not None:
         config = build_pretrained_config(model, d.config, redrafter, tp, fmt, opts.quantize, opts.quantize_lm_head,
                                          opts.group_size)
+        smooth = _awq_scales(hf, config, calib_ids)
 
         def make_rank(m: Mapping) -> dict[str, torch.Tensor]:
-            return {**_base_rank(hf, cast, m, config), **sharding.shard_drafter(d.tensors, d.config, m, cast)}
+            return {**_base_rank(hf, cast, m, config, smooth), **sharding.shard_drafter(d.tensors, d.config, m, cast)}
     else:
         config = add_redrafter_keys(base.raw, d.config, redrafter, fmt)
 

@@ -26,8 +26,8 @@ TensorRT-LLM (NVIDIA/TensorRT-LLM; the helper notes in docs/tensorrt-llm.md "Qua
   group] = group amax / 7, `X.prequant_scaling_factor` [in] that the input is multiplied by (AWQ's activation-
   aware smoothing; the weight was divided by it before quantizing), config `group_size`, `pre_quant_scale: true`
   (TensorRT-LLM `models/modeling_utils.py` `preprocess_weights` @01ea6d79 reads them). `convert --quantize int4_awq`
-  writes this layout; its scales come from round-to-nearest per group, with the pre-quant scale 1 (no activation-
-  aware search: see docs/tensorrt-llm.md "Quantized bases").
+  writes this layout, its pre-quant scales from AWQ's search over calibration prompts (checkpoint/awq.py), or 1
+  (round-to-nearest per group) without calibration.
 
 Tensor parallelism: TensorRT-LLM quantizes each rank's slice, so a row-parallel layer's scales (attention.dense,
 mlp.proj, split along their inputs) come from that rank's columns only and a TP=2 engine is a slightly different
@@ -177,16 +177,19 @@ def unpack_int4_rows(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([lo, hi], dim=1).reshape(-1, packed.shape[1])
 
 
-def awq_tensors(w: torch.Tensor, group_size: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """One linear layer's W4A16_AWQ tensors (suffixes after the module name) from its float weight [out, in]."""
+def awq_tensors(w: torch.Tensor, group_size: int, dtype: torch.dtype,
+                smooth: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
+    """One linear layer's W4A16_AWQ tensors (suffixes after the module name) from its float weight [out, in] and
+    AWQ's input-channel scale `smooth` [in] (checkpoint/awq.py; None: 1): Q(W s) and the pre-quant scale 1 / s, in
+    the model dtype (W is multiplied by the inverse of that rounded value, so the two cancel as stored)."""
     out, k = w.shape
     if out % 2 or k % group_size:
         raise UserError(f"int4_awq needs an even number of outputs and inputs divisible by the group size "
                         f"{group_size}; a layer has [{out}, {k}]: choose --group-size among "
                         f"{', '.join(str(g) for g in GROUP_SIZES if k % g == 0) or 'none that divides it'}.")
-    q, scales = quantize_groups(w, group_size)
-    return {"weight": pack_int4_rows(q), "weights_scaling_factor": scales,
-            "prequant_scaling_factor": torch.ones(k, dtype=dtype)}
+    pre = torch.ones(k, dtype=dtype) if smooth is None else (1.0 / smooth.float()).to(dtype)
+    q, scales = quantize_groups(w.float() / pre.float(), group_size)
+    return {"weight": pack_int4_rows(q), "weights_scaling_factor": scales, "prequant_scaling_factor": pre}
 
 
 def read_awq(tensors: dict[str, torch.Tensor], module: str, group_size: int, where: str
@@ -209,10 +212,16 @@ def read_awq(tensors: dict[str, torch.Tensor], module: str, group_size: int, whe
     return q, scales, None if pre is None else pre.reshape(-1)
 
 
+ROW_PARALLEL = ("attention.dense", "mlp.proj")  # their inputs are split across ranks
+
+
 def store_quantized(tensors: dict[str, torch.Tensor], quant: Optional[WeightOnly], num_layers: int,
-                    dtype: torch.dtype) -> dict[str, torch.Tensor]:
+                    dtype: torch.dtype, smooth: Optional[dict[str, torch.Tensor]] = None, tp_size: int = 1,
+                    rank: int = 0) -> dict[str, torch.Tensor]:
     """A rank's float base tensors -> the form its checkpoint stores: W4A16_AWQ layers quantized and packed, every
-    other algorithm's weights left in float (TensorRT-LLM's build and this backend's load quantize them)."""
+    other algorithm's weights left in float (TensorRT-LLM's build and this backend's load quantize them).
+    `smooth`: AWQ's input scales over each module's full input (checkpoint/awq.py), sliced here for row-parallel
+    layers; groups never straddle ranks, so every rank's int4 values and scales are those of TP 1."""
     if quant is None or not quant.stored_quantized:
         return tensors
     modules = [f"transformer.layers.{i}.{m}" for i in range(num_layers) for m in LAYER_LINEARS] + ["lm_head"]
@@ -220,5 +229,8 @@ def store_quantized(tensors: dict[str, torch.Tensor], quant: Optional[WeightOnly
     for module in modules:
         if quant.quantizes(module) and module + ".weight" in out:
             w = out.pop(module + ".weight")
-            out.update({f"{module}.{k}": v for k, v in awq_tensors(w, quant.group_size, dtype).items()})
+            s = (smooth or {}).get(module)
+            if s is not None and module.endswith(ROW_PARALLEL) and tp_size > 1:
+                s = s.chunk(tp_size)[rank]
+            out.update({f"{module}.{k}": v for k, v in awq_tensors(w, quant.group_size, dtype, s).items()})
     return out

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ..backends import BACKENDS, default_backend, trtllm_available
 from ..checkpoint.convert import DEFAULT_DTYPE, ConvertConfig, convert_base_checkpoint, convert_checkpoint
+from .convert import calibration_ids
 from ..config import BuildConfig, ProposerConfig, ReDrafterConfig, load_recipe
 from ..errors import UserError
 from ..log import get_logger
@@ -39,7 +40,8 @@ def register(sub) -> None:
     ProposerConfig.add_cli_args(p.add_argument_group("proposers (torch backend; runtime/ngram.py)"))
     g = p.add_argument_group("conversion (with --base-model); the tree shape of an engine without a drafter")
     ReDrafterConfig.add_cli_args(g)
-    ConvertConfig.add_cli_args(g, only=("trtllm_format", "quantize", "quantize_lm_head", "group_size"))
+    ConvertConfig.add_cli_args(g, only=("trtllm_format", "quantize", "quantize_lm_head", "group_size",
+                                        "calib_prompts"))
     p.set_defaults(func=run)
 
 
@@ -78,10 +80,11 @@ def _convert(args, recipe, ckpt: Path) -> None:
     if not args.drafter:
         convert_base_checkpoint(args.base_model, ckpt, tp=opts.tp or 1, dtype=opts.dtype or DEFAULT_DTYPE,
                                 workers=opts.workers, quantize=opts.quantize, quantize_lm_head=opts.quantize_lm_head,
-                                group_size=opts.group_size)
+                                group_size=opts.group_size, calib_ids=calibration_ids(opts, Path(args.base_model)))
         return
     convert_checkpoint(args.drafter, ckpt, opts, ReDrafterConfig.from_sources(recipe, args), base_model=args.base_model,
-                       recipe_model=(recipe or {}).get("model"), recipe_where=str(args.config or ""))
+                       recipe_model=(recipe or {}).get("model"), recipe_where=str(args.config or ""),
+                       calib_ids=calibration_ids(opts, Path(args.base_model)))
 
 
 def _tree_flags(recipe, args) -> ReDrafterConfig | None:

@@ -9,6 +9,9 @@ from pathlib import Path
 from ..checkpoint.convert import DEFAULT_DTYPE, ConvertConfig, convert_base_checkpoint, convert_checkpoint
 from ..config import ReDrafterConfig, load_recipe
 from ..errors import UserError
+from ..log import get_logger
+
+logger = get_logger(__name__)
 
 
 def register(subparsers) -> None:
@@ -31,6 +34,44 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
+CALIB_MAGPIE = 32  # user prompts the base writes itself when int4_awq has no --calib-prompts
+
+
+def calibration_ids(opts: ConvertConfig, base_model: Path | None) -> list[list[int]] | None:
+    """Token ids of AWQ's calibration prompts in the base's chat template (int4_awq from a Hugging Face base), or
+    None (no search)."""
+    if opts.quantize != "int4_awq" or base_model is None or opts.calib_prompts == "none":
+        return None
+    import torch
+    from transformers import AutoTokenizer
+
+    from ..chat import chat_prompt_ids, has_chat_template
+    from ..datasets import read_jsonl
+
+    tok = AutoTokenizer.from_pretrained(str(base_model))
+    if opts.calib_prompts in (None, "magpie"):
+        from transformers import AutoModelForCausalLM
+
+        from ..training.prompts import hf_sampler, magpie_user_prompts
+        if not has_chat_template(tok):
+            logger.warning("the base has no chat template to write its own calibration prompts: int4_awq without "
+                           "AWQ scales; give --calib-prompts FILE.jsonl")
+            return None
+        model = AutoModelForCausalLM.from_pretrained(str(base_model), dtype=torch.float32).eval()
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        texts = magpie_user_prompts(hf_sampler(model, torch.device("cpu"), pad), tok, CALIB_MAGPIE, seed=0)
+        logger.info("AWQ calibration: %d user prompts written by the base itself (Magpie)", len(texts))
+    else:
+        texts = []
+        for where, row in read_jsonl(opts.calib_prompts, "--calib-prompts: {path} does not exist."):
+            text = row.get("turns", [None])[0] if isinstance(row, dict) and "turns" in row else \
+                row.get("prompt", row.get("text")) if isinstance(row, dict) else None
+            if not isinstance(text, str) or not text:
+                raise UserError(f"{where}: a calibration row needs 'turns', 'prompt' or 'text' (a string).")
+            texts.append(text)
+    return [chat_prompt_ids(tok, t) if has_chat_template(tok) else tok(t)["input_ids"] for t in texts]
+
+
 def run(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.config) if args.config else None
     opts = ConvertConfig.from_sources(recipe, args)
@@ -39,12 +80,14 @@ def run(args: argparse.Namespace) -> int:
             raise UserError("--base-only needs --base-model (it writes the plain LLaMA checkpoint of an HF model).")
         convert_base_checkpoint(args.base_model, args.output, tp=opts.tp or 1, dtype=opts.dtype or DEFAULT_DTYPE,
                                 workers=opts.workers, force=args.force, quantize=opts.quantize,
-                                quantize_lm_head=opts.quantize_lm_head, group_size=opts.group_size)
+                                quantize_lm_head=opts.quantize_lm_head, group_size=opts.group_size,
+                                calib_ids=calibration_ids(opts, args.base_model))
         return 0
     if args.drafter is None:
         raise UserError("--drafter is required: the Apple-format drafter directory to attach to the base model.")
     redrafter = ReDrafterConfig.from_sources(recipe, args)
     convert_checkpoint(args.drafter, args.output, opts, redrafter, base_model=args.base_model,
                        base_checkpoint=args.base_checkpoint, force=args.force,
-                       recipe_model=(recipe or {}).get("model"), recipe_where=str(args.config or ""))
+                       recipe_model=(recipe or {}).get("model"), recipe_where=str(args.config or ""),
+                       calib_ids=calibration_ids(opts, args.base_model))
     return 0

@@ -1,0 +1,99 @@
+"""AWQ's activation-aware scales for `convert --quantize int4_awq`: per linear layer, the input-channel scale s that
+makes int4 group quantization lose least on calibration activations (Lin et al., "AWQ", 2023; ModelOpt's `awq_lite`
+searches the same grid).
+
+For a layer y = x W^T fed by calibration inputs X, with m = mean |X| per input channel:
+    s(alpha) = m^alpha / sqrt(max m^alpha * min m^alpha),  alpha in 0, 0.1, ..., 0.9
+    error(alpha) = || X W^T - (X / s) Q(W s)^T ||^2       (Q: int4 per group of inputs, `quantization.quantize_groups`)
+The alpha of least error wins; alpha = 0 is s = 1, plain round-to-nearest, so the search never does worse than it on
+the calibration set. Layers that read one input (q, k, v; gate and up) share one s, summed errors deciding, as
+TensorRT-LLM fuses them. The checkpoint then stores Q(W s) and `prequant_scaling_factor` = 1 / s, by which the
+runtime multiplies the input (`quantization.awq_tensors`).
+
+The activations come from the float model (Hugging Face's, fp32) run over the calibration prompts in the model's
+chat template; at most `MAX_ROWS` token rows per layer are kept.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..log import get_logger
+from .quantization import quantize_groups
+
+log = get_logger(__name__)
+
+ALPHAS = tuple(i / 10 for i in range(10))
+MAX_ROWS = 1024
+
+# (TensorRT-LLM modules under transformer.layers.{i}. that read one input, the HF module whose input is recorded,
+#  the HF weights of those modules in that order)
+GROUPS = (
+    (("attention.qkv",), "self_attn.q_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+    (("attention.dense",), "self_attn.o_proj", ("self_attn.o_proj",)),
+    (("mlp.fc", "mlp.gate"), "mlp.gate_proj", ("mlp.gate_proj", "mlp.up_proj")),
+    (("mlp.proj",), "mlp.down_proj", ("mlp.down_proj",)),
+)
+
+
+def _dequant(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    q, scales = quantize_groups(w, group_size)
+    return q.float() * scales.repeat_interleave(group_size, dim=1)
+
+
+def best_scale(x: torch.Tensor, weights: list[torch.Tensor], group_size: int) -> tuple[torch.Tensor, float]:
+    """Calibration inputs x [n, in] and the float weights [out, in] reading them -> (s [in], the chosen alpha)."""
+    x = x.float()
+    m = x.abs().mean(dim=0).clamp(min=1e-6)
+    refs = [x @ w.float().T for w in weights]
+    best = (float("inf"), torch.ones_like(m), 0.0)
+    for alpha in ALPHAS:
+        s = m.pow(alpha)
+        s = s / (s.max() * s.min()).sqrt()
+        xs = x / s
+        err = sum(float(((xs @ _dequant(w.float() * s, group_size).T) - ref).pow(2).sum())
+                  for w, ref in zip(weights, refs))
+        if err < best[0]:
+            best = (err, s, alpha)
+    return best[1], best[2]
+
+
+def search_scales(model_dir: str | Path, calib_ids: list[list[int]], group_size: int,
+                  num_layers: int) -> dict[str, torch.Tensor]:
+    """TensorRT-LLM module name (transformer.layers.{i}.X) -> s [in] over the full (unsharded) input."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    seen: dict[str, list[torch.Tensor]] = {}
+    hooks = []
+    for i, layer in enumerate(model.model.layers[:num_layers]):
+        for _, hf_in, _ in GROUPS:
+            mod = layer.get_submodule(hf_in)
+            key = f"{i}.{hf_in}"
+
+            def record(_m, args, key=key):
+                rows = args[0].reshape(-1, args[0].shape[-1])
+                have = sum(r.shape[0] for r in seen.get(key, []))
+                if have < MAX_ROWS:
+                    seen.setdefault(key, []).append(rows[:MAX_ROWS - have].detach().clone())
+            hooks.append(mod.register_forward_pre_hook(record))
+    with torch.inference_mode():
+        for ids in calib_ids:
+            model(torch.tensor([ids]))
+    for h in hooks:
+        h.remove()
+    out: dict[str, torch.Tensor] = {}
+    alphas = []
+    for i, layer in enumerate(model.model.layers[:num_layers]):
+        for trt_names, hf_in, hf_weights in GROUPS:
+            x = torch.cat(seen[f"{i}.{hf_in}"])
+            s, alpha = best_scale(x, [layer.get_submodule(n).weight.detach() for n in hf_weights], group_size)
+            alphas.append(alpha)
+            for name in trt_names:
+                out[f"transformer.layers.{i}.{name}"] = s
+    log.info("AWQ scales from %d calibration prompts (%d token rows per layer at most): mean alpha %.2f, %d of %d "
+             "layer groups keep s = 1", len(calib_ids), MAX_ROWS, sum(alphas) / len(alphas),
+             sum(a == 0 for a in alphas), len(alphas))
+    return out
