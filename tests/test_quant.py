@@ -164,10 +164,14 @@ def test_quantized_checkpoint_config_keeps_the_drafter_float(tmp_path):
 
 
 def test_quantized_checkpoint_refusals(tmp_path):
-    with pytest.raises(UserError, match="quant_algo 'FP8' is not one this backend runs"):
-        qz.parse_quantization({"quantization": {"quant_algo": "FP8"}}, "cfg")
+    fp8 = qz.parse_quantization({"quantization": {"quant_algo": "FP8", "exclude_modules": ["lm_head"]}}, "cfg")
+    assert fp8.algo == "FP8" and fp8.bits == 0  # read (the trtllm backend builds it), not run by the torch backend
+    with pytest.raises(UserError, match="quant_algo 'FP8' is not one the torch backend runs"):
+        qz.require_torch_runs(fp8, "cfg")
+    kv = qz.parse_quantization({"quantization": {"quant_algo": None, "kv_cache_quant_algo": "FP8"}}, "cfg")
     with pytest.raises(UserError, match="kv_cache_quant_algo 'FP8'"):
-        qz.parse_quantization({"quantization": {"quant_algo": None, "kv_cache_quant_algo": "FP8"}}, "cfg")
+        qz.require_torch_runs(kv, "cfg")
+    assert not kv.quantizes("transformer.layers.0.mlp.proj")
     tensors = {"transformer.layers.0.mlp.proj.weight": torch.zeros(4, 8, dtype=torch.int8)}
     with pytest.raises(UserError, match="CUTLASS's mixed-GEMM layout"):
         qz.refuse_preprocessed(tensors, "transformer.layers.0.mlp.proj.weight", "engine weights")
@@ -379,3 +383,20 @@ def test_awq_calibration_prompts_from_a_file_reach_the_search(tmp_path):
     from trt_redrafter.commands.convert import calibration_ids
     with pytest.raises(UserError, match="a calibration row needs 'turns', 'prompt' or 'text'"):
         calibration_ids(ConvertConfig(quantize="int4_awq", calib_prompts=str(bad)), tmp_path / "tiny" / "base")
+
+
+def test_trtllm_build_refuses_a_quantized_lm_head_before_importing_tensorrt_llm(tmp_path):
+    from trt_redrafter.backends.torch_build import check_checkpoint
+    from trt_redrafter.backends.trtllm import check_buildable
+    from trt_redrafter.config import BuildConfig
+    run_cli("make-tiny", "--output", tmp_path / "tiny", "--seed", 3, "--num-heads", 2)  # head size 32: buildable
+    for lm_head in (False, True):
+        ckpt = tmp_path / f"ckpt-{lm_head}"
+        run_cli("convert", "--base-model", tmp_path / "tiny" / "base", "--drafter", tmp_path / "tiny" / "drafter",
+                "--output", ckpt, "--quantize", "int8_wo", *(["--quantize-lm-head"] if lm_head else []))
+        info = check_checkpoint(ckpt, None)
+        if lm_head:
+            with pytest.raises(UserError, match="lm_head is quantized"):
+                check_buildable(info, BuildConfig(), ckpt)
+        else:
+            check_buildable(info, BuildConfig(), ckpt)

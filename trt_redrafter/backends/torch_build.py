@@ -14,6 +14,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
+from ..checkpoint.quantization import require_torch_runs
 from ..checkpoint.tokenizer_files import make_portable
 from ..checkpoint.trtllm_config import parse_checkpoint_config
 from ..config import BuildConfig, ProposerConfig, ReDrafterConfig, torch_dtype
@@ -62,6 +63,7 @@ def build_torch_engine(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     ReDrafter checkpoint fixes its own. `proposer` holds the proposer settings (config.ProposerConfig)."""
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
     info = check_checkpoint(ckpt_dir, tp)
+    require_torch_runs(info.quant, f"{ckpt_dir}/config.json")
     proposer = proposer or ProposerConfig()
     if info.redrafter is None:
         tree = tree or ReDrafterConfig.project()

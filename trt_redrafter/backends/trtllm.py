@@ -129,6 +129,12 @@ def check_buildable(info, build: BuildConfig, ckpt_dir: Path) -> None:
         raise UserError(f"{where}: every rank holds the whole drafter (convert replicates it where --tp {info.tp_size} "
                         f"does not divide its dimensions), which TensorRT-LLM cannot build (it splits the drafter); "
                         f"use --backend torch, or a TP size that divides the drafter's exit_dim and vocabulary.")
+    if info.quant is not None and info.quant.bits and info.quant.quantizes("lm_head"):
+        # its build quantizes only layer weights (convert_utils.weight_only_quantize_dict: names with qkv, dense, fc,
+        # gate or proj), and ModelOpt quantizes lm_head for FP8 alone: a float lm_head under a weight-only layer
+        raise UserError(f"{where}: the base's lm_head is quantized ({info.quant.algo}, --quantize-lm-head), which "
+                        f"TensorRT-LLM's weight-only build does not do; use --backend torch, or re-convert without "
+                        f"--quantize-lm-head.")
     # a plain LLaMA checkpoint (no drafter) builds TensorRT-LLM's auto-regressive engine: the AR baseline
     if info.redrafter is not None and info.architecture != REDRAFTER_ARCH["1.x"]:
         # PretrainedConfig.from_dict indexes MODEL_MAP[config['architecture']] first: a bare KeyError otherwise

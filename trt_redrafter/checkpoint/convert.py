@@ -58,8 +58,9 @@ class ConvertConfig(ConfigBase):
                                             "checkpoint, as TensorRT-LLM's quantize.py writes them, and are quantized "
                                             "when the engine is built or loaded); the drafter stays float",
                                      choices=tuple(MODES))
-    quantize_lm_head: bool = option(False, help="with --quantize: quantize the base's lm_head too (TensorRT-LLM "
-                                                "leaves it in float by default)")
+    quantize_lm_head: bool = option(False, help="with --quantize: quantize the base's lm_head too (the torch "
+                                                "backend runs it; TensorRT-LLM's weight-only build leaves lm_head in "
+                                                "float and cannot build such a checkpoint)")
     group_size: int = option(128, help="with --quantize int4_awq: inputs per scale (TensorRT-LLM's kernels: 64 or "
                                        "128; it must divide every layer's inputs per rank)", choices=GROUP_SIZES)
     calib_prompts: Optional[str] = option(None, help="with --quantize int4_awq: prompts for AWQ's activation-aware "

@@ -64,34 +64,30 @@ class WeightOnly:
     """A checkpoint's weight-only quantization: `bits` per weight, one scale per output channel, the modules named
     by `exclude` (fnmatch patterns) left in float."""
 
-    algo: str
-    bits: int
+    algo: Optional[str]  # None with a quantized KV cache alone
+    bits: int  # 0: not a weight-only algorithm the torch backend runs (`require_torch_runs`)
     exclude: tuple[str, ...]
     group_size: Optional[int] = None  # W4A16_AWQ: inputs per scale; None: one scale per output channel
+    kv_cache_algo: Optional[str] = None  # a quantized KV cache (FP8, INT8): TensorRT-LLM only
 
     @property
     def stored_quantized(self) -> bool:
         return self.algo == GROUPED
 
     def quantizes(self, module: str) -> bool:
-        return not any(fnmatch.fnmatchcase(module, pattern) for pattern in self.exclude)
+        return self.algo is not None and not any(fnmatch.fnmatchcase(module, pattern) for pattern in self.exclude)
 
 
 def parse_quantization(raw: dict, where: str) -> Optional[WeightOnly]:
-    """The checkpoint config's `quantization` section -> WeightOnly, or None for an unquantized base; anything this
-    backend cannot run is refused by name."""
+    """The checkpoint config's `quantization` section -> WeightOnly, or None for an unquantized base. Any algorithm
+    is read (the trtllm backend builds FP8 and the rest); `require_torch_runs` says whether the torch backend can."""
     q = raw.get("quantization") or {}
     if not isinstance(q, dict):
         raise UserError(f"{where}: quantization must be an object, got {q!r}.")
     algo = q.get("quant_algo")
-    if q.get("kv_cache_quant_algo"):
-        raise UserError(f"{where}: kv_cache_quant_algo {q['kv_cache_quant_algo']!r}: this backend keeps the KV cache "
-                        f"in the model dtype; convert without a quantized KV cache.")
-    if algo is None:
+    kv = q.get("kv_cache_quant_algo")
+    if algo is None and kv is None:
         return None
-    if algo not in ALGO_BITS:
-        raise UserError(f"{where}: quant_algo {algo!r} is not one this backend runs (it runs "
-                        f"{', '.join(ALGO_BITS)}: `convert --quantize {'|'.join(MODES)}`).")
     exclude = q.get("exclude_modules")
     if exclude is not None and (not isinstance(exclude, list) or not all(isinstance(e, str) for e in exclude)):
         raise UserError(f"{where}: quantization.exclude_modules must be a list of module names, got {exclude!r}.")
@@ -103,7 +99,21 @@ def parse_quantization(raw: dict, where: str) -> Optional[WeightOnly]:
         if q.get("has_zero_point"):
             raise UserError(f"{where}: has_zero_point: this backend runs symmetric int4 (ModelOpt's int4_awq), "
                             f"not zero-point (GPTQ) checkpoints.")
-    return WeightOnly(algo, ALGO_BITS[algo], tuple(DEFAULT_EXCLUDE if exclude is None else exclude), group)
+    return WeightOnly(algo, ALGO_BITS.get(algo, 0), tuple(DEFAULT_EXCLUDE if exclude is None else exclude), group,
+                      kv)
+
+
+def require_torch_runs(quant: Optional[WeightOnly], where: str) -> None:
+    """Refuse, by name, a quantization the torch backend does not run."""
+    if quant is None:
+        return
+    if quant.kv_cache_algo:
+        raise UserError(f"{where}: kv_cache_quant_algo {quant.kv_cache_algo!r}: the torch backend keeps the KV cache "
+                        f"in the model dtype; build it with --backend trtllm, or convert without a quantized KV cache.")
+    if quant.algo is not None and quant.algo not in ALGO_BITS:
+        raise UserError(f"{where}: quant_algo {quant.algo!r} is not one the torch backend runs (it runs "
+                        f"{', '.join(ALGO_BITS)}: `convert --quantize {'|'.join(MODES)}`); build it with --backend "
+                        f"trtllm.")
 
 
 def quantization_section(mode: Optional[str], quantize_lm_head: bool = False, group_size: int = 128) -> dict:

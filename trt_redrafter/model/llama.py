@@ -21,7 +21,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..checkpoint.quantization import WeightOnly, channel_amax, quantize_per_channel, read_awq, refuse_preprocessed
+from ..checkpoint.quantization import (WeightOnly, channel_amax, quantize_per_channel, read_awq, refuse_preprocessed,
+                                         require_torch_runs)
 from ..config import ModelConfig, torch_dtype
 from ..rope import RotaryEmbedding
 from .attention import AttentionMeta, torch_tree_attention
@@ -150,6 +151,7 @@ class LlamaRank(nn.Module):
         self.nkv = max(cfg.num_key_value_heads // tp, 1)
         self.vocab_size = cfg.vocab_size
         dev = dist.device
+        require_torch_runs(quant, "engine config.json pretrained_config")
 
         def take(name: str) -> torch.Tensor:
             return tensors[name].to(device=dev, dtype=dtype).contiguous()
