@@ -1,6 +1,8 @@
 """Weight-only quantized bases (int8 / int4, per channel or per group): the CPU kernel (`trt_redrafter_cpu::linear_wo`,
 cpu/linear.cpp) against F.linear of the dequantized weight, a row's bits independent of the rows beside it, the op
-under torch.compile, and `model.linear.Linear` over a `QuantWeight` in every implementation."""
+under torch.compile, `model.linear.Linear` over a `QuantWeight` in every implementation; the checkpoints `convert
+--quantize` writes (TensorRT-LLM's W8A16 / W4A16 / W4A16_AWQ), AWQ's search, the refusals; engines over them (greedy
+ReDrafter == the quantized model's greedy AR, TP=2 == TP=1 under mpirun)."""
 
 from __future__ import annotations
 
@@ -13,8 +15,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine_utils import OracleProposer, build_tiny_engines, greedy, load_engine, random_prompts, run_cli
 from trt_redrafter import cpu
+from trt_redrafter.checkpoint import quantization as qz
+from trt_redrafter.errors import UserError
+from trt_redrafter.fsutil import read_json
 from trt_redrafter.model import linear as lin
+from trt_redrafter.runtime.generate import generate
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # (out, in, group size): SmolLM2's qkv per channel, its down-projection in groups of 64, a partial panel
@@ -120,12 +127,6 @@ def test_compiled_weight_only_op_equals_eager(bits):
 
 
 # ---- checkpoints and engines -------------------------------------------------------------------------------------
-from engine_utils import (OracleProposer, build_tiny_engines, greedy, load_engine,  # noqa: E402
-                          random_prompts, run_cli)
-from trt_redrafter.checkpoint import quantization as qz  # noqa: E402
-from trt_redrafter.errors import UserError  # noqa: E402
-from trt_redrafter.fsutil import read_json  # noqa: E402
-from trt_redrafter.runtime.generate import generate  # noqa: E402
 
 MAX_NEW = 20
 PROMPT_LENS = [5, 11, 3, 8]

@@ -1,7 +1,7 @@
 """Weight-only quantized bases in TensorRT-LLM's checkpoint format: what `convert --quantize` writes, what the torch
 backend reads, and the quantizer both sides use.
 
-TensorRT-LLM (NVIDIA/TensorRT-LLM; the helper notes in docs/tensorrt-llm.md "Quantized bases" cite file and commit):
+TensorRT-LLM (NVIDIA/TensorRT-LLM, read at the commits named; docs/tensorrt-llm.md "Quantized bases"):
 - `quantization.quant_algo` "W8A16" / "W4A16": weight-only int8 / int4, one scale per output channel.
   `examples/quantization/quantize.py --qformat int8_wo|int4_wo` writes such a checkpoint with the weights still in
   float and the algorithm set (`quantization/quantize_by_modelopt.py` @042c510d); `trtllm-build` quantizes them
@@ -18,7 +18,6 @@ TensorRT-LLM (NVIDIA/TensorRT-LLM; the helper notes in docs/tensorrt-llm.md "Qua
   `quantize_layers` @89fd9b74: lm_head, vocab_embedding, ...), fnmatch patterns over module names; a list replaces
   the default. TensorRT-LLM's ReDrafter converter adds the drafter's modules only to a list that exists, so a
   ReDrafter checkpoint of a quantized base always carries one (`convert` writes the default list explicitly).
-
 - `quant_algo` "W4A16_AWQ" (quantize.py --qformat int4_awq, through NVIDIA ModelOpt): int4 with one scale per
   output channel and group of `group_size` inputs, stored quantized and GPU-independent (the build preprocesses
   it): `X.weight` int8 [out / 2, in], output rows 2j and 2j + 1 in the low and high nibble of one byte (ModelOpt
@@ -61,8 +60,9 @@ LAYER_LINEARS = ("attention.qkv", "attention.dense", "mlp.fc", "mlp.gate", "mlp.
 
 @dataclass(frozen=True)
 class WeightOnly:
-    """A checkpoint's weight-only quantization: `bits` per weight, one scale per output channel, the modules named
-    by `exclude` (fnmatch patterns) left in float."""
+    """A checkpoint's quantization: `bits` per weight, one scale per output channel (or per `group_size` inputs),
+    the modules named by `exclude` (fnmatch patterns) left in float. Any TensorRT-LLM algorithm is read (FP8 too:
+    `bits` 0); the torch backend runs the weight-only ones (`require_torch_runs`)."""
 
     algo: Optional[str]  # None with a quantized KV cache alone
     bits: int  # 0: not a weight-only algorithm the torch backend runs (`require_torch_runs`)
