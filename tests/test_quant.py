@@ -401,3 +401,19 @@ def test_trtllm_build_refuses_a_quantized_lm_head_before_importing_tensorrt_llm(
                 check_buildable(info, BuildConfig(), ckpt)
         else:
             check_buildable(info, BuildConfig(), ckpt)
+
+
+def test_a_group_size_that_does_not_divide_is_refused_before_calibrating(tmp_path):
+    """make-tiny's hidden size 64 holds no group of 128: refused with the sizes that fit, before AWQ's calibration
+    prompts are made (they take a while on a real base) and before anything is written."""
+    from trt_redrafter.checkpoint.convert import ConvertConfig, convert_checkpoint
+    from trt_redrafter.config import ReDrafterConfig
+    run_cli("make-tiny", "--output", tmp_path / "tiny", "--seed", 3, "--intermediate-size", 256)
+
+    def calibrate():
+        raise AssertionError("calibration ran before the group size was checked")
+
+    with pytest.raises(UserError, match=r"--group-size 128 does not divide hidden_size = 64 .* use --group-size 64"):
+        convert_checkpoint(tmp_path / "tiny" / "drafter", tmp_path / "out", ConvertConfig(quantize="int4_awq"),
+                           ReDrafterConfig(), base_model=tmp_path / "tiny" / "base", calibrate=calibrate)
+    assert not (tmp_path / "out").exists()

@@ -30,7 +30,7 @@ from ..log import get_logger
 from . import sharding
 from .drafter import DrafterCheckpoint, read_drafter
 from .hf import HFCheckpoint, read_hf_model
-from .quantization import GROUP_SIZES, MODES, parse_quantization, store_quantized
+from .quantization import GROUP_SIZES, MODES, check_group_size, parse_quantization, store_quantized
 from .sharding import Mapping
 from .trtllm_config import (FORMATS, add_redrafter_keys, build_pretrained_config, llama_pretrained_config,
                             read_trtllm_checkpoint, write_config)
@@ -38,6 +38,8 @@ from .trtllm_config import (FORMATS, add_redrafter_keys, build_pretrained_config
 log = get_logger(__name__)
 
 DEFAULT_DTYPE = "float16"  # TensorRT-LLM's converters default to fp16
+# AWQ's calibration prompts as token ids, made only when they are needed (commands/convert.py calibration_ids)
+Calibration = Callable[[], Optional[list[list[int]]]]
 
 
 @dataclass
@@ -151,11 +153,15 @@ def _base_rank(hf: HFCheckpoint, cast, m: Mapping, config: dict,
                            torch_dtype(hf.config.dtype), smooth, m.tp_size, m.rank)
 
 
-def _awq_scales(hf: HFCheckpoint, config: dict, calib_ids: Optional[list[list[int]]]
+def _awq_scales(hf: HFCheckpoint, config: dict, tp: int, calibrate: Optional[Calibration]
                 ) -> Optional[dict[str, torch.Tensor]]:
+    """AWQ's input scales for a W4A16_AWQ config (None otherwise, or without calibration prompts). The layer shapes
+    are checked against the group size first, so a refusal comes before the calibration prompts are made."""
     quant = parse_quantization(config, "config.json")
     if quant is None or not quant.stored_quantized:
         return None
+    check_group_size(hf.config, tp, quant.group_size)
+    calib_ids = calibrate() if calibrate is not None else None
     if not calib_ids:
         log.warning("int4_awq without calibration prompts: pre-quant scales of 1 (round-to-nearest per group of "
                     "%d); give --calib-prompts for AWQ's activation-aware scales", quant.group_size)
@@ -179,7 +185,7 @@ def _open_hf(base_model: Path, dtype: str, recipe_model: dict | None, recipe_whe
 def convert_base_checkpoint(base_model: str | Path, output: str | Path, tp: int = 1, dtype: str = DEFAULT_DTYPE,
                             workers: int = 1, force: bool = False, quantize: Optional[str] = None,
                             quantize_lm_head: bool = False, group_size: int = 128,
-                            calib_ids: Optional[list[list[int]]] = None) -> Path:
+                            calibrate: Optional[Calibration] = None) -> Path:
     """Write a plain TensorRT-LLM LLaMA checkpoint (what TensorRT-LLM's llama converter writes, or with `quantize`
     its quantize.py --qformat int8_wo|int4_wo): the two-step input."""
     output = Path(output)
@@ -188,7 +194,7 @@ def convert_base_checkpoint(base_model: str | Path, output: str | Path, tp: int 
     sharding.check_tp(tp, hf.config)
     config = llama_pretrained_config(hf.config, tp, "1.x", quantize, quantize_lm_head, group_size)
     cast = _caster(hf.config.dtype)
-    smooth = _awq_scales(hf, config, calib_ids)
+    smooth = _awq_scales(hf, config, tp, calibrate)
     with atomic_output_dir(output, force=force, what="checkpoint") as tmp:
         write_config(tmp / "config.json", config)
         _write_ranks(tmp, tp, workers, lambda m: _base_rank(hf, cast, m, config, smooth))
@@ -199,7 +205,7 @@ def convert_base_checkpoint(base_model: str | Path, output: str | Path, tp: int 
 def convert_checkpoint(drafter: str | Path, output: str | Path, opts: ConvertConfig, redrafter: ReDrafterConfig, *,
                        base_model: str | Path | None = None, base_checkpoint: str | Path | None = None,
                        force: bool = False, recipe_model: dict | None = None, recipe_where: str = "",
-                       calib_ids: Optional[list[list[int]]] = None) -> Path:
+                       calibrate: Optional[Calibration] = None) -> Path:
     """Write a ReDrafter checkpoint from an HF base (`base_model`) or a TensorRT-LLM base (`base_checkpoint`)."""
     if (base_model is None) == (base_checkpoint is None):
         raise UserError("give exactly one of --base-model (Hugging Face directory) or --base-checkpoint "
@@ -237,7 +243,7 @@ def convert_checkpoint(drafter: str | Path, output: str | Path, opts: ConvertCon
     if base_model is not None:
         config = build_pretrained_config(model, d.config, redrafter, tp, fmt, opts.quantize, opts.quantize_lm_head,
                                          opts.group_size)
-        smooth = _awq_scales(hf, config, calib_ids)
+        smooth = _awq_scales(hf, config, tp, calibrate)
 
         def make_rank(m: Mapping) -> dict[str, torch.Tensor]:
             return {**_base_rank(hf, cast, m, config, smooth), **sharding.shard_drafter(d.tensors, d.config, m, cast)}

@@ -202,6 +202,19 @@ def awq_tensors(w: torch.Tensor, group_size: int, dtype: torch.dtype,
     return {"weight": pack_int4_rows(q), "weights_scaling_factor": scales, "prequant_scaling_factor": pre}
 
 
+def check_group_size(model, tp: int, group_size: int) -> None:
+    """Every int4_awq layer's inputs per rank must be whole groups: hidden_size (qkv, fc, gate; attention.dense's
+    hidden / tp) and intermediate_size / tp (mlp.proj)."""
+    ins = [("hidden_size", model.hidden_size), (f"hidden_size / tp ({tp})", model.hidden_size // tp),
+           (f"intermediate_size / tp ({tp})", model.intermediate_size // tp)]
+    bad = [(what, n) for what, n in ins if n % group_size]
+    if bad:
+        fits = [g for g in GROUP_SIZES if all(n % g == 0 for _, n in ins)]
+        raise UserError(f"--group-size {group_size} does not divide {bad[0][0]} = {bad[0][1]} (int4_awq quantizes "
+                        f"each layer's inputs in whole groups per rank); use --group-size "
+                        f"{' or '.join(map(str, fits)) if fits else 'of another size: none of 64, 128 fits'}.")
+
+
 def read_awq(tensors: dict[str, torch.Tensor], module: str, group_size: int, where: str
              ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """A W4A16_AWQ layer -> (q [out, in] int8, scales [out, in / group], pre-quant scale [in] or None when it is 1)."""

@@ -80,11 +80,11 @@ def _convert(args, recipe, ckpt: Path) -> None:
     if not args.drafter:
         convert_base_checkpoint(args.base_model, ckpt, tp=opts.tp or 1, dtype=opts.dtype or DEFAULT_DTYPE,
                                 workers=opts.workers, quantize=opts.quantize, quantize_lm_head=opts.quantize_lm_head,
-                                group_size=opts.group_size, calib_ids=calibration_ids(opts, Path(args.base_model)))
+                                group_size=opts.group_size, calibrate=lambda: calibration_ids(opts, Path(args.base_model)))
         return
     convert_checkpoint(args.drafter, ckpt, opts, ReDrafterConfig.from_sources(recipe, args), base_model=args.base_model,
                        recipe_model=(recipe or {}).get("model"), recipe_where=str(args.config or ""),
-                       calib_ids=calibration_ids(opts, Path(args.base_model)))
+                       calibrate=lambda: calibration_ids(opts, Path(args.base_model)))
 
 
 def _tree_flags(recipe, args) -> ReDrafterConfig | None:

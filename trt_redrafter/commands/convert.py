@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         convert_base_checkpoint(args.base_model, args.output, tp=opts.tp or 1, dtype=opts.dtype or DEFAULT_DTYPE,
                                 workers=opts.workers, force=args.force, quantize=opts.quantize,
                                 quantize_lm_head=opts.quantize_lm_head, group_size=opts.group_size,
-                                calib_ids=calibration_ids(opts, args.base_model))
+                                calibrate=lambda: calibration_ids(opts, args.base_model))
         return 0
     if args.drafter is None:
         raise UserError("--drafter is required: the Apple-format drafter directory to attach to the base model.")
@@ -89,5 +89,5 @@ def run(args: argparse.Namespace) -> int:
     convert_checkpoint(args.drafter, args.output, opts, redrafter, base_model=args.base_model,
                        base_checkpoint=args.base_checkpoint, force=args.force,
                        recipe_model=(recipe or {}).get("model"), recipe_where=str(args.config or ""),
-                       calib_ids=calibration_ids(opts, args.base_model))
+                       calibrate=lambda: calibration_ids(opts, args.base_model))
     return 0
