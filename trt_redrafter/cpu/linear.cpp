@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace {
 
@@ -127,26 +128,44 @@ void panels(const T* x, int64_t K, const T* wp, int64_t p0, int64_t np, int64_t 
   for (; p < p0 + np; ++p) Tiles<T>::template tile<MR, 1>(x, K, K, wp + p * pe, p * kCols, N, b, y, N);
 }
 
-template <typename T>
-void linear(const T* x, int64_t M, int64_t K, const T* wp, int64_t N, const T* b, T* y) {
+// Tile widths by rows: NP panels for MR rows (index MR - 1), so the accumulators stay in registers.
+struct TileWidths {  // MR NP accumulators + NP weights: MR * NP <= 24 of the 32 zmm registers
+  static constexpr int np[kRows] = {8, 8, 6, 4, 4, 4};
+};
+struct GroupedTileWidths {  // 2 MR NP accumulators (group sums and totals) + NP weights
+  static constexpr int np[kRows] = {8, 6, 4, 3, 2, 2};
+};
+
+template <int V>
+using Int = std::integral_constant<int, V>;
+
+// The schedule every kernel here shares: the N / 16 panels split across threads, each group of kGroup panels
+// against every chunk of up to kRows rows of x, so the group's weights are read from memory once.
+// run(Int<MR>, Int<NP>, m, g, np) computes rows [m, m + MR) of panels [g, g + np), NP panels at a time.
+template <typename Widths, typename Run>
+void schedule(int64_t M, int64_t N, const Run& run) {
   const int64_t P = (N + kCols - 1) / kCols;
   at::parallel_for(0, P, kGrain, [&](int64_t begin, int64_t end) {
-    // a group of panels against every row chunk of x, so the group's weights are read from memory once
     for (int64_t g = begin; g < end; g += kGroup) {
       const int64_t np = std::min(kGroup, end - g);
       for (int64_t m = 0; m < M; m += kRows) {
-        const T* xm = x + m * K;
-        T* ym = y + m * N;
-        switch (std::min(kRows, M - m)) {  // accumulators: MR * NP <= 24 of the 32 zmm registers
-          case 1: panels<T, 1, 8>(xm, K, wp, g, np, N, b, ym); break;
-          case 2: panels<T, 2, 8>(xm, K, wp, g, np, N, b, ym); break;
-          case 3: panels<T, 3, 6>(xm, K, wp, g, np, N, b, ym); break;
-          case 4: panels<T, 4, 4>(xm, K, wp, g, np, N, b, ym); break;
-          case 5: panels<T, 5, 4>(xm, K, wp, g, np, N, b, ym); break;
-          default: panels<T, 6, 4>(xm, K, wp, g, np, N, b, ym); break;
+        switch (std::min(kRows, M - m)) {
+          case 1: run(Int<1>(), Int<Widths::np[0]>(), m, g, np); break;
+          case 2: run(Int<2>(), Int<Widths::np[1]>(), m, g, np); break;
+          case 3: run(Int<3>(), Int<Widths::np[2]>(), m, g, np); break;
+          case 4: run(Int<4>(), Int<Widths::np[3]>(), m, g, np); break;
+          case 5: run(Int<5>(), Int<Widths::np[4]>(), m, g, np); break;
+          default: run(Int<6>(), Int<Widths::np[5]>(), m, g, np); break;
         }
       }
     }
+  });
+}
+
+template <typename T>
+void linear(const T* x, int64_t M, int64_t K, const T* wp, int64_t N, const T* b, T* y) {
+  schedule<TileWidths>(M, N, [&](auto mr, auto nw, int64_t m, int64_t g, int64_t np) {
+    panels<T, decltype(mr)::value, decltype(nw)::value>(x + m * K, K, wp, g, np, N, b, y + m * N);
   });
 }
 
@@ -273,35 +292,10 @@ void panels_wo(const T* x, int64_t K, const uint8_t* qp, const float* sp, int64_
 template <int BITS, bool GROUPED, typename T>
 void linear_wo(const T* x, int64_t M, int64_t K, const uint8_t* qp, const float* sp, int64_t gs, int64_t N,
                const T* b, T* y) {
-  const int64_t P = (N + kCols - 1) / kCols;
-  at::parallel_for(0, P, kGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; g += kGroup) {
-      const int64_t np = std::min(kGroup, end - g);
-      for (int64_t m = 0; m < M; m += kRows) {
-        const T* xm = x + m * K;
-        T* ym = y + m * N;
-        const int64_t mr = std::min(kRows, M - m);
-        if constexpr (GROUPED) {  // 2 MR NP accumulators (group sums and totals) + NP weights
-          switch (mr) {
-            case 1: panels_wo<BITS, true, T, 1, 8>(xm, K, qp, sp, gs, g, np, N, b, ym); break;
-            case 2: panels_wo<BITS, true, T, 2, 6>(xm, K, qp, sp, gs, g, np, N, b, ym); break;
-            case 3: panels_wo<BITS, true, T, 3, 4>(xm, K, qp, sp, gs, g, np, N, b, ym); break;
-            case 4: panels_wo<BITS, true, T, 4, 3>(xm, K, qp, sp, gs, g, np, N, b, ym); break;
-            case 5: panels_wo<BITS, true, T, 5, 2>(xm, K, qp, sp, gs, g, np, N, b, ym); break;
-            default: panels_wo<BITS, true, T, 6, 2>(xm, K, qp, sp, gs, g, np, N, b, ym); break;
-          }
-        } else {  // the float kernels' tiles
-          switch (mr) {
-            case 1: panels_wo<BITS, false, T, 1, 8>(xm, K, qp, sp, gs, g, np, N, b, ym); break;
-            case 2: panels_wo<BITS, false, T, 2, 8>(xm, K, qp, sp, gs, g, np, N, b, ym); break;
-            case 3: panels_wo<BITS, false, T, 3, 6>(xm, K, qp, sp, gs, g, np, N, b, ym); break;
-            case 4: panels_wo<BITS, false, T, 4, 4>(xm, K, qp, sp, gs, g, np, N, b, ym); break;
-            case 5: panels_wo<BITS, false, T, 5, 4>(xm, K, qp, sp, gs, g, np, N, b, ym); break;
-            default: panels_wo<BITS, false, T, 6, 4>(xm, K, qp, sp, gs, g, np, N, b, ym); break;
-          }
-        }
-      }
-    }
+  using Widths = std::conditional_t<GROUPED, GroupedTileWidths, TileWidths>;  // per channel: the float kernels'
+  schedule<Widths>(M, N, [&](auto mr, auto nw, int64_t m, int64_t g, int64_t np) {
+    panels_wo<BITS, GROUPED, T, decltype(mr)::value, decltype(nw)::value>(x + m * K, K, qp, sp, gs, g, np, N, b,
+                                                                           y + m * N);
   });
 }
 
