@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import functools
+import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -45,6 +48,19 @@ def build_tiny_engines(root: Path, *, seed: int, num_beams: int, draft_len: int,
                 "--tokenizer", tiny / "base", *build_args)
         engines[tp] = eng
     return tiny / "base", engines
+
+
+def run_json(engine_dir, prompts: list[list[int]], mode: str, extra=(), max_new: int = 20) -> list[list[int]]:
+    """`trt-redrafter run --json` in a fresh process (TP > 1 relaunches itself under mpirun): each prompt's output
+    ids, greedy, eos ignored; rank 0 alone prints."""
+    cmd = [sys.executable, "-m", "trt_redrafter", "run", "--engine", str(engine_dir), "--mode", mode, "--json",
+           "--max-tokens", str(max_new), "--ignore-eos", "--prompt-ids", *[",".join(map(str, p)) for p in prompts],
+           *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    docs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(docs) == len(prompts), proc.stdout
+    return [d["output_ids"] for d in docs]
 
 
 def load_engine(engine_dir: Path, proposer=None, device: str = "cpu", compile: str = "off", speculate: str = "full",

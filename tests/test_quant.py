@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from engine_utils import OracleProposer, build_tiny_engines, greedy, load_engine, random_prompts, run_cli
+from engine_utils import (OracleProposer, build_tiny_engines, greedy, load_engine, random_prompts, run_cli,
+                          run_json)
 from trt_redrafter import cpu
 from trt_redrafter.checkpoint import quantization as qz
 from trt_redrafter.errors import UserError
@@ -269,18 +268,8 @@ def test_tp2_quantized_engine_gives_the_tp1_tokens(tmp_path):
                                     num_kv_heads=2, vocab_size=512, convert_args=("--quantize", "int4_wo"))
     prompts = random_prompts(512, [4, 9, 6], seed=3)
     for mode in ("ar", "redrafter"):
-        ref = _run_json(engines[1], prompts, mode)
-        assert _run_json(engines[2], prompts, mode) == ref, mode
-
-
-def _run_json(engine_dir, prompts, mode):
-    cmd = [sys.executable, "-m", "trt_redrafter", "run", "--engine", str(engine_dir), "--mode", mode, "--json",
-           "--max-tokens", str(MAX_NEW), "--ignore-eos", "--prompt-ids", *[",".join(map(str, p)) for p in prompts]]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    docs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(docs) == len(prompts), proc.stdout
-    return [d["output_ids"] for d in docs]
+        ref = run_json(engines[1], prompts, mode)
+        assert run_json(engines[2], prompts, mode) == ref, mode
 
 
 def test_int4_rows_pack_two_output_channels_per_byte_and_unpack():

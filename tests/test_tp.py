@@ -13,11 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from engine_utils import build_tiny_engines, random_prompts
+from engine_utils import build_tiny_engines, random_prompts, run_json
 
 pytestmark = [pytest.mark.mpi, pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI's mpirun is not installed")]
-
-MAX_NEW = 20
 
 
 @pytest.fixture(scope="module")
@@ -26,17 +24,6 @@ def engines(tmp_path_factory):
     _, engines = build_tiny_engines(tmp_path_factory.mktemp("tp"), seed=5, num_beams=4, draft_len=3, tps=(1, 2, 4),
                                     num_heads=4, num_kv_heads=2, rnn=True, vocab_size=512)
     return engines
-
-
-def run_json(engine_dir, prompts, mode, extra=()):
-    cmd = [sys.executable, "-m", "trt_redrafter", "run", "--engine", str(engine_dir), "--mode", mode, "--json",
-           "--max-tokens", str(MAX_NEW), "--ignore-eos", "--prompt-ids", *[",".join(map(str, p)) for p in prompts],
-           *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    docs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(docs) == len(prompts), proc.stdout  # rank 0 alone prints
-    return [d["output_ids"] for d in docs]
 
 
 @pytest.mark.parametrize("mode", ["redrafter", "ar"])
