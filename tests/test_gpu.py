@@ -45,3 +45,44 @@ def test_cuda_sampled_redrafter_equals_sampled_ar(tiny, kernels):
     ar = [r.output_ids for r in generate(engine, prompts, params, "ar")]
     rd = [r.output_ids for r in generate(engine, prompts, params, "redrafter")]
     assert rd == ar
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="FP8 GEMMs (torch._scaled_mm) need compute capability 8.9 or later")
+@pytest.mark.parametrize("compile", ["off", "cudagraphs"])
+def test_cuda_fp8_base_runs_scaled_mm_and_greedy_redrafter_equals_fp8_ar(tmp_path, compile):
+    """An FP8 base (`convert --quantize fp8`) on a GPU with FP8 GEMMs: its layers run torch._scaled_mm, greedy
+    ReDrafter equals the FP8 model's greedy AR, and the GPU's FP8 model is the one the CPU emulates (same first
+    logits to fp32 accumulation order)."""
+    import json
+    calib = tmp_path / "calib.jsonl"
+    calib.write_text("\n".join(json.dumps({"prompt": f"calibration prompt {i} of a few words"}) for i in range(8)))
+    _, engines = build_tiny_engines(tmp_path, seed=2, num_beams=6, draft_len=4, hidden_size=128, num_heads=4,
+                                    num_kv_heads=2, max_batch_size=4,
+                                    convert_args=("--quantize", "fp8", "--calib-prompts", calib))
+    prompts = random_prompts(384, PROMPT_LENS, seed=1)
+    engine = load_engine(engines[1], device="cuda", compile=compile)
+    layer = engine.model.layers[0]
+    assert all(m.fp8 is not None for m in (layer.attn.qkv, layer.attn.dense, layer.mlp.fc_gate, layer.mlp.proj))
+    ar = [r.output_ids for r in generate(engine, prompts, greedy(24), "ar")]
+    rd = [r.output_ids for r in generate(engine, prompts, greedy(24), "redrafter")]
+    assert rd == ar
+    cpu = load_engine(engines[1])
+    assert cpu.model.layers[0].attn.qkv.fp8 is None and cpu.model.layers[0].attn.qkv.input_scale is not None
+    gpu_logits, cpu_logits = (_prompt_logits(e, prompts[1]) for e in (load_engine(engines[1], device="cuda"), cpu))
+    torch.testing.assert_close(gpu_logits, cpu_logits, rtol=1e-3, atol=1e-3)
+
+
+def _prompt_logits(engine, prompt: list[int]) -> torch.Tensor:
+    """The logits of the prompt's tokens, from the engine's first step."""
+    captured = {}
+    orig = engine.model.logits
+
+    def spy(hidden):
+        out = orig(hidden)
+        captured["logits"] = out.reshape(-1, out.shape[-1]).float().cpu().clone()
+        return out
+
+    engine.model.logits = spy
+    engine.step([engine.new_sequence(prompt, greedy(2))])
+    return captured["logits"]

@@ -1,8 +1,9 @@
-"""Weight-only quantized bases (int8 / int4, per channel or per group): the CPU kernel (`trt_redrafter_cpu::linear_wo`,
-cpu/linear.cpp) against F.linear of the dequantized weight, a row's bits independent of the rows beside it, the op
-under torch.compile, `model.linear.Linear` over a `QuantWeight` in every implementation; the checkpoints `convert
---quantize` writes (TensorRT-LLM's W8A16 / W4A16 / W4A16_AWQ), AWQ's search, the refusals; engines over them (greedy
-ReDrafter == the quantized model's greedy AR, TP=2 == TP=1 under mpirun)."""
+"""Quantized bases: weight-only int8 / int4 (per channel or per group) and FP8 (per tensor). The CPU kernel
+(`trt_redrafter_cpu::linear_wo`, cpu/linear.cpp) against F.linear of the dequantized weight, a row's bits independent
+of the rows beside it, the op under torch.compile, `model.linear.Linear` over a `QuantWeight` in every implementation;
+FP8's quantize-dequantize and its fused layers; the checkpoints `convert --quantize` writes (TensorRT-LLM's W8A16 /
+W4A16 / W4A16_AWQ / FP8), AWQ's search, FP8's calibration, the refusals; engines over them (greedy ReDrafter == the
+quantized model's greedy AR, TP=2 == TP=1 under mpirun). FP8 through `torch._scaled_mm` is tests/test_gpu.py's."""
 
 from __future__ import annotations
 
@@ -164,10 +165,13 @@ def test_quantized_checkpoint_config_keeps_the_drafter_float(tmp_path):
 
 
 def test_quantized_checkpoint_refusals(tmp_path):
+    sq = qz.parse_quantization({"quantization": {"quant_algo": "W8A8_SQ_PER_CHANNEL"}}, "cfg")
+    assert sq.algo == "W8A8_SQ_PER_CHANNEL" and sq.bits == 0  # read (the trtllm backend builds it), not run here
+    with pytest.raises(UserError, match="quant_algo 'W8A8_SQ_PER_CHANNEL' is not one the torch backend runs"):
+        qz.require_torch_runs(sq, "cfg")
     fp8 = qz.parse_quantization({"quantization": {"quant_algo": "FP8", "exclude_modules": ["lm_head"]}}, "cfg")
-    assert fp8.algo == "FP8" and fp8.bits == 0  # read (the trtllm backend builds it), not run by the torch backend
-    with pytest.raises(UserError, match="quant_algo 'FP8' is not one the torch backend runs"):
-        qz.require_torch_runs(fp8, "cfg")
+    qz.require_torch_runs(fp8, "cfg")
+    assert fp8.fp8 and fp8.stored_quantized and not fp8.quantizes("lm_head")
     kv = qz.parse_quantization({"quantization": {"quant_algo": None, "kv_cache_quant_algo": "FP8"}}, "cfg")
     with pytest.raises(UserError, match="kv_cache_quant_algo 'FP8'"):
         qz.require_torch_runs(kv, "cfg")
@@ -180,14 +184,21 @@ def test_quantized_checkpoint_refusals(tmp_path):
                 "--quantize", "int2")
 
 
-@pytest.fixture(scope="module", params=["int8_wo", "int4_wo", "int4_awq"])
+def _calib_file(path):
+    path.write_text("\n".join(json.dumps({"prompt": f"calibration prompt number {i} about weights"})
+                              for i in range(8)))
+    return path
+
+
+@pytest.fixture(scope="module", params=["int8_wo", "int4_wo", "int4_awq", "fp8"])
 def quantized(request, tmp_path_factory):
     _need_kernel()
     root = tmp_path_factory.mktemp(request.param)
     _, engines = build_tiny_engines(root, seed=17, num_beams=4, draft_len=3, kv_block_size=16, num_heads=4,
                                     num_kv_heads=2, intermediate_size=256,
                                     convert_args=("--quantize", request.param, "--quantize-lm-head",
-                                                  "--group-size", "64"))
+                                                  "--group-size", "64", "--calib-prompts",
+                                                  _calib_file(root / "calib.jsonl")))
     _, plain = build_tiny_engines(root / "plain", seed=17, num_beams=4, draft_len=3, kv_block_size=16, num_heads=4,
                                   num_kv_heads=2, intermediate_size=256)
     prompts = random_prompts(384, PROMPT_LENS, seed=17)
@@ -195,13 +206,22 @@ def quantized(request, tmp_path_factory):
 
 
 def test_quantized_engine_runs_its_linear_layers_in_the_weight_only_kernel(quantized):
+    """Weight-only: the base's layers in linear_wo at their bits and group size. FP8 on the CPU: each base layer
+    quantizes its input to e4m3 with its own scale, over the dequantized weight in the float kernel. The drafter
+    stays float either way."""
     engine = load_engine(quantized["engine"], linear="avx512")
-    bits = 8 if quantized["mode"] == "int8_wo" else 4
     layer = engine.model.layers[0]
-    for lin_layer in (layer.attn.qkv, layer.attn.dense, layer.mlp.fc_gate, layer.mlp.proj, engine.model.lm_head):
-        assert lin_layer.quant is not None and lin_layer.quant[1] == bits, lin_layer
-        assert lin_layer.quant[2] == (64 if quantized["mode"] == "int4_awq" else lin_layer.in_features)
-    assert all(m.quant is None for m in engine.drafter.modules() if isinstance(m, lin.Linear))  # drafter float
+    base = (layer.attn.qkv, layer.attn.dense, layer.mlp.fc_gate, layer.mlp.proj, engine.model.lm_head)
+    if quantized["mode"] == "fp8":
+        assert all(m.input_scale is not None and m.fp8 is None and m.quant is None and m.packed is not None
+                   for m in base)
+    else:
+        bits = 8 if quantized["mode"] == "int8_wo" else 4
+        for lin_layer in base:
+            assert lin_layer.quant is not None and lin_layer.quant[1] == bits, lin_layer
+            assert lin_layer.quant[2] == (64 if quantized["mode"] == "int4_awq" else lin_layer.in_features)
+    assert all(m.quant is None and m.input_scale is None
+               for m in engine.drafter.modules() if isinstance(m, lin.Linear))  # drafter float
 
 
 @pytest.mark.parametrize("corrupt_every", [None, 0, 2])
@@ -259,13 +279,16 @@ def test_a_row_parallel_slice_quantized_with_the_rows_amax_is_the_slice_of_the_w
 
 @pytest.mark.mpi
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI's mpirun is not installed")
-def test_tp2_quantized_engine_gives_the_tp1_tokens(tmp_path):
-    """int4 per channel, where a rank's own amax would change the model most: TP=2 (real mpirun ranks) gives the
-    TP=1 tokens, AR and ReDrafter."""
+@pytest.mark.parametrize("mode", ["int4_wo", "fp8"])
+def test_tp2_quantized_engine_gives_the_tp1_tokens(tmp_path, mode):
+    """int4 per channel, where a rank's own amax would change the model most, and FP8, whose per-tensor scales every
+    rank shares: TP=2 (real mpirun ranks) gives the TP=1 tokens, AR and ReDrafter."""
     pytest.importorskip("mpi4py", reason="mpi4py is not installed")
     _need_kernel()
     _, engines = build_tiny_engines(tmp_path, seed=23, num_beams=4, draft_len=3, tps=(1, 2), num_heads=4,
-                                    num_kv_heads=2, vocab_size=512, convert_args=("--quantize", "int4_wo"))
+                                    num_kv_heads=2, vocab_size=512,
+                                    convert_args=("--quantize", mode, "--calib-prompts",
+                                                  _calib_file(tmp_path / "calib.jsonl")))
     prompts = random_prompts(512, [4, 9, 6], seed=3)
     for mode in ("ar", "redrafter"):
         ref = run_json(engines[1], prompts, mode)
@@ -343,13 +366,13 @@ def test_awq_search_beats_round_to_nearest_where_inputs_have_outlier_channels():
 def test_awq_row_parallel_scales_are_sliced_per_rank():
     """A row-parallel layer's ranks hold halves of its inputs: each gets its half of s, so TP=2 stores exactly the
     TP=1 layer split on dim 1 (groups never straddle ranks)."""
-    quant = qz.WeightOnly("W4A16_AWQ", 4, (), 64)
+    quant = qz.Quantization("W4A16_AWQ", 4, (), 64)
     w, s = torch.randn(8, 256), 0.5 + torch.rand(256)
     name = "transformer.layers.0.mlp.proj"
-    full = qz.store_quantized({name + ".weight": w}, quant, 1, torch.float32, {name: s})
+    full = qz.store_quantized({name + ".weight": w}, quant, 1, torch.float32, {name: {"smooth": s}})
     for rank in (0, 1):
-        half = qz.store_quantized({name + ".weight": w.chunk(2, dim=1)[rank]}, quant, 1, torch.float32, {name: s},
-                                  tp_size=2, rank=rank)
+        half = qz.store_quantized({name + ".weight": w.chunk(2, dim=1)[rank]}, quant, 1, torch.float32,
+                                  {name: {"smooth": s}}, tp_size=2, rank=rank)
         for key, dim in (("weight", 1), ("weights_scaling_factor", 1), ("prequant_scaling_factor", 0)):
             assert torch.equal(half[f"{name}.{key}"], full[f"{name}.{key}"].chunk(2, dim=dim)[rank]), key
 
@@ -406,3 +429,99 @@ def test_a_group_size_that_does_not_divide_is_refused_before_calibrating(tmp_pat
         convert_checkpoint(tmp_path / "tiny" / "drafter", tmp_path / "out", ConvertConfig(quantize="int4_awq"),
                            ReDrafterConfig(), base_model=tmp_path / "tiny" / "base", calibrate=calibrate)
     assert not (tmp_path / "out").exists()
+
+
+# ---- FP8 --------------------------------------------------------------------------------------------------------
+
+def test_fp8_tensors_round_trip_within_e4m3s_error():
+    """fp8_tensors writes ModelOpt's export (scale = amax / 448, fp32 [1]; weight = w / scale in e4m3) and read_fp8
+    reads it back: every weight within e4m3's half-ulp (2^-4 relative, or the subnormal step near zero)."""
+    w = torch.randn(48, 64) * 0.05
+    t = qz.fp8_tensors(w, float(w.abs().max()), 3.0)
+    assert t["weight"].dtype == torch.float8_e4m3fn and t["weight"].shape == w.shape
+    for key, value in (("weights_scaling_factor", float(w.abs().max()) / 448), ("activation_scaling_factor", 3 / 448)):
+        assert t[key].dtype == torch.float32 and tuple(t[key].shape) == (1,)
+        assert t[key].item() == pytest.approx(value, rel=1e-6)
+    name = "transformer.layers.0.mlp.proj"
+    w8, ws, xs = qz.read_fp8({f"{name}.{k}": v for k, v in t.items()}, name, "test")
+    back = lin.Fp8Weight(w8, ws, xs, torch.float32).dequantize()
+    assert (back - w).abs().le(w.abs() / 16 + ws * 2 ** -9).all()
+    assert float(back.abs().max()) == pytest.approx(float(w.abs().max()), rel=1e-6)  # amax maps onto 448 exactly
+    with pytest.raises(UserError, match="lacks transformer.layers.0.mlp.proj.activation_scaling_factor"):
+        qz.read_fp8({f"{name}.weight": t["weight"], f"{name}.weights_scaling_factor": ws}, name, "test")
+    with pytest.raises(UserError, match="has 64 values; FP8 \\(per tensor\\) has one"):
+        qz.read_fp8({f"{name}.weight": t["weight"], f"{name}.weights_scaling_factor": ws,
+                     f"{name}.activation_scaling_factor": torch.ones(64)}, name, "test")
+
+
+def test_fp8_input_quantize_dequantize_rounds_to_e4m3_and_saturates():
+    s = torch.tensor(0.5)
+    x = torch.tensor([[0.5 * 1.0, 0.5 * 1.125, 0.5 * 1.0625, 0.5 * 448, 0.5 * 1000, -0.5 * 1000]])
+    # 1 and 1.125 are e4m3 values (3 mantissa bits), 1.0625 lies halfway and rounds to even (1), beyond 448 saturates
+    assert lin.fp8_qdq(x, s).tolist() == [[0.5, 0.5625, 0.5, 224.0, 224.0, -224.0]]
+    assert lin.fp8_qdq(x.bfloat16(), s).dtype == torch.bfloat16
+
+
+def test_fp8_fused_layers_take_the_larger_scale_as_tensorrt_llms_fuse_gate_mlp():
+    """mlp.fc and mlp.gate keep their own scales in the checkpoint; fused into one matmul they are requantized to the
+    larger weight scale and read the input with the larger input scale (models/modeling_utils.py fuse_gate_mlp)."""
+    a = lin.Fp8Weight(torch.randn(8, 16).to(torch.float8_e4m3fn), torch.tensor(0.01), torch.tensor(0.02),
+                      torch.float32)
+    b = lin.Fp8Weight(torch.randn(8, 16).to(torch.float8_e4m3fn), torch.tensor(0.04), torch.tensor(0.03),
+                      torch.float32)
+    fused = lin.Fp8Weight.cat([a, b])
+    assert fused.scale.item() == pytest.approx(0.04) and fused.input_scale.item() == pytest.approx(0.03)
+    assert torch.equal(fused.w8[8:].float(), b.w8.float())  # the part already at the larger scale is unchanged
+    expect = (a.w8.float() * 0.01 / 0.04).to(torch.float8_e4m3fn).float()
+    assert torch.equal(fused.w8[:8].float(), expect)
+    same = lin.Fp8Weight.cat([a, lin.Fp8Weight(b.w8, a.scale, a.input_scale, torch.float32)])
+    assert torch.equal(same.w8.float(), torch.cat([a.w8.float(), b.w8.float()]))  # equal scales: exact
+
+
+def test_fp8_checkpoint_stores_modelopts_layout_with_calibrated_scales(tmp_path):
+    """`convert --quantize fp8`: quant_algo FP8, each base layer e4m3 with fp32 [1] weight and activation scales;
+    q, k and v share one weight scale (the max of theirs); the input scales are the calibration inputs' amax / 448,
+    the same for layers reading one input; the drafter, the embedding and (by default) lm_head stay float. Without
+    calibration prompts it is refused."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    run_cli("make-tiny", "--output", tmp_path / "tiny", "--seed", 4, "--intermediate-size", 256)
+    base = tmp_path / "tiny" / "base"
+    common = ("--base-model", base, "--drafter", tmp_path / "tiny" / "drafter", "--dtype", "float32", "--quantize",
+              "fp8")
+    calib = _calib_file(tmp_path / "calib.jsonl")
+    run_cli("convert", *common, "--output", tmp_path / "fp8", "--calib-prompts", calib)
+    assert read_json(tmp_path / "fp8" / "config.json", "")["quantization"]["quant_algo"] == "FP8"
+    t = load_file(str(tmp_path / "fp8" / "rank0.safetensors"))
+    hf = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(str(base))
+    inputs = {}
+    hook = hf.model.layers[1].mlp.down_proj.register_forward_pre_hook(
+        lambda _m, a: inputs.update(amax=max(inputs.get("amax", 0.0), float(a[0].abs().max()))))
+    with torch.inference_mode():
+        for row in calib.read_text().splitlines():
+            hf(torch.tensor([tok(json.loads(row)["prompt"])["input_ids"]]))
+    hook.remove()
+    p = "transformer.layers.1."
+    assert t[p + "mlp.proj.activation_scaling_factor"].item() == pytest.approx(inputs["amax"] / 448, rel=1e-5)
+    assert t[p + "mlp.fc.activation_scaling_factor"].item() == t[p + "mlp.gate.activation_scaling_factor"].item()
+    attn = hf.model.layers[1].self_attn
+    qkv_amax = max(float(m.weight.detach().abs().max()) for m in (attn.q_proj, attn.k_proj, attn.v_proj))
+    assert t[p + "attention.qkv.weights_scaling_factor"].item() == pytest.approx(qkv_amax / 448, rel=1e-6)
+    qkv = t[p + "attention.qkv.weight"].float() * t[p + "attention.qkv.weights_scaling_factor"]
+    ref = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach()
+    assert (qkv - ref).abs().le(ref.abs() / 16 + qkv_amax / 448 * 2 ** -9).all()
+    for name in ("attention.qkv", "attention.dense", "mlp.fc", "mlp.gate", "mlp.proj"):
+        assert t[f"{p}{name}.weight"].dtype == torch.float8_e4m3fn
+        assert tuple(t[f"{p}{name}.weights_scaling_factor"].shape) == (1,)
+    assert all(v.dtype == torch.float32 for k, v in t.items() if k.startswith(("drafter", "lm_head", "transformer.vocab")))
+    from trt_redrafter.checkpoint.convert import ConvertConfig, convert_checkpoint
+    from trt_redrafter.commands.convert import calibration_ids
+    from trt_redrafter.config import ReDrafterConfig
+    with pytest.raises(UserError, match="none: fp8 needs calibration prompts"):
+        ConvertConfig(quantize="fp8", calib_prompts="none").validate()
+    opts = ConvertConfig(quantize="fp8", dtype="float32")
+    with pytest.raises(UserError, match="--quantize fp8 needs calibration prompts"):  # make-tiny has no chat template
+        convert_checkpoint(tmp_path / "tiny" / "drafter", tmp_path / "none", opts, ReDrafterConfig(), base_model=base,
+                           calibrate=lambda: calibration_ids(opts, base))
+    assert not (tmp_path / "none").exists()

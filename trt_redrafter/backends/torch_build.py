@@ -84,10 +84,11 @@ def build_torch_engine(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, 
         for r in range(info.tp_size):
             src = ckpt_dir / f"rank{r}.safetensors"
             tensors = load_file(str(src))
-            # weights take the engine's dtype; integer tensors (a draft vocabulary's token ids, int4 weights) and
-            # the quantization scales of a W4A16_AWQ base stay as they are
+            # weights take the engine's dtype; integer tensors (a draft vocabulary's token ids, int4 weights), FP8
+            # weights and the quantization scales of a W4A16_AWQ or FP8 base stay as they are
             def keep(name: str, t) -> bool:
-                return not t.is_floating_point() or t.dtype == dtype or name.endswith("weights_scaling_factor")
+                return not t.is_floating_point() or t.dtype == dtype or t.element_size() == 1 or \
+                    name.endswith(("weights_scaling_factor", "activation_scaling_factor"))
 
             if all(keep(k, t) for k, t in tensors.items()):
                 shutil.copy2(src, tmp / src.name)
@@ -115,6 +116,7 @@ def write_model_ngrams(engine_dir: Path, info, force: bool = False) -> None:
     import torch
 
     from ..checkpoint import sharding
+    from ..checkpoint.quantization import dequantize_stored
     from ..model.llama import LlamaRank
     from ..model.tp import Dist
     from ..runtime.ngram import NGRAMS_FILE, build_model_ngrams
@@ -129,15 +131,20 @@ def write_model_ngrams(engine_dir: Path, info, force: bool = False) -> None:
                        "from the context alone); build on a GPU machine, or pass --model-ngrams on", flops / 1e12)
         return
     ranks = [load_file(str(engine_dir / f"rank{r}.safetensors")) for r in range(info.tp_size)]
+    quant = info.quant
     if info.tp_size == 1:
         tensors = ranks[0]
     else:  # one rank holding everything: unshard by TensorRT-LLM's rules, then shard for tp=1
+        if quant is not None and quant.stored_quantized:  # the table needs the base's values, not its arithmetic
+            ranks = [dequantize_stored(r, quant, torch.float32, f"{engine_dir}/rank{i}.safetensors")
+                     for i, r in enumerate(ranks)]
+            quant = None
         full = sharding.unshard_base(ranks, m)
         tensors = sharding.shard_base(full.__getitem__, m, sharding.Mapping(1, 0), lambda t: t)
     del ranks
     dtype = tensors["transformer.vocab_embedding.weight"].dtype
     if device.type == "cpu" and dtype != torch.float32:
         dtype = torch.float32  # CPU matmuls in half precision are slow and not what the CPU runtime computes in
-    model = LlamaRank(m, tensors, Dist(0, 1, device), dtype, max_seq_len=1, quant=info.quant)
+    model = LlamaRank(m, tensors, Dist(0, 1, device), dtype, max_seq_len=1, quant=quant)
     del tensors
     build_model_ngrams(model, m.vocab_size).save(engine_dir / NGRAMS_FILE)

@@ -16,26 +16,16 @@ chat template; at most `MAX_ROWS` token rows per layer are kept.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from ..log import get_logger
+from .calibration import LAYER_GROUPS, run_hooked
 from .quantization import quantize_groups
 
 log = get_logger(__name__)
 
 ALPHAS = tuple(i / 10 for i in range(10))
 MAX_ROWS = 1024
-
-# (TensorRT-LLM modules under transformer.layers.{i}. that read one input, the HF module whose input is recorded,
-#  the HF weights of those modules in that order)
-GROUPS = (
-    (("attention.qkv",), "self_attn.q_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-    (("attention.dense",), "self_attn.o_proj", ("self_attn.o_proj",)),
-    (("mlp.fc", "mlp.gate"), "mlp.gate_proj", ("mlp.gate_proj", "mlp.up_proj")),
-    (("mlp.proj",), "mlp.down_proj", ("mlp.down_proj",)),
-)
 
 
 def _dequant(w: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -60,38 +50,29 @@ def best_scale(x: torch.Tensor, weights: list[torch.Tensor], group_size: int) ->
     return best[1], best[2]
 
 
-def search_scales(model_dir: str | Path, calib_ids: list[list[int]], group_size: int,
+def search_scales(model: torch.nn.Module, calib_ids: list[list[int]], group_size: int,
                   num_layers: int) -> dict[str, torch.Tensor]:
-    """TensorRT-LLM module name (transformer.layers.{i}.X) -> s [in] over the full (unsharded) input."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    """The float HF model -> TensorRT-LLM module name (transformer.layers.{i}.X) -> s [in] over the full (unsharded)
+    input."""
+    layers = model.model.layers[:num_layers]
+    inputs = {f"{i}.{hf_in}": layer.get_submodule(hf_in) for i, layer in enumerate(layers) for hf_in, _ in LAYER_GROUPS}
     seen: dict[str, list[torch.Tensor]] = {}
-    hooks = []
-    for i, layer in enumerate(model.model.layers[:num_layers]):
-        for _, hf_in, _ in GROUPS:
-            mod = layer.get_submodule(hf_in)
-            key = f"{i}.{hf_in}"
 
-            def record(_m, args, key=key):
-                rows = args[0].reshape(-1, args[0].shape[-1])
-                have = sum(r.shape[0] for r in seen.get(key, []))
-                if have < MAX_ROWS:
-                    seen.setdefault(key, []).append(rows[:MAX_ROWS - have].detach().clone())
-            hooks.append(mod.register_forward_pre_hook(record))
-    with torch.inference_mode():
-        for ids in calib_ids:
-            model(torch.tensor([ids]))
-    for h in hooks:
-        h.remove()
+    def record(key: str, rows: torch.Tensor) -> None:
+        have = sum(r.shape[0] for r in seen.get(key, []))
+        if have < MAX_ROWS:
+            seen.setdefault(key, []).append(rows[:MAX_ROWS - have].detach().clone())
+
+    run_hooked(model, calib_ids, inputs, record)
     out: dict[str, torch.Tensor] = {}
     alphas = []
-    for i, layer in enumerate(model.model.layers[:num_layers]):
-        for trt_names, hf_in, hf_weights in GROUPS:
+    for i, layer in enumerate(layers):
+        for hf_in, modules in LAYER_GROUPS:
             x = torch.cat(seen[f"{i}.{hf_in}"])
+            hf_weights = [n for names in modules.values() for n in names]
             s, alpha = best_scale(x, [layer.get_submodule(n).weight.detach() for n in hf_weights], group_size)
             alphas.append(alpha)
-            for name in trt_names:
+            for name in modules:
                 out[f"transformer.layers.{i}.{name}"] = s
     log.info("AWQ scales from %d calibration prompts (%d token rows per layer at most): mean alpha %.2f, %d of %d "
              "layer groups keep s = 1", len(calib_ids), MAX_ROWS, sum(alphas) / len(alphas),

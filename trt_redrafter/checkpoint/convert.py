@@ -38,7 +38,7 @@ from .trtllm_config import (FORMATS, add_redrafter_keys, build_pretrained_config
 log = get_logger(__name__)
 
 DEFAULT_DTYPE = "float16"  # TensorRT-LLM's converters default to fp16
-# AWQ's calibration prompts as token ids, made only when they are needed (commands/convert.py calibration_ids)
+# calibration prompts (int4_awq, fp8) as token ids, made only when they are needed (commands/convert.py calibration_ids)
 Calibration = Callable[[], Optional[list[list[int]]]]
 
 
@@ -55,20 +55,24 @@ class ConvertConfig(ConfigBase):
     trtllm_format: str = option("1.x", help="1.x: ReDrafterForLLaMALM (TensorRT-LLM 1.0-1.2); legacy: "
                                         "ReDrafterForCausalLM (TensorRT-LLM 0.12-0.21)", choices=FORMATS)
     workers: int = option(1, help="ranks converted in parallel")
-    quantize: Optional[str] = option(None, help="weight-only quantized base: int8_wo or int4_wo (TensorRT-LLM's W8A16 / "
+    quantize: Optional[str] = option(None, help="quantized base, in TensorRT-LLM's forms: int8_wo / int4_wo (W8A16 / "
                                             "W4A16, one scale per output channel; weights stay float in the "
                                             "checkpoint, as TensorRT-LLM's quantize.py writes them, and are quantized "
-                                            "when the engine is built or loaded); the drafter stays float",
+                                            "when the engine is built or loaded), int4_awq (W4A16_AWQ, per-group "
+                                            "scales, AWQ-calibrated) or fp8 (FP8: e4m3 weights and inputs, "
+                                            "per-tensor scales calibrated on --calib-prompts); the drafter stays "
+                                            "float",
                                      choices=tuple(MODES))
     quantize_lm_head: bool = option(False, help="with --quantize: quantize the base's lm_head too (the torch "
                                                 "backend runs it; TensorRT-LLM's weight-only build leaves lm_head in "
                                                 "float and cannot build such a checkpoint)")
     group_size: int = option(128, help="with --quantize int4_awq: inputs per scale (TensorRT-LLM's kernels: 64 or "
                                        "128; it must divide every layer's inputs per rank)", choices=GROUP_SIZES)
-    calib_prompts: Optional[str] = option(None, help="with --quantize int4_awq: prompts for AWQ's activation-aware "
-                                                     "scales, a JSONL file (rows with 'turns', 'prompt' or 'text') "
-                                                     "or 'magpie' (32 user prompts the base writes itself; the "
-                                                     "default); 'none': round-to-nearest, no search")
+    calib_prompts: Optional[str] = option(None, help="with --quantize int4_awq or fp8: calibration prompts (AWQ's "
+                                                     "activation-aware scales; FP8's input scales), a JSONL file "
+                                                     "(rows with 'turns', 'prompt' or 'text') or 'magpie' (32 user "
+                                                     "prompts the base writes itself; the default); 'none' (int4_awq "
+                                                     "only): round-to-nearest, no search")
 
     def validate(self) -> None:
         s = self.SECTION
@@ -83,6 +87,9 @@ class ConvertConfig(ConfigBase):
             raise UserError(f"{s}.workers (--workers): expected a positive integer, got {self.workers!r}.")
         if self.quantize is not None and self.quantize not in MODES:
             raise UserError(f"{s}.quantize (--quantize): expected one of {', '.join(MODES)}, got {self.quantize!r}.")
+        if self.quantize == "fp8" and self.calib_prompts == "none":
+            raise UserError(f"{s}.calib_prompts (--calib-prompts) none: fp8 needs calibration prompts for its input "
+                            f"scales; give a JSONL file or leave it unset (magpie).")
         if self.quantize_lm_head and self.quantize is None:
             raise UserError(f"{s}.quantize_lm_head (--quantize-lm-head) needs --quantize.")
         if self.group_size not in GROUP_SIZES:
@@ -145,29 +152,35 @@ def _write_ranks(out: Path, tp: int, workers: int, make_rank: Callable[[Mapping]
 
 
 def _base_rank(hf: HFCheckpoint, cast, m: Mapping, config: dict,
-               smooth: Optional[dict[str, torch.Tensor]] = None) -> dict[str, torch.Tensor]:
-    """One rank's base tensors as the checkpoint stores them (`config`'s quantization applied where stored;
-    `smooth`: AWQ's input scales)."""
+               calib: Optional[dict[str, dict[str, torch.Tensor]]] = None) -> dict[str, torch.Tensor]:
+    """One rank's base tensors as the checkpoint stores them (`config`'s quantization applied where stored; `calib`:
+    the calibration's scales, checkpoint/calibration.py)."""
     tensors = sharding.shard_base(hf.get, hf.config, m, cast)
     return store_quantized(tensors, parse_quantization(config, "config.json"), hf.config.num_hidden_layers,
-                           torch_dtype(hf.config.dtype), smooth, m.tp_size, m.rank)
+                           torch_dtype(hf.config.dtype), calib, m.tp_size, m.rank)
 
 
-def _awq_scales(hf: HFCheckpoint, config: dict, tp: int, calibrate: Optional[Calibration]
-                ) -> Optional[dict[str, torch.Tensor]]:
-    """AWQ's input scales for a W4A16_AWQ config (None otherwise, or without calibration prompts). The layer shapes
-    are checked against the group size first, so a refusal comes before the calibration prompts are made."""
+def _calibration(hf: HFCheckpoint, config: dict, tp: int, calibrate: Optional[Calibration]
+                 ) -> Optional[dict[str, dict[str, torch.Tensor]]]:
+    """The calibration's results for a W4A16_AWQ or FP8 config (None otherwise, or for AWQ without calibration
+    prompts: round-to-nearest). AWQ's layer shapes are checked against the group size first, so a refusal comes before
+    the calibration prompts are made."""
     quant = parse_quantization(config, "config.json")
     if quant is None or not quant.stored_quantized:
         return None
-    check_group_size(hf.config, tp, quant.group_size)
+    if not quant.fp8:
+        check_group_size(hf.config, tp, quant.group_size)
     calib_ids = calibrate() if calibrate is not None else None
     if not calib_ids:
+        if quant.fp8:
+            raise UserError("--quantize fp8 needs calibration prompts for its input scales: give --calib-prompts "
+                            "FILE.jsonl, or leave it unset for prompts the base writes itself (Magpie; it needs a "
+                            "chat template).")
         log.warning("int4_awq without calibration prompts: pre-quant scales of 1 (round-to-nearest per group of "
                     "%d); give --calib-prompts for AWQ's activation-aware scales", quant.group_size)
         return None
-    from .awq import search_scales
-    return search_scales(hf.path, calib_ids, quant.group_size, hf.config.num_hidden_layers)
+    from .calibration import calibrate as run_calibration
+    return run_calibration(hf.path, calib_ids, quant, hf.config.num_hidden_layers)
 
 
 def _open_hf(base_model: Path, dtype: str, recipe_model: dict | None, recipe_where: str) -> HFCheckpoint:
@@ -194,10 +207,10 @@ def convert_base_checkpoint(base_model: str | Path, output: str | Path, tp: int 
     sharding.check_tp(tp, hf.config)
     config = llama_pretrained_config(hf.config, tp, "1.x", quantize, quantize_lm_head, group_size)
     cast = _caster(hf.config.dtype)
-    smooth = _awq_scales(hf, config, tp, calibrate)
+    calib = _calibration(hf, config, tp, calibrate)
     with atomic_output_dir(output, force=force, what="checkpoint") as tmp:
         write_config(tmp / "config.json", config)
-        _write_ranks(tmp, tp, workers, lambda m: _base_rank(hf, cast, m, config, smooth))
+        _write_ranks(tmp, tp, workers, lambda m: _base_rank(hf, cast, m, config, calib))
     log.info("wrote TensorRT-LLM LLaMA checkpoint %s (tp=%d, %s)", output, tp, hf.config.dtype)
     return output
 
@@ -243,10 +256,10 @@ def convert_checkpoint(drafter: str | Path, output: str | Path, opts: ConvertCon
     if base_model is not None:
         config = build_pretrained_config(model, d.config, redrafter, tp, fmt, opts.quantize, opts.quantize_lm_head,
                                          opts.group_size)
-        smooth = _awq_scales(hf, config, tp, calibrate)
+        calib = _calibration(hf, config, tp, calibrate)
 
         def make_rank(m: Mapping) -> dict[str, torch.Tensor]:
-            return {**_base_rank(hf, cast, m, config, smooth), **sharding.shard_drafter(d.tensors, d.config, m, cast)}
+            return {**_base_rank(hf, cast, m, config, calib), **sharding.shard_drafter(d.tensors, d.config, m, cast)}
     else:
         config = add_redrafter_keys(base.raw, d.config, redrafter, fmt)
 

@@ -1,5 +1,5 @@
-"""Weight-only quantized bases in TensorRT-LLM's checkpoint format: what `convert --quantize` writes, what the torch
-backend reads, and the quantizer both sides use.
+"""Quantized bases in TensorRT-LLM's checkpoint format (weight-only int8 / int4, FP8): what `convert --quantize`
+writes, what the torch backend reads, and the quantizer both sides use.
 
 TensorRT-LLM (NVIDIA/TensorRT-LLM, read at the commits named; docs/tensorrt-llm.md "Quantized bases"):
 - `quantization.quant_algo` "W8A16" / "W4A16": weight-only int8 / int4, one scale per output channel.
@@ -28,10 +28,19 @@ TensorRT-LLM (NVIDIA/TensorRT-LLM, read at the commits named; docs/tensorrt-llm.
   writes this layout, its pre-quant scales from AWQ's search over calibration prompts (checkpoint/awq.py), or 1
   (round-to-nearest per group) without calibration.
 
+- `quant_algo` "FP8" (quantize.py --qformat fp8, through ModelOpt): per tensor, `X.weight` float8_e4m3fn [out, in],
+  `X.weights_scaling_factor` and `X.activation_scaling_factor` fp32 [1] (TensorRT-LLM `quantization/layers.py`
+  FP8Linear / FP8RowLinear @2340c776), each amax / 448 (ModelOpt `get_scaling_factor` and `to_quantized_weight`,
+  modelopt/torch/export/quant_utils.py). The layer quantizes its input to e4m3 with its activation scale and
+  multiplies in FP8. `convert --quantize fp8` writes this layout, the input amax from calibration prompts
+  (checkpoint/calibration.py). The torch backend runs it through torch._scaled_mm where the GPU has FP8 GEMMs, and
+  elsewhere as the dequantized weight under the input's e4m3 quantize-dequantize (model/linear.py).
+
 Tensor parallelism: TensorRT-LLM quantizes each rank's slice, so a row-parallel layer's scales (attention.dense,
 mlp.proj, split along their inputs) come from that rank's columns only and a TP=2 engine is a slightly different
 model from a TP=1 one. This backend takes each output channel's amax over every rank (one all-reduce at load), so
-the quantized model, and with it the output, does not depend on TP.
+the quantized model, and with it the output, does not depend on TP. FP8's per-tensor scales are taken over the
+whole layer when the checkpoint is written, so every rank shares them.
 """
 
 from __future__ import annotations
@@ -44,10 +53,15 @@ import torch
 
 from ..errors import UserError
 
-# convert --quantize MODE -> (TensorRT-LLM quant_algo, bits); names as quantize.py's --qformat
-MODES: dict[str, tuple[str, int]] = {"int8_wo": ("W8A16", 8), "int4_wo": ("W4A16", 4), "int4_awq": ("W4A16_AWQ", 4)}
-ALGO_BITS = {algo: bits for algo, bits in MODES.values()}
-GROUPED = "W4A16_AWQ"  # the one algorithm stored quantized, with per-group scales
+# convert --quantize MODE -> (TensorRT-LLM quant_algo, bits per weight of a weight-only algorithm, else 0); names as
+# quantize.py's --qformat
+MODES: dict[str, tuple[str, int]] = {"int8_wo": ("W8A16", 8), "int4_wo": ("W4A16", 4), "int4_awq": ("W4A16_AWQ", 4),
+                                     "fp8": ("FP8", 0)}
+ALGO_BITS = {algo: bits for algo, bits in MODES.values()}  # the algorithms the torch backend runs
+GROUPED = "W4A16_AWQ"  # weight-only int4 stored quantized, with per-group scales
+FP8 = "FP8"  # e4m3 weights and inputs, one scale per tensor each, stored quantized
+CALIBRATED = (GROUPED, FP8)  # the algorithms whose scales come from calibration prompts
+E4M3_MAX = 448.0  # float8_e4m3fn's largest finite value (ModelOpt's maxbound for FP8)
 GROUP_SIZES = (64, 128)  # TensorRT-LLM's group-wise kernels' sizes (quantize.py --awq_block_size)
 
 # quantization/quantize.py `quantize_layers`: what `exclude_modules: null` means
@@ -59,27 +73,33 @@ LAYER_LINEARS = ("attention.qkv", "attention.dense", "mlp.fc", "mlp.gate", "mlp.
 
 
 @dataclass(frozen=True)
-class WeightOnly:
-    """A checkpoint's quantization: `bits` per weight, one scale per output channel (or per `group_size` inputs),
-    the modules named by `exclude` (fnmatch patterns) left in float. Any TensorRT-LLM algorithm is read (FP8 too:
-    `bits` 0); the torch backend runs the weight-only ones (`require_torch_runs`)."""
+class Quantization:
+    """A checkpoint's quantization: weight-only (`bits` per weight, one scale per output channel or per `group_size`
+    inputs) or FP8 (`bits` 0), the modules named by `exclude` (fnmatch patterns) left in float. Any TensorRT-LLM
+    algorithm is read; the torch backend runs those of `MODES` (`require_torch_runs`)."""
 
     algo: Optional[str]  # None with a quantized KV cache alone
-    bits: int  # 0: not a weight-only algorithm the torch backend runs (`require_torch_runs`)
+    bits: int  # weight-only bits; 0 for FP8 and for algorithms the torch backend does not run
     exclude: tuple[str, ...]
     group_size: Optional[int] = None  # W4A16_AWQ: inputs per scale; None: one scale per output channel
     kv_cache_algo: Optional[str] = None  # a quantized KV cache (FP8, INT8): TensorRT-LLM only
 
     @property
     def stored_quantized(self) -> bool:
-        return self.algo == GROUPED
+        """Whether the checkpoint holds the quantized values (W4A16_AWQ, FP8), not float weights the build
+        quantizes."""
+        return self.algo in CALIBRATED
+
+    @property
+    def fp8(self) -> bool:
+        return self.algo == FP8
 
     def quantizes(self, module: str) -> bool:
         return self.algo is not None and not any(fnmatch.fnmatchcase(module, pattern) for pattern in self.exclude)
 
 
-def parse_quantization(raw: dict, where: str) -> Optional[WeightOnly]:
-    """The checkpoint config's `quantization` section -> WeightOnly, or None for an unquantized base. Any algorithm
+def parse_quantization(raw: dict, where: str) -> Optional[Quantization]:
+    """The checkpoint config's `quantization` section -> Quantization, or None for an unquantized base. Any algorithm
     is read (the trtllm backend builds FP8 and the rest); `require_torch_runs` says whether the torch backend can."""
     q = raw.get("quantization") or {}
     if not isinstance(q, dict):
@@ -99,11 +119,11 @@ def parse_quantization(raw: dict, where: str) -> Optional[WeightOnly]:
         if q.get("has_zero_point"):
             raise UserError(f"{where}: has_zero_point: this backend runs symmetric int4 (ModelOpt's int4_awq), "
                             f"not zero-point (GPTQ) checkpoints.")
-    return WeightOnly(algo, ALGO_BITS.get(algo, 0), tuple(DEFAULT_EXCLUDE if exclude is None else exclude), group,
-                      kv)
+    return Quantization(algo, ALGO_BITS.get(algo, 0), tuple(DEFAULT_EXCLUDE if exclude is None else exclude), group,
+                        kv)
 
 
-def require_torch_runs(quant: Optional[WeightOnly], where: str) -> None:
+def require_torch_runs(quant: Optional[Quantization], where: str) -> None:
     """Refuse, by name, a quantization the torch backend does not run."""
     if quant is None:
         return
@@ -235,16 +255,48 @@ def read_awq(tensors: dict[str, torch.Tensor], module: str, group_size: int, whe
     return q, scales, None if pre is None else pre.reshape(-1)
 
 
+# ---- FP8: e4m3 weights and inputs, one scale each per tensor, stored quantized ------------------------------------
+
+def fp8_tensors(w: torch.Tensor, weight_amax: float, input_amax: float) -> dict[str, torch.Tensor]:
+    """One linear layer's FP8 tensors (suffixes after the module name), as ModelOpt exports them for TensorRT-LLM:
+    scale = amax / 448 in fp32 (`get_scaling_factor`), weight = (w / scale) cast to e4m3 (`to_quantized_weight`),
+    both scales of shape [1] (TensorRT-LLM's FP8Linear parameters). `weight_amax` is taken over the whole layer (all
+    ranks; q, k and v together), so every rank's slice shares one scale; `input_amax` is the calibration inputs'."""
+    ws = torch.tensor([max(weight_amax, 1e-12) / E4M3_MAX], dtype=torch.float32)
+    xs = torch.tensor([max(input_amax, 1e-12) / E4M3_MAX], dtype=torch.float32)
+    return {"weight": (w.detach().float() / ws).to(torch.float8_e4m3fn), "weights_scaling_factor": ws,
+            "activation_scaling_factor": xs}
+
+
+def read_fp8(tensors: dict[str, torch.Tensor], module: str, where: str
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An FP8 layer -> (weight [out, in] float8_e4m3fn, weight scale, input scale: fp32 scalars)."""
+    need = [module + s for s in (".weight", ".weights_scaling_factor", ".activation_scaling_factor")]
+    missing = [n for n in need if n not in tensors]
+    if missing:
+        raise UserError(f"{where}: an FP8 checkpoint lacks {', '.join(missing)}.")
+    w, ws, xs = (tensors[n] for n in need)
+    if w.dtype not in (torch.float8_e4m3fn, torch.int8, torch.uint8):
+        raise UserError(f"{where}: {need[0]} is {w.dtype}; an FP8 checkpoint stores float8_e4m3fn weights.")
+    for name, t in zip(need[1:], (ws, xs)):
+        if t.numel() != 1:
+            raise UserError(f"{where}: {name} has {t.numel()} values; FP8 (per tensor) has one "
+                            f"(FP8_PER_CHANNEL_PER_TOKEN is another algorithm).")
+    return w.view(torch.float8_e4m3fn), ws.float().reshape(()), xs.float().reshape(())
+
+
 ROW_PARALLEL = ("attention.dense", "mlp.proj")  # their inputs are split across ranks
 
 
-def store_quantized(tensors: dict[str, torch.Tensor], quant: Optional[WeightOnly], num_layers: int,
-                    dtype: torch.dtype, smooth: Optional[dict[str, torch.Tensor]] = None, tp_size: int = 1,
+def store_quantized(tensors: dict[str, torch.Tensor], quant: Optional[Quantization], num_layers: int,
+                    dtype: torch.dtype, calib: Optional[dict[str, dict[str, torch.Tensor]]] = None, tp_size: int = 1,
                     rank: int = 0) -> dict[str, torch.Tensor]:
-    """A rank's float base tensors -> the form its checkpoint stores: W4A16_AWQ layers quantized and packed, every
-    other algorithm's weights left in float (TensorRT-LLM's build and this backend's load quantize them).
-    `smooth`: AWQ's input scales over each module's full input (checkpoint/awq.py), sliced here for row-parallel
-    layers; groups never straddle ranks, so every rank's int4 values and scales are those of TP 1."""
+    """A rank's float base tensors -> the form its checkpoint stores: W4A16_AWQ and FP8 layers quantized, every other
+    algorithm's weights left in float (TensorRT-LLM's build and this backend's load quantize them).
+    `calib`: per module (TensorRT-LLM name) the calibration's results over its full, unsharded layer
+    (`checkpoint/calibration.py`): AWQ's input scales "smooth" [in] (sliced here for row-parallel layers; groups never
+    straddle ranks, so every rank's int4 values and scales are those of TP 1), or FP8's "weight_amax" and
+    "input_amax" (per tensor: every rank shares them)."""
     if quant is None or not quant.stored_quantized:
         return tensors
     modules = [f"transformer.layers.{i}.{m}" for i in range(num_layers) for m in LAYER_LINEARS] + ["lm_head"]
@@ -252,8 +304,38 @@ def store_quantized(tensors: dict[str, torch.Tensor], quant: Optional[WeightOnly
     for module in modules:
         if quant.quantizes(module) and module + ".weight" in out:
             w = out.pop(module + ".weight")
-            s = (smooth or {}).get(module)
-            if s is not None and module.endswith(ROW_PARALLEL) and tp_size > 1:
-                s = s.chunk(tp_size)[rank]
-            out.update({f"{module}.{k}": v for k, v in awq_tensors(w, quant.group_size, dtype, s).items()})
+            found = (calib or {}).get(module, {})
+            if quant.fp8:
+                if "input_amax" not in found:
+                    raise UserError(f"FP8 needs calibrated input scales and none were made for {module}: give "
+                                    f"--calib-prompts FILE.jsonl (or magpie).")
+                parts = fp8_tensors(w, float(found["weight_amax"]), float(found["input_amax"]))
+            else:
+                s = found.get("smooth")
+                if s is not None and module.endswith(ROW_PARALLEL) and tp_size > 1:
+                    s = s.chunk(tp_size)[rank]
+                parts = awq_tensors(w, quant.group_size, dtype, s)
+            out.update({f"{module}.{k}": v for k, v in parts.items()})
+    return out
+
+
+def dequantize_stored(tensors: dict[str, torch.Tensor], quant: Quantization, dtype: torch.dtype,
+                      where: str) -> dict[str, torch.Tensor]:
+    """A rank's W4A16_AWQ or FP8 tensors -> the float weights they stand for (AWQ's input scale folded into the
+    weight's columns; FP8's input quantization dropped), under the plain names, so that they unshard like any float
+    base. For what needs the base's values but not its exact quantized arithmetic (the model N-gram table)."""
+    out = {k: v for k, v in tensors.items() if not k.endswith(("scaling_factor",))}
+    for name in [k for k in tensors if k.endswith(".weight")]:
+        module = name[:-len(".weight")]
+        if module + ".weights_scaling_factor" not in tensors:
+            continue
+        if quant.fp8:
+            w8, ws, _ = read_fp8(tensors, module, where)
+            w = w8.float() * ws
+        else:
+            q, scales, pre = read_awq(tensors, module, quant.group_size, where)
+            w = q.float() * scales.float().repeat_interleave(quant.group_size, dim=1)[:, :q.shape[1]]
+            if pre is not None:
+                w = w * pre.float()[None, :]
+        out[name] = w.to(dtype)
     return out

@@ -28,7 +28,7 @@ from typing import Any, Optional
 from ..config import DTYPES, DrafterConfig, ModelConfig, ReDrafterConfig
 from ..errors import UserError
 from ..fsutil import read_json
-from .quantization import DEFAULT_EXCLUDE, WeightOnly, parse_quantization, quantization_section
+from .quantization import DEFAULT_EXCLUDE, Quantization, parse_quantization, quantization_section
 
 FORMATS = ("1.x", "legacy")
 REDRAFTER_ARCH = {"1.x": "ReDrafterForLLaMALM", "legacy": "ReDrafterForCausalLM"}
@@ -202,7 +202,7 @@ class CheckpointInfo:
     tp_size: int
     architecture: str
     raw: dict
-    quant: Optional[WeightOnly] = None  # the base's weight-only quantization (checkpoint/quantization.py)
+    quant: Optional[Quantization] = None  # the base's quantization (checkpoint/quantization.py)
 
 
 def _need(d: dict, keys: tuple[str, ...], where: str, what: str) -> None:

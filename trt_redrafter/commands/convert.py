@@ -34,13 +34,14 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-CALIB_MAGPIE = 32  # user prompts the base writes itself when int4_awq has no --calib-prompts
+CALIB_MAGPIE = 32  # user prompts the base writes itself when int4_awq or fp8 has no --calib-prompts
+CALIBRATED_MODES = ("int4_awq", "fp8")
 
 
 def calibration_ids(opts: ConvertConfig, base_model: Path | None) -> list[list[int]] | None:
-    """Token ids of AWQ's calibration prompts in the base's chat template (int4_awq from a Hugging Face base), or
-    None (no search)."""
-    if opts.quantize != "int4_awq" or base_model is None or opts.calib_prompts == "none":
+    """Token ids of the calibration prompts in the base's chat template (int4_awq or fp8 from a Hugging Face base),
+    or None (AWQ: no search; FP8 refuses that, checkpoint/convert.py)."""
+    if opts.quantize not in CALIBRATED_MODES or base_model is None or opts.calib_prompts == "none":
         return None
     import torch
     from transformers import AutoTokenizer
@@ -54,13 +55,13 @@ def calibration_ids(opts: ConvertConfig, base_model: Path | None) -> list[list[i
 
         from ..training.prompts import hf_sampler, magpie_user_prompts
         if not has_chat_template(tok):
-            logger.warning("the base has no chat template to write its own calibration prompts: int4_awq without "
-                           "AWQ scales; give --calib-prompts FILE.jsonl")
+            logger.warning("the base has no chat template to write its own calibration prompts; give "
+                           "--calib-prompts FILE.jsonl")
             return None
         model = AutoModelForCausalLM.from_pretrained(str(base_model), dtype=torch.float32).eval()
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         texts = magpie_user_prompts(hf_sampler(model, torch.device("cpu"), pad), tok, CALIB_MAGPIE, seed=0)
-        logger.info("AWQ calibration: %d user prompts written by the base itself (Magpie)", len(texts))
+        logger.info("calibration: %d user prompts written by the base itself (Magpie)", len(texts))
     else:
         texts = []
         for where, row in read_jsonl(opts.calib_prompts, "--calib-prompts: {path} does not exist."):

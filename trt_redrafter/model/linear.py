@@ -166,6 +166,51 @@ class QuantWeight:
                            first.group_size, first.dtype, first.pre_scale)
 
 
+E4M3_MAX = 448.0
+
+
+def fp8_qdq(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x quantized to e4m3 with `scale` and back, in x's dtype: TensorRT-LLM's FP8Linear without the FP8 GEMM plugin
+    (quantize(x, scale cast to the model dtype, 'fp8') then dequantize), saturating at +-448."""
+    s = scale.to(x.dtype)
+    return (x / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).to(x.dtype) * s
+
+
+@dataclass
+class Fp8Weight:
+    """An FP8 layer (TensorRT-LLM's quant_algo FP8, `quantization.py`): W = w8 * scale, and the layer's input quantized
+    to e4m3 with `input_scale` before the product (per tensor, both). `dtype` is the float type the layer computes in."""
+
+    w8: torch.Tensor  # [out, in] float8_e4m3fn
+    scale: torch.Tensor  # fp32 scalar
+    input_scale: torch.Tensor  # fp32 scalar
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.w8.shape
+
+    def dequantize(self) -> torch.Tensor:
+        """-> W [out, in] in `dtype` (w8 * scale in fp32, rounded once)."""
+        return (self.w8.float() * self.scale).to(self.dtype)
+
+    @staticmethod
+    def cat(parts: list["Fp8Weight"]) -> "Fp8Weight":
+        """Stack along the output dimension as TensorRT-LLM's build fuses mlp.gate and mlp.fc
+        (models/modeling_utils.py `fuse_gate_mlp` @27712aa7): one weight scale, the largest, the weights
+        requantized to it; one input scale, the largest (the parts read the same input)."""
+        scale = torch.stack([p.scale for p in parts]).amax()
+        w = torch.cat([p.w8.float() * p.scale for p in parts]) / scale
+        return Fp8Weight(w.to(torch.float8_e4m3fn), scale, torch.stack([p.input_scale for p in parts]).amax(),
+                         parts[0].dtype)
+
+
+def scaled_mm_available(device: torch.device) -> bool:
+    """Whether `torch._scaled_mm` runs FP8 GEMMs on `device`: CUDA with compute capability 8.9 or later (Ada,
+    Hopper, Blackwell)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def _same(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
     return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
 
@@ -177,9 +222,14 @@ class Linear(nn.Module):
 
     A `QuantWeight` runs in the avx512 kernel's weight-only path (`linear_wo`: int8 / int4 bytes read, scaled in
     registers) and, under any other impl, as its dequantized float weight (the same quantized model, no
-    bandwidth saved)."""
+    bandwidth saved).
 
-    def __init__(self, weight: Union[torch.Tensor, QuantWeight], bias: Optional[torch.Tensor] = None,
+    An `Fp8Weight` runs through `torch._scaled_mm` (e4m3 x e4m3, fp32 accumulation) where the GPU has FP8 GEMMs
+    (`scaled_mm_available`); elsewhere (the CPU, older GPUs) as its dequantized weight under the input's e4m3
+    quantize-dequantize (`fp8_qdq`), TensorRT-LLM's own non-plugin FP8 path: the same values in, no bandwidth or
+    compute saved."""
+
+    def __init__(self, weight: Union[torch.Tensor, QuantWeight, Fp8Weight], bias: Optional[torch.Tensor] = None,
                  impl: str = "torch"):
         super().__init__()
         assert impl in LINEAR_IMPLS, impl
@@ -190,6 +240,14 @@ class Linear(nn.Module):
         self.packed: Optional[torch.Tensor] = None  # a plain attribute: module moves and state dicts skip it
         self.quant: Optional[tuple[torch.Tensor, int, int]] = None  # weight-only: (packed scales, bits, group size)
         self.pre_scale: Optional[torch.Tensor] = None  # [in], AWQ's input scale
+        self.input_scale: Optional[torch.Tensor] = None  # FP8: the input's e4m3 scale (fp32 scalar)
+        self.fp8: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # FP8 GEMMs: (w8 [out, in], its scale)
+        if isinstance(weight, Fp8Weight):
+            self.input_scale = weight.input_scale
+            if impl == "torch" and scaled_mm_available(weight.w8.device):
+                self.fp8 = (weight.w8.contiguous(), weight.scale)
+                return
+            weight = weight.dequantize()
         if isinstance(weight, QuantWeight):
             if weight.pre_scale is not None:
                 self.pre_scale = weight.pre_scale.to(weight.dtype)
@@ -208,6 +266,10 @@ class Linear(nn.Module):
         """x [..., in] -> [..., out]."""
         if self.pre_scale is not None:
             x = x * self.pre_scale
+        if self.fp8 is not None:
+            return self._scaled_mm(x)
+        if self.input_scale is not None:
+            x = fp8_qdq(x, self.input_scale)
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         lead = x.shape[:-1]
@@ -222,7 +284,24 @@ class Linear(nn.Module):
             y = onednn_linear(x2, self.packed, self.bias)
         return y.view(*lead, self.out_features)
 
+    def _scaled_mm(self, x: torch.Tensor) -> torch.Tensor:
+        """FP8 GEMM: x quantized to e4m3 with the input scale, times w8, both scales applied in the epilogue; rows
+        padded to a multiple of 16 (cuBLASLt's FP8 GEMMs want aligned dimensions)."""
+        w8, scale = self.fp8
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        M = x2.shape[0]
+        xq = (x2 / self.input_scale.to(x.dtype)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        if M % 16:
+            xq = F.pad(xq.view(torch.int8), (0, 0, 0, 16 - M % 16)).view(torch.float8_e4m3fn)
+        y = torch._scaled_mm(xq, w8.t(), scale_a=self.input_scale, scale_b=scale, out_dtype=x.dtype)[:M]
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*lead, self.out_features)
+
     def extra_repr(self) -> str:
+        if self.input_scale is not None:
+            return f"{self.in_features} -> {self.out_features}, {'fp8 GEMM' if self.fp8 else self.impl + ', fp8 model'}"
         q = f", int{self.quant[1]} weights" if self.quant else ""
         return f"{self.in_features} -> {self.out_features}, {self.impl}{q}"
 

@@ -21,12 +21,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..checkpoint.quantization import (WeightOnly, channel_amax, quantize_per_channel, read_awq, refuse_preprocessed,
-                                         require_torch_runs)
+from ..checkpoint.quantization import (Quantization, channel_amax, quantize_per_channel, read_awq, read_fp8,
+                                       refuse_preprocessed, require_torch_runs)
 from ..config import ModelConfig, torch_dtype
 from ..rope import RotaryEmbedding
 from .attention import AttentionMeta, torch_tree_attention
-from .linear import Linear, QuantWeight
+from .linear import Fp8Weight, Linear, QuantWeight
 from .tp import Dist
 
 # (q [bs, T, nh, D], k_cache, v_cache [slots, kvh, D], meta, scale) -> [bs, T, nh, D]
@@ -84,7 +84,7 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin:
     return x * c + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * s
 
 
-Weight = Union[torch.Tensor, QuantWeight]
+Weight = Union[torch.Tensor, QuantWeight, Fp8Weight]
 
 
 class Attention(nn.Module):
@@ -137,12 +137,13 @@ class LlamaRank(nn.Module):
     """Inference-only Llama shard. `forward` maps [bs, T] tokens to final-norm hidden states [bs, T, H].
 
     `linear`: the linear layers' implementation, "torch", "onednn" or "avx512" (`linear.resolve_linear`).
-    `quant`: the checkpoint's weight-only quantization (checkpoint/quantization.py): the layers it names are
-    quantized here, from the rank's float weights, as TensorRT-LLM's build quantizes them; a row-parallel layer's
-    scales come from the whole row (all ranks), so the quantized model does not depend on TP."""
+    `quant`: the checkpoint's quantization (checkpoint/quantization.py). Weight-only W8A16/W4A16 layers are quantized
+    here, from the rank's float weights, as TensorRT-LLM's build quantizes them; a row-parallel layer's scales come
+    from the whole row (all ranks), so the quantized model does not depend on TP. W4A16_AWQ and FP8 layers are read
+    as stored (their scales were taken over the whole layer when the checkpoint was written)."""
 
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], dist: Dist, dtype: torch.dtype,
-                 max_seq_len: int, linear: str = "torch", quant: Optional[WeightOnly] = None):
+                 max_seq_len: int, linear: str = "torch", quant: Optional[Quantization] = None):
         super().__init__()
         tp = dist.world_size
         self.cfg, self.dist, self.dtype = cfg, dist, dtype
@@ -161,6 +162,9 @@ class LlamaRank(nn.Module):
             name = source or module + ".weight"
             if quant is None or not quant.quantizes(module):
                 return take(name)
+            if quant.fp8:  # e4m3 weights and per-tensor scales, as stored
+                w8, scale, input_scale = read_fp8(tensors, module, "engine weights")
+                return Fp8Weight(w8.to(dev), scale.to(dev), input_scale.to(dev), dtype)
             if quant.stored_quantized:  # W4A16_AWQ: int4 pairs and per-group scales, as stored
                 q, scales, pre = read_awq(tensors, module, quant.group_size, "engine weights")
                 return QuantWeight(q.to(dev), scales.to(dev), quant.bits, quant.group_size, dtype,
@@ -174,7 +178,8 @@ class LlamaRank(nn.Module):
             return QuantWeight(q.to(dev), s.to(dev), quant.bits, w.shape[1], dtype)
 
         def cat(parts: list[Weight]) -> Weight:
-            return QuantWeight.cat(parts) if isinstance(parts[0], QuantWeight) else torch.cat(parts, dim=0)
+            kind = type(parts[0])
+            return kind.cat(parts) if kind in (QuantWeight, Fp8Weight) else torch.cat(parts, dim=0)
 
         self.embedding = _frozen(take("transformer.vocab_embedding.weight"))  # [V, H] (replicated)
         layers = []
