@@ -514,7 +514,8 @@ def test_fp8_checkpoint_stores_modelopts_layout_with_calibrated_scales(tmp_path)
     for name in ("attention.qkv", "attention.dense", "mlp.fc", "mlp.gate", "mlp.proj"):
         assert t[f"{p}{name}.weight"].dtype == torch.float8_e4m3fn
         assert tuple(t[f"{p}{name}.weights_scaling_factor"].shape) == (1,)
-    assert all(v.dtype == torch.float32 for k, v in t.items() if k.startswith(("drafter", "lm_head", "transformer.vocab")))
+    floats = ("drafter", "lm_head", "transformer.vocab")
+    assert all(v.dtype == torch.float32 for k, v in t.items() if k.startswith(floats))
     from trt_redrafter.checkpoint.convert import ConvertConfig, convert_checkpoint
     from trt_redrafter.commands.convert import calibration_ids
     from trt_redrafter.config import ReDrafterConfig

@@ -11,18 +11,14 @@ TensorRT-LLM fuses them. The checkpoint then stores Q(W s) and `prequant_scaling
 runtime multiplies the input (`quantization.awq_tensors`).
 
 The activations come from the float model (Hugging Face's, fp32) run over the calibration prompts in the model's
-chat template; at most `MAX_ROWS` token rows per layer are kept.
+chat template; at most `MAX_ROWS` token rows per layer are kept (checkpoint/calibration.py `awq_scales`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..log import get_logger
-from .calibration import LAYER_GROUPS, run_hooked
 from .quantization import quantize_groups
-
-log = get_logger(__name__)
 
 ALPHAS = tuple(i / 10 for i in range(10))
 MAX_ROWS = 1024
@@ -48,33 +44,3 @@ def best_scale(x: torch.Tensor, weights: list[torch.Tensor], group_size: int) ->
         if err < best[0]:
             best = (err, s, alpha)
     return best[1], best[2]
-
-
-def search_scales(model: torch.nn.Module, calib_ids: list[list[int]], group_size: int,
-                  num_layers: int) -> dict[str, torch.Tensor]:
-    """The float HF model -> TensorRT-LLM module name (transformer.layers.{i}.X) -> s [in] over the full (unsharded)
-    input."""
-    layers = model.model.layers[:num_layers]
-    inputs = {f"{i}.{hf_in}": layer.get_submodule(hf_in) for i, layer in enumerate(layers) for hf_in, _ in LAYER_GROUPS}
-    seen: dict[str, list[torch.Tensor]] = {}
-
-    def record(key: str, rows: torch.Tensor) -> None:
-        have = sum(r.shape[0] for r in seen.get(key, []))
-        if have < MAX_ROWS:
-            seen.setdefault(key, []).append(rows[:MAX_ROWS - have].detach().clone())
-
-    run_hooked(model, calib_ids, inputs, record)
-    out: dict[str, torch.Tensor] = {}
-    alphas = []
-    for i, layer in enumerate(layers):
-        for hf_in, modules in LAYER_GROUPS:
-            x = torch.cat(seen[f"{i}.{hf_in}"])
-            hf_weights = [n for names in modules.values() for n in names]
-            s, alpha = best_scale(x, [layer.get_submodule(n).weight.detach() for n in hf_weights], group_size)
-            alphas.append(alpha)
-            for name in modules:
-                out[f"transformer.layers.{i}.{name}"] = s
-    log.info("AWQ scales from %d calibration prompts (%d token rows per layer at most): mean alpha %.2f, %d of %d "
-             "layer groups keep s = 1", len(calib_ids), MAX_ROWS, sum(alphas) / len(alphas),
-             sum(a == 0 for a in alphas), len(alphas))
-    return out

@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 
 from ..log import get_logger
+from .awq import MAX_ROWS, best_scale
 from .quantization import Quantization
 
 log = get_logger(__name__)
@@ -40,8 +41,10 @@ LAYER_GROUPS: tuple[tuple[str, dict[str, tuple[str, ...]]], ...] = (
 def run_hooked(model: torch.nn.Module, calib_ids: list[list[int]], inputs: dict[str, torch.nn.Module],
                record: Callable[[str, torch.Tensor], None]) -> None:
     """Run `model` over each prompt, calling record(key, rows [n, in]) with the input of each module in `inputs`."""
-    hooks = [mod.register_forward_pre_hook(lambda _m, args, key=key: record(key, args[0].reshape(-1, args[0].shape[-1])))
-             for key, mod in inputs.items()]
+    def hook(key: str):
+        return lambda _m, args: record(key, args[0].reshape(-1, args[0].shape[-1]))
+
+    hooks = [mod.register_forward_pre_hook(hook(key)) for key, mod in inputs.items()]
     try:
         with torch.inference_mode():
             for ids in calib_ids:
@@ -84,6 +87,36 @@ def fp8_amax(model: torch.nn.Module, calib_ids: list[list[int]], num_layers: int
     return out
 
 
+def awq_scales(model: torch.nn.Module, calib_ids: list[list[int]], group_size: int,
+               num_layers: int) -> dict[str, torch.Tensor]:
+    """AWQ's input scales (checkpoint/awq.py) per TensorRT-LLM module (transformer.layers.{i}.X): s [in] over the
+    full (unsharded) input; layers that read one input share one."""
+    layers = model.model.layers[:num_layers]
+    inputs = {f"{i}.{hf_in}": layer.get_submodule(hf_in) for i, layer in enumerate(layers) for hf_in, _ in LAYER_GROUPS}
+    seen: dict[str, list[torch.Tensor]] = {}
+
+    def record(key: str, rows: torch.Tensor) -> None:
+        have = sum(r.shape[0] for r in seen.get(key, []))
+        if have < MAX_ROWS:
+            seen.setdefault(key, []).append(rows[:MAX_ROWS - have].detach().clone())
+
+    run_hooked(model, calib_ids, inputs, record)
+    out: dict[str, torch.Tensor] = {}
+    alphas = []
+    for i, layer in enumerate(layers):
+        for hf_in, modules in LAYER_GROUPS:
+            x = torch.cat(seen[f"{i}.{hf_in}"])
+            hf_weights = [n for names in modules.values() for n in names]
+            s, alpha = best_scale(x, [layer.get_submodule(n).weight.detach() for n in hf_weights], group_size)
+            alphas.append(alpha)
+            for name in modules:
+                out[f"transformer.layers.{i}.{name}"] = s
+    log.info("AWQ scales from %d calibration prompts (%d token rows per layer at most): mean alpha %.2f, %d of %d "
+             "layer groups keep s = 1", len(calib_ids), MAX_ROWS, sum(alphas) / len(alphas),
+             sum(a == 0 for a in alphas), len(alphas))
+    return out
+
+
 def calibrate(model_dir: str | Path, calib_ids: list[list[int]], quant: Quantization,
               num_layers: int) -> dict[str, dict[str, torch.Tensor]]:
     """The calibration results `quantization.store_quantized` takes, for an AWQ or FP8 `quant`."""
@@ -92,5 +125,4 @@ def calibrate(model_dir: str | Path, calib_ids: list[list[int]], quant: Quantiza
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     if quant.fp8:
         return fp8_amax(model, calib_ids, num_layers, quant.quantizes("lm_head"))
-    from .awq import search_scales
-    return {name: {"smooth": s} for name, s in search_scales(model, calib_ids, quant.group_size, num_layers).items()}
+    return {name: {"smooth": s} for name, s in awq_scales(model, calib_ids, quant.group_size, num_layers).items()}

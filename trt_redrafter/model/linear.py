@@ -178,8 +178,9 @@ def fp8_qdq(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Fp8Weight:
-    """An FP8 layer (TensorRT-LLM's quant_algo FP8, `quantization.py`): W = w8 * scale, and the layer's input quantized
-    to e4m3 with `input_scale` before the product (per tensor, both). `dtype` is the float type the layer computes in."""
+    """An FP8 layer (TensorRT-LLM's quant_algo FP8, `quantization.py`): W = w8 * scale, and the layer's input
+    quantized to e4m3 with `input_scale` before the product (per tensor, both). `dtype` is the float type the layer
+    computes in."""
 
     w8: torch.Tensor  # [out, in] float8_e4m3fn
     scale: torch.Tensor  # fp32 scalar
