@@ -1,4 +1,4 @@
-"""What weight-only quantization costs in quality: perplexity on held-out text and greedy agreement with the float
+"""What quantization (weight-only, FP8) costs in quality: perplexity on held-out text and greedy agreement with the float
 model, for this project's quantized engines and llama.cpp's quantized files, on the same token ids.
 
     python3 scripts/quant_quality.py --hf-model out/smollm2/hf --engines out/perf/engine-int8_wo,out/perf/engine-int4_awq \
@@ -32,6 +32,7 @@ from bench_engine import llama_cpp_file  # noqa: E402
 from trt_redrafter.chat import chat_prompt_ids  # noqa: E402
 from trt_redrafter.config import RuntimeConfig  # noqa: E402
 from trt_redrafter.datasets import mt_bench_path, read_jsonl  # noqa: E402
+from trt_redrafter.model.linear import fp8_qdq  # noqa: E402
 from trt_redrafter.model.tp import Dist  # noqa: E402
 from trt_redrafter.runtime.engine import Engine  # noqa: E402
 
@@ -42,9 +43,9 @@ def mt_bench_texts() -> tuple[list[str], list[str]]:
     return [t for r in rows for t in r["turns"]], [r["turns"][0] for r in rows]
 
 
-def quantized_state(engine_dir: str, hf_model) -> dict[str, torch.Tensor]:
+def quantized_state(engine_dir: str, hf_model) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The engine's quantized base as HF-named float weights (TP 1): q * s from its layers, AWQ's input scale folded
-    into the weight's columns."""
+    into the weight's columns; and, for FP8 layers, the e4m3 scale of each HF module's input."""
     engine = Engine(engine_dir, Dist(0, 1, torch.device("cpu")),
                     RuntimeConfig(linear="torch", compile="off", speculate="full"), warmup=False)
     model, cfg = engine.model, hf_model.config
@@ -55,7 +56,7 @@ def quantized_state(engine_dir: str, hf_model) -> dict[str, torch.Tensor]:
         out = layer.weight.detach().float()
         return out * layer.pre_scale.float() if layer.pre_scale is not None else out
 
-    state = {}
+    state, input_scales = {}, {}
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
         q, k, v = w(layer.attn.qkv).split([nq, nkv, nkv])
@@ -64,12 +65,21 @@ def quantized_state(engine_dir: str, hf_model) -> dict[str, torch.Tensor]:
                       p + "self_attn.v_proj.weight": v, p + "self_attn.o_proj.weight": w(layer.attn.dense),
                       p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
                       p + "mlp.down_proj.weight": w(layer.mlp.proj)})
+        for lin, hf_names in ((layer.attn.qkv, ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                              (layer.attn.dense, ("self_attn.o_proj",)),
+                              (layer.mlp.fc_gate, ("mlp.gate_proj", "mlp.up_proj")),
+                              (layer.mlp.proj, ("mlp.down_proj",))):
+            if lin.input_scale is not None:
+                input_scales.update({p + n: lin.input_scale for n in hf_names})
     state["lm_head.weight"] = w(model.lm_head)[:cfg.vocab_size]
-    return state
+    if model.lm_head.input_scale is not None:
+        input_scales["lm_head"] = model.lm_head.input_scale
+    return state, input_scales
 
 
-def load_into(hf_model, state: dict[str, torch.Tensor]):
-    """A copy of the float HF model with `state` in place of its weights (lm_head untied from the embedding)."""
+def load_into(hf_model, state: dict[str, torch.Tensor], input_scales: dict[str, torch.Tensor]):
+    """A copy of the float HF model with `state` in place of its weights (lm_head untied from the embedding), and
+    FP8's input quantize-dequantize (`fp8_qdq`, as the engine applies it) before the modules of `input_scales`."""
     import copy
 
     m = copy.deepcopy(hf_model)
@@ -77,6 +87,8 @@ def load_into(hf_model, state: dict[str, torch.Tensor]):
     params = dict(m.named_parameters())
     for name, t in state.items():
         params[name].data.copy_(t)
+    for name, scale in input_scales.items():
+        m.get_submodule(name).register_forward_pre_hook(lambda _m, args, s=scale: (fp8_qdq(args[0], s),))
     return m
 
 
@@ -168,7 +180,7 @@ def main() -> int:
     rows = {"float32 (HF)": {"perplexity": round(perplexity_hf(base, docs, args.window), 3),
                              **agreement(ref, ref)}}
     for engine_dir in filter(None, args.engines.split(",")):
-        model = load_into(base, quantized_state(engine_dir, base))
+        model = load_into(base, *quantized_state(engine_dir, base))
         rows[Path(engine_dir).name] = {"perplexity": round(perplexity_hf(model, docs, args.window), 3),
                                        **agreement(greedy_hf(model, prompts, args.max_tokens), ref)}
         del model

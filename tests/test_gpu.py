@@ -86,3 +86,24 @@ def _prompt_logits(engine, prompt: list[int]) -> torch.Tensor:
     engine.model.logits = spy
     engine.step([engine.new_sequence(prompt, greedy(2))])
     return captured["logits"]
+
+
+@pytest.mark.parametrize("mode", ["int8_wo", "int4_awq"])
+def test_cuda_weight_only_base_runs_the_triton_gemm_and_greedy_redrafter_equals_its_ar(tmp_path, mode):
+    """A weight-only base on CUDA: its layers run the Triton weight-only GEMM (plugins/weight_only.py), greedy
+    ReDrafter equals the quantized model's greedy AR, and the GPU's logits are the CPU kernel's (same model)."""
+    pytest.importorskip("triton", reason="the weight-only GEMM needs triton")
+    _, engines = build_tiny_engines(tmp_path, seed=2, num_beams=6, draft_len=4, hidden_size=128, num_heads=4,
+                                    num_kv_heads=2, max_batch_size=4,
+                                    convert_args=("--quantize", mode, "--group-size", "64", "--calib-prompts",
+                                                  "none"))
+    prompts = random_prompts(384, PROMPT_LENS, seed=1)
+    engine = load_engine(engines[1], device="cuda")
+    layer = engine.model.layers[0]
+    assert all(m.quant is not None and m.packed.is_cuda
+               for m in (layer.attn.qkv, layer.attn.dense, layer.mlp.fc_gate, layer.mlp.proj))
+    ar = [r.output_ids for r in generate(engine, prompts, greedy(24), "ar")]
+    assert [r.output_ids for r in generate(engine, prompts, greedy(24), "redrafter")] == ar
+    gpu_logits, cpu_logits = (_prompt_logits(load_engine(engines[1], **kw), prompts[1])
+                              for kw in ({"device": "cuda"}, {}))
+    torch.testing.assert_close(gpu_logits, cpu_logits, rtol=1e-3, atol=1e-3)

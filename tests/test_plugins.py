@@ -254,6 +254,37 @@ def test_beam_step_realistic():
     assert torch.equal(got[1], ref[1]) and torch.equal(got[2], ref[2])
 
 
+# ---- weight-only int8 / int4 GEMM ---------------------------------------------------------------------------------
+
+def _wo_case(n, k, bits, group, seed):
+    from trt_redrafter.model.linear import QuantWeight
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = (-128, 127) if bits == 8 else (-8, 7)
+    q = torch.randint(lo, hi + 1, (n, k), generator=g, dtype=torch.int8)
+    scales = 0.001 + 0.01 * torch.rand(n, -(-k // group), generator=g)
+    return QuantWeight(q, scales, bits, group, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits,n,k,group", [(8, 72, 96, 96), (4, 40, 128, 64), (4, 33, 64, 64), (8, 48, 160, 32)])
+def test_weight_only_gemm_matches_the_dequantized_weight(dtype, bits, n, k, group):
+    """int8 / int4, per channel and per group, ragged N: every row against float64 x @ (q * s)^T; a row's bits do not
+    depend on how many rows share the call (M = 1 vs 5 vs 17)."""
+    from trt_redrafter.plugins import weight_only
+    w = _wo_case(n, k, bits, group, seed=bits + n)
+    q, s = weight_only.pack(w.q, w.scales, bits)
+    assert q.numel() == n * k * bits // 8
+    x = torch.randn(17, k, generator=torch.Generator().manual_seed(n)).to(dtype)
+    ref = x.double() @ (w.q.double() * w.scales.double().repeat_interleave(group, dim=1)[:, :k]).T
+    out = weight_only.wo_linear(x.to(DEV), q.to(DEV), s.to(DEV), bits, group).cpu()
+    assert out.dtype == dtype and out.shape == (17, n)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol * float(ref.abs().max()))
+    for m in (1, 5):
+        alone = weight_only.wo_linear(x[:m].contiguous().to(DEV), q.to(DEV), s.to(DEV), bits, group).cpu()
+        assert torch.equal(alone, out[:m])
+
+
 # ---- the engine on the kernels ------------------------------------------------------------------------------------
 
 @pytest.mark.slow

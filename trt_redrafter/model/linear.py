@@ -222,8 +222,9 @@ class Linear(nn.Module):
     still reads it).
 
     A `QuantWeight` runs in the avx512 kernel's weight-only path (`linear_wo`: int8 / int4 bytes read, scaled in
-    registers) and, under any other impl, as its dequantized float weight (the same quantized model, no
-    bandwidth saved).
+    registers), on CUDA in the Triton weight-only GEMM (plugins/weight_only.py: the same bytes, scaled per group in
+    fp32), and under any other impl as its dequantized float weight (the same quantized model, no bandwidth
+    saved).
 
     An `Fp8Weight` runs through `torch._scaled_mm` (e4m3 x e4m3, fp32 accumulation) where the GPU has FP8 GEMMs
     (`scaled_mm_available`); elsewhere (the CPU, older GPUs) as its dequantized weight under the input's e4m3
@@ -256,6 +257,11 @@ class Linear(nn.Module):
                 self.packed, scales = cpu.pack_wo(weight.q, weight.scales, weight.bits)
                 self.quant = (scales, weight.bits, weight.group_size)
                 return
+            if weight.q.is_cuda and _cuda_weight_only():
+                from ..plugins import weight_only
+                self.packed, scales = weight_only.pack(weight.q, weight.scales, weight.bits)
+                self.quant = (scales, weight.bits, weight.group_size)
+                return
             weight = weight.dequantize()
         if impl == "torch":
             self.weight = _frozen(weight)
@@ -275,7 +281,13 @@ class Linear(nn.Module):
             return F.linear(x, self.weight, self.bias)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        if self.quant is not None:
+        if self.quant is not None and self.packed.is_cuda:
+            from ..plugins import weight_only
+            scales, bits, group_size = self.quant
+            y = weight_only.wo_linear(x2.contiguous(), self.packed, scales, bits, group_size)
+            if self.bias is not None:
+                y = y + self.bias
+        elif self.quant is not None:
             scales, bits, group_size = self.quant
             y = torch.ops.trt_redrafter_cpu.linear_wo(x2, self.packed, scales, bits, group_size, self.out_features,
                                                       self.bias)
@@ -303,8 +315,18 @@ class Linear(nn.Module):
     def extra_repr(self) -> str:
         if self.input_scale is not None:
             return f"{self.in_features} -> {self.out_features}, {'fp8 GEMM' if self.fp8 else self.impl + ', fp8 model'}"
-        q = f", int{self.quant[1]} weights" if self.quant else ""
+        q = f", int{self.quant[1]} weights{' (triton)' if self.packed.is_cuda else ''}" if self.quant else ""
         return f"{self.in_features} -> {self.out_features}, {self.impl}{q}"
+
+
+def _cuda_weight_only() -> bool:
+    """Whether the Triton weight-only GEMM (plugins/weight_only.py) can run: triton is importable."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        logger.warning("triton is not installed: weight-only layers on CUDA run their dequantized weights")
+        return False
+    return True
 
 
 def _frozen(t: torch.Tensor) -> nn.Parameter:
