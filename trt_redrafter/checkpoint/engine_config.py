@@ -3,9 +3,9 @@
 `pretrained_config` is the checkpoint's config unchanged; `build_config` carries the limits `trtllm-build`
 names (max_batch_size, max_input_len, max_seq_len, max_num_tokens, max_beam_width, max_draft_len,
 speculative_decoding_mode) plus this project's `backend`, torch-backend settings and `speculation`: the tree shape
-(num_beams, draft_len_per_beam: the checkpoint's `redrafter_*` keys, or the build flags for a base without a
-drafter) and the proposer settings (config.ProposerConfig). Serving templates read their values from here, so
-nothing is stated twice.
+of a base without a drafter (num_beams, draft_len_per_beam, from the build flags; a ReDrafter checkpoint's shape is
+its `redrafter_*` keys in `pretrained_config`, stored once there) and the proposer settings (config.ProposerConfig).
+Serving templates read their values from here, so nothing is stated twice.
 """
 
 from __future__ import annotations
@@ -58,7 +58,10 @@ def engine_config_dict(info: CheckpointInfo, build: BuildConfig, backend: str,
         "speculative_decoding_mode": "explicit_draft_tokens",
         "kv_cache_type": "paged",
         "backend": backend,
-        "speculation": {"num_beams": rd.num_beams, "draft_len_per_beam": rd.draft_len_per_beam,
+        # the tree shape is stored once: a ReDrafter checkpoint's in pretrained_config (redrafter_*), a drafterless
+        # base's (N-gram trees) here
+        "speculation": {**({} if info.redrafter is not None else
+                           {"num_beams": rd.num_beams, "draft_len_per_beam": rd.draft_len_per_beam}),
                         **proposer.to_dict()},
     }
     return {"version": f"trt-redrafter {__version__}", "pretrained_config": info.raw, "build_config": build_config}
