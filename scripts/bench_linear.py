@@ -28,6 +28,7 @@ from trt_redrafter.config import RuntimeConfig, SamplingConfig
 from trt_redrafter.model.linear import Linear
 from trt_redrafter.runtime.distributed import Dist
 from trt_redrafter.runtime.engine import Engine
+from trt_redrafter.runtime.sequence import RequestSpec
 
 
 def main() -> int:
@@ -53,7 +54,7 @@ def main() -> int:
             load_s = time.perf_counter() - t0
             g = torch.Generator().manual_seed(0)
             prompt = torch.randint(100, engine.vocab_size, (args.prompt_len,), generator=g).tolist()
-            seq = engine.new_sequence(prompt, SamplingConfig(max_tokens=64), mode="ar")
+            seq = engine.new_sequence(RequestSpec(prompt, SamplingConfig(max_tokens=64), mode="ar"))
             engine.step([seq])  # the prompt: KV for prompt_len positions
             engine.cache.reserve(seq.seq_id, seq.ctx_len + max(Ts))
             engine.cache.sync()

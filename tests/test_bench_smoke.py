@@ -20,17 +20,17 @@ def _inputs(**kw):
 
 
 def test_decoding_mode_input():
-    assert parse_inputs(_inputs()).mode == "redrafter"
-    assert parse_inputs(_inputs(decoding_mode=np.array([[b"ar"]], dtype=object))).mode == "ar"
-    assert parse_inputs(_inputs(decoding_mode=np.array([[b"ReDrafter"]], dtype=object))).mode == "redrafter"
+    assert parse_inputs(_inputs()).spec.mode == "redrafter"
+    assert parse_inputs(_inputs(decoding_mode=np.array([[b"ar"]], dtype=object))).spec.mode == "ar"
+    assert parse_inputs(_inputs(decoding_mode=np.array([[b"ReDrafter"]], dtype=object))).spec.mode == "redrafter"
     with pytest.raises(UserError, match="decoding_mode must be one of"):
         parse_inputs(_inputs(decoding_mode=np.array([[b"medusa"]], dtype=object)))
 
 
 def test_proposer_input():
-    assert parse_inputs(_inputs()).proposer is None  # the engine's default
-    assert parse_inputs(_inputs(proposer=np.array([[b"NGram "]], dtype=object))).proposer == "ngram"
-    assert parse_inputs(_inputs(proposer=np.array([[b""]], dtype=object))).proposer is None
+    assert parse_inputs(_inputs()).spec.proposer is None  # the engine's default
+    assert parse_inputs(_inputs(proposer=np.array([[b"NGram "]], dtype=object))).spec.proposer == "ngram"
+    assert parse_inputs(_inputs(proposer=np.array([[b""]], dtype=object))).spec.proposer is None
     with pytest.raises(UserError, match="proposer must be one of"):
         parse_inputs(_inputs(proposer=np.array([[b"eagle"]], dtype=object)))
     with pytest.raises(UserError, match="one value per request"):

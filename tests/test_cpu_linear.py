@@ -20,6 +20,7 @@ from trt_redrafter.errors import UserError
 from trt_redrafter.model import linear as lin
 from trt_redrafter.model.attention import AttentionMeta, causal_mask
 from trt_redrafter.runtime.generate import generate
+from trt_redrafter.runtime.sequence import RequestSpec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SHAPES = [(960, 576), (576, 1536), (200, 64)]  # (out, in): SmolLM2's qkv and down-projection, a tiny one
@@ -185,7 +186,7 @@ def test_packed_ar_matches_torch_ar(tiny, impl):
     logits = {}
     for name in (impl, "torch"):
         engine = load_engine(tiny["engine_dir"], linear=name)
-        seq = engine.new_sequence(tiny["prompts"][1], greedy(4))
+        seq = engine.new_sequence(RequestSpec(tiny["prompts"][1], greedy(4)))
         engine.step([seq])  # prompt
         logits[name] = _ar_step_logits(engine, seq)
     tol = dict(rtol=1e-4, atol=1e-4) if tiny["dtype"] == "float32" else dict(rtol=0.05, atol=0.05)

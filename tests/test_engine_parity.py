@@ -7,6 +7,7 @@ import torch
 
 from engine_utils import OracleProposer, build_tiny_engines, greedy, hf_greedy, load_engine, random_prompts
 from trt_redrafter.runtime.generate import generate
+from trt_redrafter.runtime.sequence import RequestSpec
 
 MAX_NEW = 24
 PROMPT_LENS = [5, 11, 3, 8, 14]  # unequal lengths, more prompts than max_batch_size=4 (admission mid-run)
@@ -61,7 +62,7 @@ def test_greedy_redrafter_equals_ar_when_drafts_are_accepted(tiny, corrupt_every
 def test_kv_rewind_matches_recomputation(tiny):
     """After accepted steps, the next AR logits equal those of a fresh prompt pass over prompt + output."""
     engine = load_engine(tiny["engine_dir"], OracleProposer(tiny["engine_dir"], {0: tiny["ar"][0]}, corrupt_every=2))
-    s = engine.new_sequence(tiny["prompts"][0], greedy(MAX_NEW))
+    s = engine.new_sequence(RequestSpec(tiny["prompts"][0], greedy(MAX_NEW)))
     while len(s.output) < 10:
         engine.step([s])
     assert s.stats.accepted_draft_tokens > 0
@@ -70,7 +71,7 @@ def test_kv_rewind_matches_recomputation(tiny):
     _, logits_cont = _last_logits(engine, s)
 
     fresh = load_engine(tiny["engine_dir"])
-    f = fresh.new_sequence(history, greedy(4))
+    f = fresh.new_sequence(RequestSpec(history, greedy(4)))
     _, logits_ref = _last_logits(fresh, f)
     torch.testing.assert_close(logits_cont, logits_ref, rtol=1e-4, atol=1e-4)
 

@@ -10,6 +10,7 @@ import torch
 from engine_utils import build_tiny_engines, greedy, hf_greedy, load_engine, random_prompts
 from trt_redrafter.config import SamplingConfig
 from trt_redrafter.runtime.generate import generate
+from trt_redrafter.runtime.sequence import RequestSpec
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -84,7 +85,7 @@ def _prompt_logits(engine, prompt: list[int]) -> torch.Tensor:
         return out
 
     engine.model.logits = spy
-    engine.step([engine.new_sequence(prompt, greedy(2))])
+    engine.step([engine.new_sequence(RequestSpec(prompt, greedy(2)))])
     return captured["logits"]
 
 

@@ -19,7 +19,7 @@ from trt_redrafter.runtime.generate import generate
 from trt_redrafter.runtime.ngram import (CONTEXT_DECAY, MODEL_DECAY, MODEL_FIRST, NGRAMS_FILE, ContextNgrams,
                                          ModelNgrams, NgramProposer, fill_rows)
 from trt_redrafter.runtime.proposer import Draft
-from trt_redrafter.runtime.sequence import Sequence
+from trt_redrafter.runtime.sequence import RequestSpec, Sequence
 from trt_redrafter.runtime.step import SCORE_PAD, SCORE_SCALE
 
 
@@ -35,7 +35,7 @@ class index_of:
 
 
 def seq_of(prompt, output) -> Sequence:
-    return Sequence(0, list(prompt), SamplingConfig(), "redrafter", frozenset(), 10_000, output=list(output))
+    return Sequence(0, RequestSpec(list(prompt), SamplingConfig()), 10_000, output=list(output))
 
 
 # ---- context N-grams ------------------------------------------------------------------------------------------
@@ -195,6 +195,20 @@ def test_an_engine_built_without_a_drafter_drafts_with_ngrams(pair):
     assert sum(r.accepted_draft_tokens for r in res) > 0 and engine.cache.used_blocks == 0
 
 
+def test_the_tree_shape_is_stored_once(pair):
+    """A ReDrafter engine's tree shape lives in pretrained_config (the checkpoint's redrafter_* keys) alone; a
+    drafterless engine's in build_config.speculation; either is read back as the engine's tree."""
+    from trt_redrafter.checkpoint.engine_config import load_engine_config
+    _, engine_dir, plain, _, _ = pair
+    raw = json.loads((engine_dir / "config.json").read_text())
+    assert "num_beams" not in raw["build_config"]["speculation"]
+    assert "draft_len_per_beam" not in raw["build_config"]["speculation"]
+    cfg = load_engine_config(engine_dir)
+    shape = (raw["pretrained_config"]["redrafter_num_beams"], raw["pretrained_config"]["redrafter_draft_len_per_beam"])
+    assert (cfg.tree.num_beams, cfg.tree.draft_len_per_beam) == shape
+    assert (load_engine_config(plain).tree.num_beams, load_engine_config(plain).tree.draft_len_per_beam) == (4, 3)
+
+
 @pytest.mark.parametrize("proposer", ["redrafter", "ngram", "mixed"])
 def test_greedy_equals_ar_for_each_proposer(pair, proposer):
     _, engine_dir, _, prompts, ar = pair
@@ -213,7 +227,7 @@ def test_a_batch_mixing_proposers_equals_ar(pair):
     engine = load_engine(engine_dir)
     sched = Scheduler(engine)
     kinds = ["ngram", "redrafter", "mixed", "ngram", "mixed"]
-    reqs = [sched.submit(Request(str(i), p, greedy(MAX_NEW), proposer=k)) for i, (p, k) in
+    reqs = [sched.submit(Request(str(i), RequestSpec(p, greedy(MAX_NEW), proposer=k))) for i, (p, k) in
             enumerate(zip(prompts, kinds))]
     sched.run_until_idle()
     assert [r.seq.output for r in reqs] == ar
@@ -227,7 +241,7 @@ def test_mixed_keeps_the_drafters_best_beams(pair):
     seen = {}  # the drafter's beams (best first) as the step read them back
     compose = engine._compose_on_host
     engine._compose_on_host = lambda seqs, device: (seen.update(device), compose(seqs, device))
-    s = engine.new_sequence(prompts[0], greedy(MAX_NEW), proposer="mixed")
+    s = engine.new_sequence(RequestSpec(prompts[0], greedy(MAX_NEW), proposer="mixed"))
     ctx = []
     while not ctx and not s.finished:
         engine.step([s])  # trees are composed on the host after each step
@@ -242,11 +256,12 @@ def test_mixed_keeps_the_drafters_best_beams(pair):
 def test_refusals(pair):
     _, engine_dir, plain, prompts, _ = pair
     with pytest.raises(UserError, match="needs a drafter"):
-        load_engine(plain).new_sequence(prompts[0], greedy(4), proposer="mixed")
+        load_engine(plain).new_sequence(RequestSpec(prompts[0], greedy(4), proposer="mixed"))
     with pytest.raises(UserError, match="acceptance 'apple'"):
-        load_engine(engine_dir).new_sequence(prompts[0], SamplingConfig(acceptance="apple"), proposer="ngram")
+        load_engine(engine_dir).new_sequence(RequestSpec(prompts[0], SamplingConfig(acceptance="apple"),
+                                                           proposer="ngram"))
     with pytest.raises(UserError, match="proposer must be one of"):
-        load_engine(engine_dir).new_sequence(prompts[0], greedy(4), proposer="eagle")
+        load_engine(engine_dir).new_sequence(RequestSpec(prompts[0], greedy(4), proposer="eagle"))
 
 
 def test_sampled_ngram_output_equals_sampled_ar(pair):

@@ -22,6 +22,7 @@ from trt_redrafter.errors import UserError
 from trt_redrafter.fsutil import read_json
 from trt_redrafter.model import linear as lin
 from trt_redrafter.runtime.generate import generate
+from trt_redrafter.runtime.sequence import RequestSpec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # (out, in, group size): SmolLM2's qkv per channel, its down-projection in groups of 64, a partial panel
@@ -260,7 +261,7 @@ def _prompt_logits(path, impl: str, prompt: list[int]) -> torch.Tensor:
         return out
 
     engine.model.logits = spy
-    engine.step([engine.new_sequence(prompt, greedy(2))])
+    engine.step([engine.new_sequence(RequestSpec(prompt, greedy(2)))])
     return captured["logits"]
 
 

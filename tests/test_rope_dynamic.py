@@ -27,6 +27,7 @@ from trt_redrafter.fsutil import read_json, write_json
 from trt_redrafter.rope import RotaryEmbedding
 from trt_redrafter.checkpoint.engine_config import load_engine_config
 from trt_redrafter.runtime.generate import generate
+from trt_redrafter.runtime.sequence import RequestSpec
 
 ORIG = 32  # max_position_embeddings: the trained context
 FACTOR = 2.0
@@ -97,7 +98,7 @@ def _engine_ar(engine, prompt: list[int], n: int) -> tuple[list[int], torch.Tens
         logits.append(out.reshape(-1, out.shape[-1])[-1].float().clone())
         return out
 
-    s = engine.new_sequence(prompt, greedy(n), mode="ar")
+    s = engine.new_sequence(RequestSpec(prompt, greedy(n), mode="ar"))
     engine.model.logits = spy
     try:
         while not s.finished:
@@ -204,7 +205,7 @@ def test_preempted_requests_recompute_the_same_rotations(dyn):
 
     engine = load_engine(dyn["engine_dir"], kv_cache_tokens=10 * 16)  # room for about one and a half requests
     sched = Scheduler(engine)
-    reqs = {k: sched.submit(Request(k, p, greedy(_max_new(p)), mode="ar")) for k, p in dyn["prompts"].items()}
+    reqs = {k: sched.submit(Request(k, RequestSpec(p, greedy(_max_new(p)), mode="ar"))) for k, p in dyn["prompts"].items()}
     sched.run_until_idle()
     assert sched.metrics().preemptions > 0
     assert {k: r.seq.output for k, r in reqs.items()} == {k: v[0] for k, v in dyn["hf"].items()}

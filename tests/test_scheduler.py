@@ -8,6 +8,7 @@ import pytest
 from engine_utils import OracleProposer, build_tiny_engines, greedy, load_engine, random_prompts
 from trt_redrafter.errors import UserError
 from trt_redrafter.runtime.generate import generate
+from trt_redrafter.runtime.sequence import RequestSpec
 from trt_redrafter.runtime.scheduler import Request, Scheduler
 
 MAX_NEW = 40
@@ -41,7 +42,7 @@ def test_requests_joining_mid_run_keep_their_greedy_output(tiny):
     engine_dir, prompts, ar = tiny
     engine = load_engine(engine_dir, OracleProposer(engine_dir, dict(enumerate(ar)), corrupt_every=3))
     sched = Scheduler(engine)
-    reqs = [Request(str(i), p, greedy(MAX_NEW)) for i, p in enumerate(prompts)]
+    reqs = [Request(str(i), RequestSpec(p, greedy(MAX_NEW))) for i, p in enumerate(prompts)]
     streamed, finals = _collect(sched, reqs)
     sched.submit(reqs[0])
     for _ in range(3):
@@ -59,7 +60,7 @@ def test_cancellation_frees_kv_at_the_next_step_and_others_continue(tiny):
     engine_dir, prompts, ar = tiny
     engine = load_engine(engine_dir)
     sched = Scheduler(engine)
-    reqs = [Request(str(i), p, greedy(MAX_NEW)) for i, p in enumerate(prompts[:2])]
+    reqs = [Request(str(i), RequestSpec(p, greedy(MAX_NEW))) for i, p in enumerate(prompts[:2])]
     streamed, finals = _collect(sched, reqs)
     for r in reqs:
         sched.submit(r)
@@ -80,7 +81,7 @@ def test_kv_preemption_recomputes_without_changing_outputs(tiny):
     # room for about two requests: the other four wait, and running ones get preempted as they grow
     engine = load_engine(engine_dir, kv_cache_tokens=2 * (13 + MAX_NEW + 10) + 64)
     sched = Scheduler(engine)
-    reqs = [sched.submit(Request(str(i), p, greedy(MAX_NEW))) for i, p in enumerate(prompts)]
+    reqs = [sched.submit(Request(str(i), RequestSpec(p, greedy(MAX_NEW)))) for i, p in enumerate(prompts)]
     streamed, _ = _collect(sched, reqs)
     sched.run_until_idle()
     assert sched.metrics().preemptions > 0
@@ -93,7 +94,7 @@ def test_fcfs_admission_is_bounded_by_batch_size_and_token_budget(tiny):
     engine = load_engine(engine_dir)
     sched = Scheduler(engine, max_num_tokens=18)  # the 13-token prompt cannot join the 6-token one in a step
     for i, p in enumerate(prompts):
-        sched.submit(Request(str(i), p, greedy(4)))
+        sched.submit(Request(str(i), RequestSpec(p, greedy(4))))
     sched.step_once()
     m = sched.metrics()
     assert (m.running, m.waiting) == (1, 5)  # request 1 blocks the shorter ones behind it: no overtaking
@@ -105,4 +106,4 @@ def test_a_request_that_can_never_fit_the_kv_cache_is_refused(tiny):
     engine_dir, prompts, _ = tiny
     engine = load_engine(engine_dir, kv_cache_tokens=48)
     with pytest.raises(UserError, match="max-tokens-in-paged-kv-cache"):
-        Scheduler(engine).submit(Request("x", prompts[1], greedy(MAX_NEW)))
+        Scheduler(engine).submit(Request("x", RequestSpec(prompts[1], greedy(MAX_NEW))))

@@ -48,10 +48,11 @@ def test_parse_inputs_maps_tensorrt_llm_names():
                              end_id=np.array([[2]], np.int32), streaming=np.array([[True]]),
                              input_lengths=np.array([[2]], np.int32),
                              stop_words_list=np.array([[[9, 8, 4], [2, 3, -1]]], np.int32)))
-    assert p.prompt == [5, 6] and p.params.max_tokens == 4 and p.streaming
-    assert (p.params.temperature, p.params.top_k, p.params.top_p, p.params.seed) == (0.5, 3, pytest.approx(0.9), 7)
-    assert p.stop_ids == (2,) and p.stop_sequences == ((9, 8), (4,))
-    assert parse_inputs(_inputs(end_id=np.array([[-1]], np.int32))).stop_ids == ()
+    assert p.spec.prompt == [5, 6] and p.spec.params.max_tokens == 4 and p.streaming
+    assert (p.spec.params.temperature, p.spec.params.top_k, p.spec.params.top_p, p.spec.params.seed) == \
+        (0.5, 3, pytest.approx(0.9), 7)
+    assert p.spec.stop_ids == (2,) and p.spec.stop_sequences == ((9, 8), (4,))
+    assert parse_inputs(_inputs(end_id=np.array([[-1]], np.int32))).spec.stop_ids == ()
 
 
 @pytest.mark.parametrize("kw, match", [

@@ -9,6 +9,7 @@ from trt_redrafter.config import SamplingConfig
 from trt_redrafter.runtime.distributed import COLLECTIVE_TIMEOUT_S, init_dist, shutdown_dist
 from trt_redrafter.runtime.engine import Engine
 from trt_redrafter.runtime.scheduler import Request, Scheduler, follow
+from trt_redrafter.runtime.sequence import RequestSpec
 
 engine_dir, prompt = sys.argv[1], [int(x) for x in sys.argv[2].split(",")]
 dist = init_dist(2, "cpu")
@@ -16,7 +17,7 @@ engine = Engine(engine_dir, dist)
 if dist.is_driver:
     sched = Scheduler(engine).start()
     time.sleep(3 * COLLECTIVE_TIMEOUT_S)  # idle: only heartbeats reach the follower
-    req = sched.submit(Request("r", prompt, SamplingConfig(max_tokens=12)))
+    req = sched.submit(Request("r", RequestSpec(prompt, SamplingConfig(max_tokens=12))))
     assert req.done.wait(120), "the request did not finish"
     sched.stop()
     print(json.dumps(req.seq.output), flush=True)

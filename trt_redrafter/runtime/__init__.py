@@ -1,7 +1,8 @@
 """The torch engine: what runs an engine directory, on the CPU or CUDA, at TP 1 or under mpirun.
 
-One request's way through it: `scheduler.Scheduler` queues it and batches it in flight -> `engine.Engine` admits it
-into a batch slot (`sequence.Sequence` on the host, `state.SlotState` rows and `kv_cache.PagedKVCache` blocks on the
+One request's way through it: a `sequence.RequestSpec` (prompt, sampling, mode, proposer, stops), made where it
+enters and carried as is; `scheduler.Scheduler` queues it (`scheduler.Request`: the spec, one id, where its tokens
+go) and batches it in flight -> `engine.Engine` admits it into a batch slot (`sequence.Sequence` on the host, `state.SlotState` rows and `kv_cache.PagedKVCache` blocks on the
 device), prefills it, then runs batched steps: `policy.Policy` decides each step (an AR step, or how many nodes of
 each draft tree to verify, by the measured `policy.CostModel` and the proposer's calibrated confidence), and
 `step.DecodeStep` runs it (verify -> accept -> rewind -> draft -> pack) as one compiled or captured unit
@@ -17,7 +18,7 @@ each draft tree to verify, by the measured `policy.CostModel` and the proposer's
     policy         the speculation policy: cost model, calibration, per-step decision
     proposer       the proposer interface and the device drafter's beam search (ReDrafter, mixed)
     ngram          learning-free proposers: context and model N-grams
-    sequence       per-request host state and statistics
+    sequence       RequestSpec; per-request host state and statistics
     graphs         eager, torch.compile, CUDA graphs
     distributed    the TP process group (MPI ranks, torch.distributed collectives), mpirun commands
     timing         per-phase step timing

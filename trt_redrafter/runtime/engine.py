@@ -26,6 +26,7 @@ broadcast, so ranks never drift apart. The engine knows nothing about text: toke
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -40,7 +41,7 @@ import torch
 from safetensors.torch import load_file
 
 from .. import cpu as cpu_kernels
-from ..config import DECODING_MODES, PROPOSERS, BuildConfig, RuntimeConfig, SamplingConfig, torch_dtype
+from ..config import DECODING_MODES, PROPOSERS, BuildConfig, RuntimeConfig, torch_dtype
 from ..errors import UserError
 from ..log import get_logger
 from ..model.drafter import DrafterRank
@@ -55,7 +56,7 @@ from .ngram import NGRAMS_FILE, ModelNgrams, NgramProposer
 from .policy import (AR_STEP, Candidate, CostModel, Policy, StepDecision, cost_cache_paths, fingerprint,
                      load_cost_model, save_cost_model, tree_buckets)
 from .proposer import BeamDrafter, Draft, MixedProposer, Proposer, ReDrafterProposer
-from .sequence import Sequence, TreeNodes
+from .sequence import RequestSpec, Sequence, TreeNodes
 from .state import SlotState, put_rows
 from .step import DecodeStep, RowLayout, StepKernels
 from .timing import PhaseTimer
@@ -307,27 +308,26 @@ class Engine:
         """The proposer that fills `seq`'s trees (a test's oracle, when the engine was given one)."""
         return self.override or self.proposers[seq.proposer]
 
-    def new_sequence(self, prompt: list[int], params: SamplingConfig, mode: str = "redrafter",
-                     stop_ids: tuple[int, ...] = (), seq_id: int | None = None,
-                     stop_sequences: tuple[tuple[int, ...], ...] = (), proposer: str | None = None) -> Sequence:
-        """Validate a request against the engine's limits and make its state. `proposer` (redrafter, ngram, mixed)
-        overrides the engine's default for this request."""
-        if mode not in DECODING_MODES:
-            raise UserError(f"mode must be one of {', '.join(DECODING_MODES)}, got {mode!r}.")
-        name = proposer or self.cfg.proposer.proposer
+    def new_sequence(self, spec: RequestSpec, seq_id: int | None = None) -> Sequence:
+        """Validate a request against the engine's limits and make its state. The spec's `proposer` (redrafter,
+        ngram, mixed) overrides the engine's default for this request."""
+        if spec.mode not in DECODING_MODES:
+            raise UserError(f"mode must be one of {', '.join(DECODING_MODES)}, got {spec.mode!r}.")
+        name = spec.proposer or self.cfg.proposer.proposer
         if name not in self.proposers:
             raise UserError(f"proposer must be one of {', '.join(PROPOSERS)}, got {name!r}.")
         prop = self.proposers[name]
         if prop.on_device and self.drafter is None:
             raise UserError(f"proposer {name!r} needs a drafter, and this engine was built without one; use "
                             f"proposer 'ngram' (or rebuild with --drafter DIR).")
-        if mode == "redrafter" and not prop.drafter_probabilities and params.resolved_acceptance == "apple":
+        if spec.mode == "redrafter" and not prop.drafter_probabilities and spec.params.resolved_acceptance == "apple":
             raise UserError(f"acceptance 'apple' weighs each draft by the drafter's probabilities, which "
                             f"{name!r} drafts do not have; use acceptance 'exact' (distribution-exact).")
-        self.build.check_request(prompt, params.max_tokens, self.vocab_size)
+        self.build.check_request(spec.prompt, spec.params.max_tokens, self.vocab_size)
         sid = next(self._ids) if seq_id is None else seq_id
-        return Sequence(sid, list(prompt), params, mode, frozenset(stop_ids), self.build.max_seq_len,
-                        stop_sequences=tuple(tuple(q) for q in stop_sequences if q), proposer=name)
+        spec = dataclasses.replace(spec, prompt=list(spec.prompt),
+                                   stop_sequences=tuple(tuple(q) for q in spec.stop_sequences if q))
+        return Sequence(sid, spec, self.build.max_seq_len, proposer=name)
 
     def hidden_states(self, seqs: list[Sequence]) -> torch.Tensor:
         """[len(seqs), H] float32 on the CPU: the final-norm hidden state of the token each request's last step

@@ -22,14 +22,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from ..config import SamplingConfig
 from ..errors import ServerBusy, UserError
 from ..log import get_logger
 from .distributed import COLLECTIVE_TIMEOUT_S
 from .engine import Engine
 from .kv_cache import KVCacheFull
 from .policy import AR_STEP, StepDecision
-from .sequence import Sequence
+from .sequence import RequestSpec, Sequence
 
 logger = get_logger(__name__)
 
@@ -45,17 +44,12 @@ class PlannedRequest:
     """One request of a step plan: what a follower rank needs to make (or find) the same Sequence."""
 
     seq_id: int
-    prompt: list[int]
+    spec: RequestSpec
     output: list[int]  # tokens emitted so far (a request re-admitted after preemption resumes from them)
-    params: SamplingConfig
-    mode: str
-    stop_ids: tuple[int, ...]
-    stop_sequences: tuple[tuple[int, ...], ...]
-    proposer: str = ""
 
     @classmethod
     def of(cls, s: Sequence) -> "PlannedRequest":
-        return cls(s.seq_id, s.prompt, s.output, s.sampling, s.mode, tuple(s.stop_ids), s.stop_sequences, s.proposer)
+        return cls(s.seq_id, s.spec, s.output)
 
 
 @dataclass
@@ -70,14 +64,11 @@ class StepPlan:
 
 @dataclass
 class Request:
+    """A request in the scheduler: its spec, where its tokens go, and its place in the queue."""
+
     request_id: str
-    prompt: list[int]
-    params: SamplingConfig
-    mode: str = "redrafter"
-    stop_ids: tuple[int, ...] = ()
-    stop_sequences: tuple[tuple[int, ...], ...] = ()
+    spec: RequestSpec
     on_tokens: Optional[OnTokens] = None
-    proposer: Optional[str] = None  # overrides the engine's default proposer (config.PROPOSERS)
     seq: Optional[Sequence] = None  # set on submission
     done: threading.Event = field(default_factory=threading.Event)
     cancelled: Optional[str] = None  # why it is ended early: "cancelled" (its client went away) or "stopped" (a stop
@@ -135,14 +126,14 @@ class Scheduler:
         """Validate every request, then queue them all or none (one Triton request with a batch of prompts is
         answered as a whole); raises UserError naming the first request the engine cannot serve."""
         for req in reqs:
-            req.seq = self.engine.new_sequence(req.prompt, req.params, req.mode, req.stop_ids,
-                                               stop_sequences=req.stop_sequences, proposer=req.proposer)
-            if len(req.prompt) > self.max_num_tokens:
-                raise UserError(f"the prompt has {len(req.prompt)} tokens but one step may hold at most "
+            req.seq = self.engine.new_sequence(req.spec)
+            n, max_tokens = len(req.spec.prompt), req.spec.params.max_tokens
+            if n > self.max_num_tokens:
+                raise UserError(f"the prompt has {n} tokens but one step may hold at most "
                                 f"max_num_tokens={self.max_num_tokens}; shorten it or raise --max-num-tokens.")
-            worst = len(req.prompt) + req.params.max_tokens + self.engine.redrafter.max_tree_tokens
+            worst = n + max_tokens + self.engine.redrafter.max_tree_tokens
             if not self.engine.cache.can_fit(worst):
-                raise UserError(f"a {len(req.prompt)}-token prompt with max_tokens={req.params.max_tokens} needs more "
+                raise UserError(f"a {n}-token prompt with max_tokens={max_tokens} needs more "
                                 f"KV cache than the engine has ({self.engine.cache.num_blocks} blocks of "
                                 f"{self.engine.cache.block_size} tokens); ask for fewer tokens or rebuild the engine "
                                 f"with a larger --max-tokens-in-paged-kv-cache.")
@@ -182,7 +173,7 @@ class Scheduler:
             context = [r for r in self._running if not r.seq.output]
             return SchedulerMetrics(len(self._waiting), len(self._running), c.used_blocks, c.num_blocks, self._steps,
                                     self._finished, self._accepted, self._gen_steps, self._preemptions,
-                                    len(context), sum(len(r.prompt) for r in context), self.max_batch_size,
+                                    len(context), sum(len(r.spec.prompt) for r in context), self.max_batch_size,
                                     c.block_size)
 
     # ---- the loop (one thread) ---------------------------------------------------------------------------
@@ -343,8 +334,7 @@ def follow(engine: Engine) -> None:
         for r in body.requests:
             s = seqs.get(r.seq_id)
             if s is None:  # newly admitted, or re-admitted after preemption (then it resumes from its output)
-                s = engine.new_sequence(r.prompt, r.params, r.mode, r.stop_ids, seq_id=r.seq_id,
-                                        stop_sequences=r.stop_sequences, proposer=r.proposer or None)
+                s = engine.new_sequence(r.spec, seq_id=r.seq_id)
                 s.output = list(r.output)
                 seqs[r.seq_id] = s
             batch.append(s)

@@ -1,4 +1,5 @@
-"""Per-request host state and statistics, passed in and out of `Engine.step`.
+"""Per-request host state and statistics, passed in and out of `Engine.step`; and `RequestSpec`, what a request asks
+for, the one form every layer carries it in.
 
 What a step computes with (KV length, the next draft tree, sampling parameters) lives on the device in
 `state.SlotState`, in the row of the request's batch slot; this is the host's side: the tokens emitted so far, stop
@@ -8,10 +9,25 @@ conditions, and a mirror of the committed KV length that the KV allocator and th
 from __future__ import annotations
 
 import time
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
 from ..config import DecodingMode, SamplingConfig
+
+
+@dataclass
+class RequestSpec:
+    """One request as the user asked for it: built once where it enters (`generate`, the Triton model's inputs, which
+    the OpenAI frontend sends too, a corpus generator) and carried unchanged by the scheduler's `Request`, the TP step
+    plan (`PlannedRequest`) and the engine's `Sequence`."""
+
+    prompt: list[int]
+    params: SamplingConfig
+    mode: DecodingMode = "redrafter"  # "ar": one token per step
+    proposer: Optional[str] = None  # redrafter | ngram | mixed (config.PROPOSERS); None: the engine's default
+    stop_ids: tuple[int, ...] = ()
+    stop_sequences: tuple[tuple[int, ...], ...] = ()  # multi-token stop words (TensorRT-LLM `stop_words`)
 
 
 @dataclass
@@ -47,18 +63,16 @@ class TreeNodes:
 
 @dataclass
 class Sequence:
+    """A request admitted by the engine (`Engine.new_sequence`): its `spec` and the state of its decoding."""
+
     seq_id: int
-    prompt: list[int]
-    sampling: SamplingConfig
-    mode: DecodingMode
-    stop_ids: frozenset[int]
+    spec: RequestSpec
     max_len: int  # prompt + output limit (engine max_seq_len)
-    stop_sequences: tuple[tuple[int, ...], ...] = ()  # multi-token stop words (TensorRT-LLM `stop_words`)
     output: list[int] = field(default_factory=list)
     ctx_len: int = 0  # committed KV entries (mirror of the device's SlotState.ctx_len)
     slot: int = -1  # batch slot while admitted (-1: none)
     prefilled: bool = False  # its prompt has been processed (it has a true token and, for ReDrafter, a tree)
-    proposer: str = "redrafter"  # what drafts its trees (config.PROPOSERS), when mode == "redrafter"
+    proposer: str = "redrafter"  # what drafts its trees (config.PROPOSERS; the spec's, resolved), when speculative
     tree: Optional[TreeNodes] = None  # its next draft tree as the policy sees it (or its last one, if not fresh)
     tree_fresh: bool = False  # `tree` was drafted after its last step (else a step since made it stale)
     pending: Optional[object] = None  # next tree's drafts composed on the host (proposer.Draft), packed by the next step
@@ -66,6 +80,31 @@ class Sequence:
     finished: bool = False
     finish_reason: Optional[str] = None  # "stop" | "length" | "cancelled" | "stopped" (a stop request: early stopping)
     stats: SeqStats = field(default_factory=SeqStats)
+
+    stop_ids: frozenset[int] = field(init=False)  # the spec's, as a set
+
+    def __post_init__(self) -> None:
+        self.stop_ids = frozenset(self.spec.stop_ids)
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.spec.prompt
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        return self.spec.params
+
+    @property
+    def stop_sequences(self) -> tuple[tuple[int, ...], ...]:
+        return self.spec.stop_sequences
+
+    @property
+    def mode(self) -> DecodingMode:
+        return self.spec.mode
+
+    @mode.setter
+    def mode(self, mode: DecodingMode) -> None:
+        self.spec = dataclasses.replace(self.spec, mode=mode)
 
     @property
     def speculative(self) -> bool:

@@ -35,6 +35,7 @@ import numpy as np
 from ..config import PROPOSERS, SamplingConfig
 from ..errors import ServerBusy, UserError
 from ..log import get_logger
+from ..runtime.sequence import RequestSpec
 from . import DRAIN_REQUEST_ID
 from .text import list_to_words
 
@@ -106,13 +107,11 @@ _UNSUPPORTED = {
 
 @dataclass
 class ParsedRequest:
-    prompt: list[int]
-    params: SamplingConfig
+    """One prompt's inputs: what it asks the engine for (`spec`: the `decoding_mode` and `proposer` inputs
+    included), and how its responses are shaped."""
+
+    spec: RequestSpec
     streaming: bool
-    stop_ids: tuple[int, ...]
-    stop_sequences: tuple[tuple[int, ...], ...]
-    mode: str = "redrafter"  # "redrafter" | "ar": the optional `decoding_mode` input (torch engine only)
-    proposer: Optional[str] = None  # the optional `proposer` input: redrafter | ngram | mixed (None: the engine's)
     # the prompt ahead of the output in a non-streaming response (TensorRT-LLM: not exclude_input_in_output)
     include_input: bool = False
     perf_metrics: bool = False  # return_perf_metrics: KV-cache and timing outputs too
@@ -122,22 +121,19 @@ class ParsedRequest:
 
 @dataclass
 class _Open:
-    """A request in flight: where its responses go and what was sent already."""
+    """A request in flight: what it asked for, where its responses go and what was sent already."""
 
-    triton_id: str
+    triton_id: str  # the client's id (Triton's request id), echoed in logs and matched by stop requests
     sink: ResponseSink
-    streaming: bool
-    prompt: list[int] = field(default_factory=list)
-    include_input: bool = False
-    perf_metrics: bool = False
-    count_input: bool = False
-    count_output: bool = False
+    request: ParsedRequest
+    streaming: bool  # the Triton request's (row 0's, for a batch)
     arrival_ns: int = field(default_factory=time.time_ns)
     first_token_ns: Optional[int] = None
     last_token_ns: Optional[int] = None
     sent: list[int] = field(default_factory=list)
     generation_steps: int = 0
-    key: int = 0  # this model's key of the request (`request_key` output, `cancel_request_key` input)
+    key: int = 0  # this model's id of the request: the scheduler's request id, the `request_key` output and the
+    # `cancel_request_key` input
     # a Triton request with a batch of prompts is one _Open per row, sharing the sink, the lock and `rows`
     batch_index: Optional[int] = None  # the row (the `batch_index` output), None for a request of one prompt
     rows: Optional["_Rows"] = None
@@ -268,7 +264,8 @@ def parse_inputs(inputs: dict[str, np.ndarray], exclude_input_in_output: bool = 
         raise UserError(f"proposer must be one of {', '.join(PROPOSERS)}, got {proposer!r}.")
     streaming = bool(_scalar(inputs, "streaming", False))
     exclude = bool(_scalar(inputs, "exclude_input_in_output", exclude_input_in_output))
-    return ParsedRequest(prompt, params, streaming, stop_ids, stop_sequences, DECODING_MODES[mode], proposer or None,
+    spec = RequestSpec(prompt, params, DECODING_MODES[mode], proposer or None, stop_ids, tuple(stop_sequences))
+    return ParsedRequest(spec, streaming,
                          include_input=not exclude and not streaming,  # streamed responses never carry the prompt
                          perf_metrics=bool(_scalar(inputs, "return_perf_metrics", False)),
                          count_input=bool(_scalar(inputs, "return_num_input_tokens", False)),
@@ -292,7 +289,7 @@ def response_tensors(new: list[int], preceding: list[int], seq, state: Optional[
     request includes it), sequence_length [1, beam=1]; the KV-cache and timing outputs with return_perf_metrics,
     num_input_tokens / num_output_tokens when asked (TensorRT-LLM's names and shapes)."""
     st = seq.stats
-    ids = list(state.prompt) + new if state is not None and state.include_input else new
+    ids = list(state.request.spec.prompt) + new if state is not None and state.request.include_input else new
     out = {
         "output_ids": np.asarray(ids, dtype=np.int32).reshape(1, 1, -1),
         "sequence_length": np.array([[len(ids)]], dtype=np.int32),
@@ -306,11 +303,11 @@ def response_tensors(new: list[int], preceding: list[int], seq, state: Optional[
     out["request_key"] = np.array([[state.key]], dtype=np.uint64)
     if state.batch_index is not None:
         out["batch_index"] = np.array([[state.batch_index]], dtype=np.int32)
-    if state.count_input:
-        out["num_input_tokens"] = np.array([[len(state.prompt)]], dtype=np.int32)
-    if state.count_output:
+    if state.request.count_input:
+        out["num_input_tokens"] = np.array([[len(state.request.spec.prompt)]], dtype=np.int32)
+    if state.request.count_output:
         out["num_output_tokens"] = np.array([[len(preceding) + len(new)]], dtype=np.int32)
-    if state.perf_metrics:
+    if state.request.perf_metrics:
         blocks = req.kv_blocks if req is not None else 0
         scheduled = req.scheduled_ns if req is not None and req.scheduled_ns else state.arrival_ns
         out.update({
@@ -372,7 +369,7 @@ class EngineModel:
             self.metrics = ServingMetrics(metrics_family, {"model": model_name},
                                           self.engine.redrafter.draft_len_per_beam + 1)
         self._lock = threading.Lock()
-        self._open: dict[str, _Open] = {}  # internal request id -> state
+        self._open: dict[int, _Open] = {}  # the request's key -> its state
         self._ids = itertools.count()
         self._closing = threading.Event()
         self._monitor = threading.Thread(target=self._monitor_loop, name="trt-redrafter-monitor", daemon=True)
@@ -414,20 +411,17 @@ class EngineModel:
             states, reqs = {}, []
             for i, p in enumerate(parsed):
                 key = next(self._ids)
-                rid = f"{triton_id}#{key}"
-                states[rid] = _Open(triton_id, sink, parsed[0].streaming, p.prompt, p.include_input, p.perf_metrics,
-                                    p.count_input, p.count_output, key=key, lock=lock,
+                states[key] = _Open(triton_id, sink, p, parsed[0].streaming, key=key, lock=lock,
                                     batch_index=i if group else None, rows=group)
-                reqs.append(Request(rid, p.prompt, p.params, p.mode, p.stop_ids, p.stop_sequences,
-                                    on_tokens=self._on_tokens, proposer=p.proposer))
+                reqs.append(Request(key, p.spec, on_tokens=self._on_tokens))
             with self._lock:
                 self._open.update(states)
             try:
                 self.scheduler.submit_all(reqs)
             except BaseException:
                 with self._lock:
-                    for rid in states:
-                        self._open.pop(rid, None)
+                    for key in states:
+                        self._open.pop(key, None)
                 raise
         except UserError as e:
             if self.metrics:
@@ -456,9 +450,9 @@ class EngineModel:
         """End the open requests `match` picks: cancelled (an error, or the bare final flag of a stream), or with
         `stop` stopped (a final response with the tokens generated so far: TensorRT-LLM's early stopping)."""
         with self._lock:
-            ids = [rid for rid, s in self._open.items() if match(s)]
-        for rid in ids:
-            self.scheduler.cancel(rid, stop=stop)
+            ids = [key for key, s in self._open.items() if match(s)]
+        for key in ids:
+            self.scheduler.cancel(key, stop=stop)
         if ids:
             logger.info("%s ends %d request(s)", why, len(ids))
         return len(ids)
@@ -499,7 +493,7 @@ class EngineModel:
             self.metrics.step(len(new), generation_step=bool(state.sent))  # the first tokens come from the prompt step
             if finished:
                 self.metrics.finished("cancelled" if seq.finish_reason in ("cancelled", "stopped") else "completed")
-                self.metrics.request_tokens(len(state.prompt), len(state.sent) + len(new))
+                self.metrics.request_tokens(len(state.request.spec.prompt), len(state.sent) + len(new))
         state.sent += new
 
     # ---- monitor thread -------------------------------------------------------------------------------------
@@ -508,7 +502,7 @@ class EngineModel:
         while not self._closing.wait(CANCEL_POLL_S):
             with self._lock:
                 open_items = list(self._open.items())
-            for rid, state in open_items:
+            for key, state in open_items:
                 with state.lock:
                     if state.closed:
                         continue
@@ -517,7 +511,7 @@ class EngineModel:
                     except Exception:  # the sender is gone with its client
                         cancelled = True
                 if cancelled:
-                    self.scheduler.cancel(rid)
+                    self.scheduler.cancel(key)
             now = time.monotonic()
             if self.metrics and now - last_metrics >= METRICS_PERIOD_S:
                 try:

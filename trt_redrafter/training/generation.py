@@ -109,6 +109,8 @@ class EngineGenerator:
             hidden: bool = True) -> Iterator[tuple[object, Answer]]:
         """(key, prompt, sampling, stop ids) requests -> (key, Answer) as each finishes, in flight: at most
         max_batch at once, new ones admitted as slots free up."""
+        from ..runtime.sequence import RequestSpec
+
         engine = self.engine
         todo = iter(requests)
         active: list = []  # (key, sequence, hidden rows)
@@ -125,7 +127,7 @@ class EngineGenerator:
                     pending.append(nxt)
             while pending and len(active) < self.max_batch:
                 key, prompt, sp, stop = pending.popleft()
-                active.append((key, engine.new_sequence(prompt, sp, mode="ar", stop_ids=stop, proposer="ngram"), []))
+                active.append((key, engine.new_sequence(RequestSpec(prompt, sp, "ar", "ngram", tuple(stop))), []))
             if not active:
                 return
             seqs = [s for _, s, _ in active]
