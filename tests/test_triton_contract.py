@@ -88,8 +88,9 @@ def test_beam_only_knobs_bad_words_seeds_and_decoder_ids():
     p = parse_inputs(_inputs(len_penalty=[[1.3]], early_stopping=[[True]], beam_search_diversity_rate=[[0.5]],
                              random_seed=np.array([[9]], np.uint64), decoder_input_ids=np.array([[0]], np.int32),
                              embedding_bias=np.zeros((1, 0), np.float32)))
-    assert p.params.seed == 9  # v0.19.0's name
-    assert parse_inputs(_inputs(seed=np.array([[4]], np.uint64), random_seed=np.array([[9]], np.uint64))).params.seed == 4
+    assert p.spec.params.seed == 9  # v0.19.0's name
+    assert parse_inputs(_inputs(seed=np.array([[4]], np.uint64),
+                                random_seed=np.array([[9]], np.uint64))).spec.params.seed == 4
     with pytest.raises(UserError, match="bad_words cannot be honoured"):
         parse_inputs(_inputs(bad_words_list=np.array([[[7, 8], [2, -1]]], np.int32)))
     with pytest.raises(UserError, match="decoder-only engine"):
@@ -114,8 +115,8 @@ def test_a_batch_splits_into_rows_cut_to_their_lengths():
     batch = {"input_ids": np.array([[5, 6, 7], [8, 9, 0]], np.int32), "input_lengths": np.array([[3], [2]], np.int32),
              "request_output_len": np.array([[4], [6]], np.int32), "streaming": np.array([[True], [False]])}
     rows = [parse_inputs(r) for r in split_rows(batch)]
-    assert [r.prompt for r in rows] == [[5, 6, 7], [8, 9]]
-    assert [r.params.max_tokens for r in rows] == [4, 6] and all(r.streaming for r in rows)
+    assert [r.spec.prompt for r in rows] == [[5, 6, 7], [8, 9]]
+    assert [r.spec.params.max_tokens for r in rows] == [4, 6] and all(r.streaming for r in rows)
     one = {"input_ids": batch["input_ids"][:1]}
     assert split_rows(one)[0] is one
     with pytest.raises(UserError, match="send input_lengths with one length per prompt"):
