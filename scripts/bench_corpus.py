@@ -20,7 +20,7 @@ import torch
 
 from trt_redrafter.chat import chat_ids
 from trt_redrafter.training import generation, prompts as prompt_mod
-from trt_redrafter.training.drafter_training import _load_base, _load_tokenizer
+from trt_redrafter.training.sources import load_base, load_tokenizer
 
 
 def main() -> int:
@@ -36,7 +36,7 @@ def main() -> int:
     ap.add_argument("--json", type=Path, help="write the results here too")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    tok, _ = _load_tokenizer(args.base_model)
+    tok, _ = load_tokenizer(args.base_model)
     stop = [tok.eos_token_id]
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     results: dict = {"model": str(args.base_model), "threads": args.threads, "seq_len": args.seq_len, "runs": {}}
@@ -66,7 +66,7 @@ def main() -> int:
         gen.close()
         del gen
     if not args.skip_hf:
-        hf = generation.HFGenerator(_load_base(args.base_model, torch.device("cpu")), torch.device("cpu"))
+        hf = generation.HFGenerator(load_base(args.base_model, torch.device("cpu")), torch.device("cpu"))
         ref = f"HF generate float32 batch {args.hf_batch}"
         timed(ref, hf, args.hf_batch)
         for name in list(results["runs"]):

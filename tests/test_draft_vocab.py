@@ -177,14 +177,14 @@ def test_train_drafter_with_a_draft_vocabulary(make_tiny_pair, tmp_path):
     assert ids.dtype == torch.int64 and torch.equal(ids, ids.sort().values)
     # the draft vocabulary is the most frequent generated tokens of the corpus: recount them from its shards
     from trt_redrafter.training import corpus as corpus_mod
-    from trt_redrafter.training.drafter_training import _generated_targets
+    from trt_redrafter.training.sources import generated_targets
 
     root = tmp_path / "d.work" / "corpus" / "train"
     manifest = json.loads((root / corpus_mod.MANIFEST).read_text())
     corpus = corpus_mod.ShardedCorpus(root, manifest["spec"], manifest["num_shards"])
     counts = torch.zeros(d.config.vocab_size, dtype=torch.long)
     for i in range(corpus.num_shards):
-        counts += torch.bincount(_generated_targets(corpus.load(i)), minlength=d.config.vocab_size)
+        counts += torch.bincount(generated_targets(corpus.load(i)), minlength=d.config.vocab_size)
     outside = ~torch.isin(torch.arange(len(counts)), ids)
     assert counts[ids].min() >= counts[outside].max() and counts[ids].sum() > 0
     # the held-out accuracy counts targets outside the draft vocabulary as misses (never above coverage)

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from trt_redrafter.cli import main as cli
@@ -62,17 +63,18 @@ def test_same_seed_same_bytes_and_options_shape_the_drafter(trained, tmp_path):
 
 
 def test_auto_exit_dim_keeps_the_drafter_head_small_next_to_the_base():
-    from trt_redrafter.training.drafter_training import DrafterTrainConfig, _exit_dim
+    from trt_redrafter.training.config import DrafterTrainConfig
+    from trt_redrafter.training.loop import exit_dim_for
 
     cfg = DrafterTrainConfig(draft_len=4)
     # a 7B-shaped base (H 4096, V 32000): the 2H head is 4% of the base per step, Apple's recipe
-    assert _exit_dim(cfg, 4096, 32000, 6_738_415_616) == 8192
+    assert exit_dim_for(cfg, 4096, 32000, 6_738_415_616) == 8192
     # models/small (H 128, V 2048, 1.3M parameters): a 2H head would read 1.6x the base per step
-    assert _exit_dim(cfg, 128, 2048, 1_300_000) == 64
+    assert exit_dim_for(cfg, 128, 2048, 1_300_000) == 64
     # SmolLM2-135M (H 576, V 49152): a 1152-wide head would read 1.7x the base per step; 128 reads 19%
-    e = _exit_dim(cfg, 576, 49152, 134_515_008)
+    e = exit_dim_for(cfg, 576, 49152, 134_515_008)
     assert e == 128 and 4 * e * 49152 <= 0.25 * 134_515_008 < 4 * 2 * e * 49152
-    assert _exit_dim(DrafterTrainConfig(exit_dim=96), 576, 49152, 134_515_008) == 96  # an explicit width wins
+    assert exit_dim_for(DrafterTrainConfig(exit_dim=96), 576, 49152, 134_515_008) == 96  # an explicit width wins
 
 
 def _resume_args(base, out, work, *extra):
@@ -374,7 +376,8 @@ def test_soft_targets_are_the_bases_distribution_after_each_drafted_token(make_t
     from transformers import AutoModelForCausalLM
 
     from trt_redrafter.training import corpus as cm
-    from trt_redrafter.training.drafter_training import Drafter, _loss_and_hits, head_targets
+    from trt_redrafter.model.drafter import Drafter
+    from trt_redrafter.training.loop import head_targets, loss_and_hits
 
     model = AutoModelForCausalLM.from_pretrained(str(make_tiny_pair() / "base"), dtype=torch.float32).eval()
     sh = cm.generate_shard(model, [[1, 50, 60, 70], [1, 33], [1, 200, 201, 202, 203]], 12, None, 0,
@@ -409,10 +412,10 @@ def test_soft_targets_are_the_bases_distribution_after_each_drafted_token(make_t
                 hard = -logp[:, i][k].gather(1, rows[:, i][k][:, None]).sum()
                 soft = -(p[:, i][k] * logp[:, i][k]).sum()
                 want += ((1 - w) * hard + w * soft) / int(k.sum())
-            got = _loss_and_hits(d, h, e, y, lookup, (th, head[vocab]), w)[0]
+            got = loss_and_hits(d, h, e, y, lookup, (th, head[vocab]), w)[0]
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        assert not torch.allclose(_loss_and_hits(d, h, e, y, lookup, (th, head[vocab]), 1.0)[0],
-                                  _loss_and_hits(d, h, e, y, lookup)[0])
+        assert not torch.allclose(loss_and_hits(d, h, e, y, lookup, (th, head[vocab]), 1.0)[0],
+                                  loss_and_hits(d, h, e, y, lookup)[0])
 
 
 @pytest.mark.skipif(not (SMALL / "base" / "model.safetensors").is_file(), reason="models/small not trained")
@@ -428,3 +431,37 @@ def test_training_on_soft_targets_lowers_the_loss_and_resumes_only_with_them(mak
                             "--stop-after", "4")) == 0
     assert cli(_resume_args(base, tmp_path / "cut", tmp_path / "w2", "--resume")) == 2
     assert "soft_targets: 0.5 then, None now" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("rnn,exit_dim,vocab", [(True, 96, True), (False, 64, False)])
+def test_the_trainable_drafter_and_the_engines_drafter_rank_compute_one_head(tmp_path, rnn, exit_dim, vocab):
+    """model.drafter.Drafter (what train-drafter optimises and writes, Apple names) and DrafterRank (what the engine
+    runs, read back through the checkpoint reader and sharding at TP 1): the same states and logits, step after
+    step, with and without rnn, input projection and draft vocabulary."""
+    from safetensors.torch import save_file
+
+    from trt_redrafter.checkpoint import sharding
+    from trt_redrafter.checkpoint.drafter import read_drafter
+    from trt_redrafter.model.drafter import Drafter, DrafterRank
+    from trt_redrafter.model.tp import Dist
+    from trt_redrafter.training.loop import drafter_config_json
+
+    torch.manual_seed(0)
+    H, V = 32, 50
+    draft_vocab = torch.tensor([1, 4, 9, 16, 25, 36, 49]) if vocab else None
+    d = Drafter(H, V, exit_dim, 2, rnn, draft_vocab)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.normal_(0, 0.2)
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "config.json").write_text(json.dumps(drafter_config_json(d)))
+    save_file({k: v.contiguous() for k, v in d.state_dict().items()}, str(tmp_path / "d" / "model.safetensors"))
+    ckpt = read_drafter(tmp_path / "d")
+    tensors = sharding.shard_drafter(ckpt.tensors, ckpt.config, sharding.Mapping(1, 0), lambda t: t.float())
+    rank = DrafterRank(ckpt.config, tensors, Dist(0, 1, torch.device("cpu")), torch.float32)
+    h, embs = torch.randn(3, H), torch.randn(3, 4, H)
+    ref = d(h, embs)  # [3, 4, head rows]
+    state = rank.init_state(3)
+    for i in range(4):
+        state = rank.update_state(embs[:, i], state, i)
+        torch.testing.assert_close(rank.head_logits(h, state), ref[:, i], rtol=1e-5, atol=1e-5)

@@ -1,5 +1,5 @@
 """`trt-redrafter train-drafter`: distil an Apple-format ReDrafter drafter from an HF Llama base. Thin over
-`training.drafter_training`."""
+`training.loop`."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from ..training.config import DrafterTrainConfig
-from ..training.drafter_training import train_drafter
+from ..training.loop import train_drafter
 
 
 def register(subparsers) -> None:

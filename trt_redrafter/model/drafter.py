@@ -1,4 +1,5 @@
-"""The ReDrafter drafter head, one TP rank of it (TensorRT-LLM layout: every linear column-parallel + all-gather).
+"""The ReDrafter drafter head: `DrafterRank`, one TP rank of it for inference (TensorRT-LLM layout: every linear
+column-parallel + all-gather), and `Drafter`, the same head as a trainable module (train-drafter).
 
 Input: the base model's final-norm hidden state h at the last accepted position and a recurrent state s built
 from the embeddings (the base model's table) of the tokens drafted so far.
@@ -24,6 +25,8 @@ verification stays exact; only the head's matrix (the drafter's largest read per
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -114,3 +117,61 @@ def _draft_vocab(stored: torch.Tensor, vocab_size: int) -> torch.Tensor:
         raise UserError(f"{e} It is stored as {stored.dtype}: an older build-engine cast the token ids to the "
                         f"engine's dtype. Rebuild the engine with build-engine.") from None
     return ids
+
+
+# ---- the trainable drafter (train-drafter) ---------------------------------------------------------------------
+
+class ResBlock(nn.Module):
+    """x + SiLU(W x + b), trainable."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.linear = nn.Linear(dim, dim)
+        nn.init.zeros_(self.linear.weight)  # starts as the identity (x + SiLU(0) = x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.silu(self.linear(x))
+
+
+class Drafter(nn.Module):
+    """Apple's drafter as a trainable module (TP 1, "apple" semantics, every row of the head): what `train-drafter`
+    optimises (training/loop.py) and writes. `state_dict()` names are the Apple checkpoint names, which
+    `checkpoint.drafter` reads back for `DrafterRank`."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, exit_dim: int, num_layers: int, rnn: bool,
+                 draft_vocab: Optional[torch.Tensor] = None):
+        """`draft_vocab` [K] (token ids): the head has K rows, one per id (a buffer, saved as `draft_vocab`)."""
+        super().__init__()
+        self.hidden_size, self.vocab_size, self.exit_dim, self.num_layers, self.rnn = (
+            hidden_size, vocab_size, exit_dim, num_layers, rnn)
+        if exit_dim != 2 * hidden_size:
+            self.input_proj = nn.Linear(2 * hidden_size, exit_dim)
+        rows = vocab_size if draft_vocab is None else len(draft_vocab)
+        self.lm_head = nn.Sequential(*[ResBlock(exit_dim) for _ in range(num_layers)],
+                                     nn.Linear(exit_dim, rows, bias=False))
+        if draft_vocab is not None:
+            self.register_buffer("draft_vocab", draft_vocab.to(torch.long).clone())
+        if rnn:
+            self.rnn_u = nn.Linear(hidden_size, hidden_size, bias=True)
+            self.rnn_w = nn.Linear(hidden_size, hidden_size, bias=False)
+
+    def update_state(self, emb: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        if not self.rnn:
+            return emb + state
+        return F.silu(self.rnn_w(emb) + self.rnn_u(state))
+
+    def logits(self, h: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        x = torch.cat([h, state], dim=-1)  # [..., 2H]
+        if hasattr(self, "input_proj"):
+            x = self.input_proj(x)
+        return self.lm_head(x)
+
+    def forward(self, h: torch.Tensor, embs: torch.Tensor) -> torch.Tensor:
+        """h [B, H], embs [B, T, H] (embeddings of the consumed tokens) -> logits [B, T, V] (or [B, T, K]: head
+        rows, in `draft_vocab` order)."""
+        state = torch.zeros_like(h)
+        out = []
+        for i in range(embs.shape[1]):
+            state = self.update_state(embs[:, i], state)
+            out.append(self.logits(h, state))
+        return torch.stack(out, dim=1)

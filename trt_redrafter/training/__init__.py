@@ -5,8 +5,9 @@
                        MT-Bench guard that keeps the evaluation set out
     generation         the base writes the corpus: the project's batched engine (default) or HF `generate`
     corpus             corpus shards on disk (hidden states, tokens, targets), streamed back while training
-    drafter_training   the drafter module, the loop (DDP under torchrun, checkpoints, resume), held-out evaluation
-                       and the Apple-format writer
+    sources            each split's prompts and corpus, the generator started on demand, the draft vocabulary
+    loop               the training loop (DDP under torchrun, checkpoints, resume), held-out evaluation and the
+                       Apple-format writer; the drafter module is model.drafter.Drafter
     data               the offline text (the Python standard library's sources) and tokenizer training of
                        scripts/train_base.py
 """

@@ -1,4 +1,5 @@
-"""Distil an Apple-format ReDrafter drafter from a frozen HF Llama base (the paper's recipe, section 3.5).
+"""The training loop of `train-drafter`: distil an Apple-format ReDrafter drafter from a frozen HF Llama base (the
+paper's recipe, section 3.5). The corpus comes from `sources.py`, the drafter module from `model/drafter.py`.
 
 1. Distillation corpus: the base answers prompts greedily with a KV cache (HF `generate`, batched). Prompts are
    text windows (a base model: exactly --seq-len tokens, eos ignored), a user's JSONL of prompts or conversations,
@@ -24,226 +25,33 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 import os
-import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from ..errors import UserError
 from ..fsutil import atomic_output_dir, write_json
 from ..log import get_logger
+from ..model.drafter import Drafter
 from . import corpus as corpus_mod
 from . import data as data_mod
-from . import generation as gen_mod
-from . import prompts as prompt_mod
 from .config import DRAFT_HEAD_BUDGET, DTYPES, DrafterTrainConfig
+from .sources import (LazyGenerator, Source, corpus_spec, coverage, draft_vocabulary, load_base, load_tokenizer,
+                      open_corpus, sources, target_counts)
 
 log = get_logger(__name__)
 
 MODEL_TYPE = "recurrent_drafting_drafter"
 
 
-class ResBlock(nn.Module):
-    def __init__(self, dim: int):
-        super().__init__()
-        self.linear = nn.Linear(dim, dim)
-        nn.init.zeros_(self.linear.weight)  # starts as the identity (x + SiLU(0) = x)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + F.silu(self.linear(x))
-
-
-class Drafter(nn.Module):
-    """Apple's drafter; `state_dict()` names are the Apple checkpoint names."""
-
-    def __init__(self, hidden_size: int, vocab_size: int, exit_dim: int, num_layers: int, rnn: bool,
-                 draft_vocab: Optional[torch.Tensor] = None):
-        """`draft_vocab` [K] (token ids): the head has K rows, one per id (a buffer, saved as `draft_vocab`)."""
-        super().__init__()
-        self.hidden_size, self.vocab_size, self.exit_dim, self.num_layers, self.rnn = (
-            hidden_size, vocab_size, exit_dim, num_layers, rnn)
-        if exit_dim != 2 * hidden_size:
-            self.input_proj = nn.Linear(2 * hidden_size, exit_dim)
-        rows = vocab_size if draft_vocab is None else len(draft_vocab)
-        self.lm_head = nn.Sequential(*[ResBlock(exit_dim) for _ in range(num_layers)],
-                                     nn.Linear(exit_dim, rows, bias=False))
-        if draft_vocab is not None:
-            self.register_buffer("draft_vocab", draft_vocab.to(torch.long).clone())
-        if rnn:
-            self.rnn_u = nn.Linear(hidden_size, hidden_size, bias=True)
-            self.rnn_w = nn.Linear(hidden_size, hidden_size, bias=False)
-
-    def update_state(self, emb: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-        if not self.rnn:
-            return emb + state
-        return F.silu(self.rnn_w(emb) + self.rnn_u(state))
-
-    def logits(self, h: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-        x = torch.cat([h, state], dim=-1)  # [..., 2H]
-        if hasattr(self, "input_proj"):
-            x = self.input_proj(x)
-        return self.lm_head(x)
-
-    def forward(self, h: torch.Tensor, embs: torch.Tensor) -> torch.Tensor:
-        """h [B, H], embs [B, T, H] (embeddings of the consumed tokens) -> logits [B, T, V] (or [B, T, K]: head
-        rows, in `draft_vocab` order)."""
-        state = torch.zeros_like(h)
-        out = []
-        for i in range(embs.shape[1]):
-            state = self.update_state(embs[:, i], state)
-            out.append(self.logits(h, state))
-        return torch.stack(out, dim=1)
-
-
-def _load_tokenizer(path: Path):
-    """(tokenizer, HF config) of the base, checked before anything is generated."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    if not (path / "config.json").is_file():
-        raise UserError(f"base model directory {path} has no config.json; pass an HF Llama directory.")
-    config = AutoConfig.from_pretrained(str(path))
-    if getattr(config, "model_type", None) != "llama":
-        raise UserError(f"{path}: model_type is {config.model_type!r}; train-drafter supports Llama bases.")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
-    except (OSError, ValueError) as e:
-        raise UserError(f"cannot load a tokenizer from {path} (train-drafter needs one to read the text): {e}") from e
-    return tokenizer, config
-
-
-def _load_base(path: Path, device: torch.device, dtype: torch.dtype = torch.float32):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
-    for p in model.parameters():
-        p.requires_grad_(False)
-    return model
-
-
-def _prompt_stream(tokenizer, files: list[Path], max_files: int = 48) -> torch.Tensor:
-    """Token stream of up to `max_files` files spread evenly over the list (keeps tokenizing fast)."""
-    if len(files) > max_files:
-        step = len(files) / max_files
-        files = [files[int(i * step)] for i in range(max_files)]
-    return data_mod.token_stream(tokenizer, files)
-
-
-@dataclass
-class _Source:
-    """One split's prompts: `prompts_for(shard)` and how answers end."""
-
-    name: str
-    num_sequences: int
-    prompts_for: Callable[[int], list[list[int]]]
-    stop_ids: Optional[list[int]]  # None: exactly seq_len tokens (text windows)
-    max_prompt: int  # longest prompt in tokens (the corpus engine's input limit)
-
-
-def _sources(cfg: DrafterTrainConfig, sample: Callable, tokenizer, bos: int) -> tuple[_Source, _Source]:
-    """(training, held-out) prompt sources for the configured kind of data; `sample` writes Magpie's user prompts
-    (prompts.magpie_user_prompts)."""
-    gbs = cfg.gen_batch_size
-
-    def rows(n: int, i: int) -> range:
-        return range(i * gbs, min(n, (i + 1) * gbs))
-
-    if cfg.prompts or cfg.magpie:
-        stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else None
-        if stop is None:
-            raise UserError("the base's tokenizer names no eos token, so its chat answers would never end; set "
-                            "eos_token in its tokenizer_config.json.")
-        guard = prompt_mod.EvalGuard.mt_bench()
-        if cfg.prompts:
-            convs = prompt_mod.read_jsonl(cfg.prompts)
-            kept = [c for c in convs if not guard.conversation(c)]
-            if len(kept) < len(convs):
-                log.warning("--prompts %s: left out %d conversation(s) that ask %s questions (the evaluation set "
-                            "never enters training)", cfg.prompts, len(convs) - len(kept), guard.name)
-            if len(kept) < 2:
-                raise UserError(f"--prompts {cfg.prompts} holds {len(kept)} conversation(s) outside {guard.name}; "
-                                f"need at least 2 (one is held out).")
-            train, held = prompt_mod.split_held_out(kept, cfg.eval_sequences, cfg.seed)
-            # tokenized once: the longest sizes the corpus engine, the shards read their rows
-            train = [prompt_mod.chat_ids(tokenizer, c) for c in train[:cfg.num_sequences]]
-            held = [prompt_mod.chat_ids(tokenizer, c) for c in held]
-            longest = max(map(len, train + held))
-
-            def from_list(ids):
-                return lambda i: [ids[j] for j in rows(len(ids), i)]
-            return (_Source(f"jsonl:{cfg.prompts}", len(train), from_list(train), stop, longest),
-                    _Source(f"jsonl:{cfg.prompts}:held-out", len(held), from_list(held), stop, longest))
-
-        # a user prompt of MAGPIE_MAX_TOKENS tokens re-tokenizes to about as many; the template adds the rest
-        longest = 2 * len(prompt_mod.user_turn_prefix(tokenizer)) + 2 * prompt_mod.MAGPIE_MAX_TOKENS
-
-        def magpie(n: int, salt: int):
-            def prompts_for(i: int) -> list[list[int]]:
-                users = prompt_mod.magpie_user_prompts(sample, tokenizer, len(rows(n, i)),
-                                                       (cfg.seed * 1000 + i) * 2 + salt, guard)
-                return [prompt_mod.chat_ids(tokenizer, [{"role": "user", "content": u}]) for u in users]
-            return prompts_for
-        return (_Source("magpie", cfg.num_sequences, magpie(cfg.num_sequences, 0), stop, longest),
-                _Source("magpie:held-out", cfg.eval_sequences, magpie(cfg.eval_sequences, 1), stop, longest))
-
-    train_files, held_files = data_mod.text_files(cfg.data)
-
-    def windows(files, n: int, salt: int):
-        stream = _prompt_stream(tokenizer, files)
-        if len(stream) <= cfg.prompt_max + 1:
-            raise UserError(f"the text holds only {len(stream)} tokens; need more than {cfg.prompt_max + 1} for "
-                            f"prompts.")
-
-        def prompts_for(i: int) -> list[list[int]]:  # one window length per shard: no padding
-            g = torch.Generator().manual_seed((cfg.seed * 100003 + i) * 2 + salt)
-            plen = int(torch.randint(cfg.prompt_min, cfg.prompt_max + 1, (1,), generator=g))
-            starts = torch.randint(0, len(stream) - plen, (len(rows(n, i)),), generator=g).tolist()
-            return [[bos] + stream[s:s + plen].tolist() for s in starts]
-        return prompts_for
-
-    src = cfg.data or "stdlib"
-    return (_Source(f"text:{src}", cfg.num_sequences, windows(train_files, cfg.num_sequences, 0), None,
-                    cfg.prompt_max + 1),
-            _Source(f"text:{src}:held-out", cfg.eval_sequences, windows(held_files, cfg.eval_sequences, 1), None,
-                    cfg.prompt_max + 1))
-
-
-def _corpus_spec(cfg: DrafterTrainConfig, base_model: Path, source: _Source) -> dict:
-    spec = {"base_model": str(base_model.resolve()), "source": source.name, "seq_len": cfg.seq_len,
-            "gen_batch_size": cfg.gen_batch_size, "seed": cfg.seed, "stop_at_eos": source.stop_ids is not None,
-            "generator": cfg.generator, "generate_dtype": cfg.generate_dtype}
-    if cfg.prompts or cfg.magpie:
-        spec["excludes"] = "mt-bench"  # prompt_mod.EvalGuard
-    if not (cfg.prompts or cfg.magpie):
-        spec["prompt_len"] = [cfg.prompt_min, cfg.prompt_max]
-    if cfg.prompts:  # the held-out split (and so every shard) depends on the file and the held-out count
-        spec["prompts_sha256"] = hashlib.sha256(Path(cfg.prompts).read_bytes()).hexdigest()
-        spec["eval_sequences"] = cfg.eval_sequences
-    return spec
-
-
-def _open_corpus(root: Path, spec: dict, n: int, cfg: DrafterTrainConfig, force: bool) -> corpus_mod.ShardedCorpus:
-    shards = max(1, math.ceil(n / cfg.gen_batch_size))
-    rows = [min(cfg.gen_batch_size, n - i * cfg.gen_batch_size) for i in range(shards)]
-    try:
-        return corpus_mod.ShardedCorpus(root, spec, shards, rows)
-    except UserError:
-        if not force:
-            raise
-        shutil.rmtree(root)
-        return corpus_mod.ShardedCorpus(root, spec, shards, rows)
-
-
-def _exit_dim(cfg: DrafterTrainConfig, H: int, V: int, base_params: int) -> int:
+def exit_dim_for(cfg: DrafterTrainConfig, H: int, V: int, base_params: int) -> int:
     """--exit-dim 0 (auto): 2H (no input projection, Apple's recipe) when the drafter's vocabulary head, read
     once per drafting step, stays within DRAFT_HEAD_BUDGET of the base's weights per decoding step; else the widest
     power of two that does (at least 64), behind an input projection. V: the head's rows (the draft
@@ -259,31 +67,6 @@ def _exit_dim(cfg: DrafterTrainConfig, H: int, V: int, base_params: int) -> int:
     return e
 
 
-def _generated_targets(shard: corpus_mod.Shard) -> torch.Tensor:
-    """The targets of a shard's drafting positions (t >= first: the tokens the base generated), flattened."""
-    t = torch.arange(shard.targets.shape[1])[None, :]
-    keep = (t >= shard.first[:, None]) & (shard.targets >= 0)
-    return shard.targets[keep]
-
-
-def target_counts(corpus: corpus_mod.ShardedCorpus, V: int) -> torch.Tensor:
-    """[V] how often the base generated each token in `corpus` (its drafting targets), a shard at a time."""
-    counts = torch.zeros(V, dtype=torch.long)
-    for i in range(corpus.num_shards):
-        counts += torch.bincount(_generated_targets(corpus.load(i)), minlength=V)[:V]
-    return counts
-
-
-def draft_vocabulary(counts: torch.Tensor, k: int) -> torch.Tensor:
-    """FR-Spec's draft vocabulary: the `k` most frequent token ids of `counts` (`target_counts`), ascending."""
-    return torch.topk(counts, k).indices.sort().values
-
-
-def coverage(counts: torch.Tensor, ids: torch.Tensor) -> float:
-    """Share of the targets counted in `counts` that are among `ids`."""
-    return float(counts[ids].sum()) / max(1, int(counts.sum()))
-
-
 def head_targets(y: torch.Tensor, lookup: Optional[torch.Tensor]) -> torch.Tensor:
     """Targets as head rows: unchanged without a draft vocabulary, else the row of each token (-100 outside)."""
     if lookup is None:
@@ -291,7 +74,7 @@ def head_targets(y: torch.Tensor, lookup: Optional[torch.Tensor]) -> torch.Tenso
     return torch.where(y >= 0, lookup[y.clamp(min=0)], y)
 
 
-def _loss_and_hits(drafter: Drafter, h, embs, y, lookup: Optional[torch.Tensor] = None,
+def loss_and_hits(drafter: Drafter, h, embs, y, lookup: Optional[torch.Tensor] = None,
                    teacher: Optional[tuple[torch.Tensor, torch.Tensor]] = None, soft: float = 0.0):
     """(summed per-step mean cross-entropy, hits [B, T], valid [B, T]); `lookup` maps token ids to head rows
     (-100: not in the draft vocabulary: left out of the loss, a miss for the accuracies).
@@ -331,7 +114,7 @@ def evaluate(drafter: Drafter, corpus: corpus_mod.ShardedCorpus, T: int, embed: 
     hits, chain, valid, loss_sum, nb = torch.zeros(T), torch.zeros(T), torch.zeros(T), 0.0, 0
     for loaded, pos in corpus_mod.eval_batches(corpus, batch):
         h, e, y = corpus_mod.gather(loaded, pos, T, embed, device)
-        loss, hit, ok = _loss_and_hits(drafter, h, e, y, lookup)
+        loss, hit, ok = loss_and_hits(drafter, h, e, y, lookup)
         loss_sum += float(loss) * len(pos)
         nb += len(pos)
         full = ok.all(dim=1)  # positions with all T targets, for the chained rate
@@ -390,7 +173,7 @@ def _barrier(world: int) -> None:
         dist.barrier()
 
 
-def _build_split(corpus: corpus_mod.ShardedCorpus, source: _Source, generator, cfg, pad_id, rank, world,
+def build_split(corpus: corpus_mod.ShardedCorpus, source: Source, generator, cfg, pad_id, rank, world,
                  desc, progress) -> None:
     written = corpus_mod.build(corpus, source.prompts_for, generator, cfg.seq_len, source.stop_ids, pad_id,
                                rank, world, desc, progress)
@@ -401,45 +184,6 @@ def _build_split(corpus: corpus_mod.ShardedCorpus, source: _Source, generator, c
             corpus.count_unrecorded()
         _barrier(world)
         corpus.refresh()
-
-
-class _LazyGenerator:
-    """The corpus generator (generation.py), started on first use: a complete corpus is reused without one."""
-
-    def __init__(self, cfg: DrafterTrainConfig, base_model: Path, device: torch.device, work: Path, pad_id: int):
-        self.cfg, self.base_model, self.device, self.work, self.pad_id = cfg, base_model, device, work, pad_id
-        self.max_prompt = 0
-        self._gen = self._sample = None
-
-    def _start(self) -> None:
-        if self._gen is not None:
-            return
-        cfg = self.cfg
-        if cfg.generator == "engine":
-            tokens = (cfg.num_sequences + cfg.eval_sequences) * cfg.seq_len
-            self._gen = gen_mod.EngineGenerator(self.base_model, cfg.generate_dtype, self.device, cfg.gen_batch_size,
-                                                self.max_prompt, cfg.seq_len, cfg.threads, self.work,
-                                                compile="auto" if tokens >= gen_mod.COMPILE_FROM_TOKENS else "off")
-            self._sample = self._gen.sample
-        else:
-            hf = _load_base(self.base_model, self.device, DTYPES[cfg.generate_dtype])
-            self._gen = gen_mod.HFGenerator(hf, self.device)
-            self._sample = prompt_mod.hf_sampler(hf, self.device, self.pad_id)
-
-    def sample(self, *args) -> list[list[int]]:
-        self._start()
-        return self._sample(*args)
-
-    def shards(self, todo, *args):
-        if not todo:
-            return iter(())
-        self._start()
-        return self._gen.shards(todo, *args)
-
-    def close(self) -> None:
-        if self._gen is not None:
-            self._gen.close()
-        self._gen = self._sample = None
 
 
 def _train_spec(cfg: DrafterTrainConfig, exit_dim: int, world: int) -> dict:
@@ -485,25 +229,25 @@ def train_drafter(base_model: str | Path, output: str | Path, cfg: DrafterTrainC
                         f"of {world}.")
     t_start = time.time()
     with torch.random.fork_rng(devices=[]):
-        tokenizer, hf_config = _load_tokenizer(base_model)
+        tokenizer, hf_config = load_tokenizer(base_model)
         H, V = hf_config.hidden_size, hf_config.vocab_size
         bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else hf_config.bos_token_id
         if bos is None and not (cfg.prompts or cfg.magpie):
             raise UserError(f"{base_model}: neither the tokenizer nor config.json names a bos token.")
         pad_id = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if t is not None))
-        gen = _LazyGenerator(cfg, base_model, device, work, pad_id)
-        train_src, held_src = _sources(cfg, gen.sample, tokenizer, bos)
+        gen = LazyGenerator(cfg, base_model, device, work, pad_id)
+        train_src, held_src = sources(cfg, gen.sample, tokenizer, bos)
         gen.max_prompt = max(train_src.max_prompt, held_src.max_prompt)
-        train_corpus = _open_corpus(work / "corpus" / "train", _corpus_spec(cfg, base_model, train_src),
+        train_corpus = open_corpus(work / "corpus" / "train", corpus_spec(cfg, base_model, train_src),
                                     train_src.num_sequences, cfg, force)
-        eval_corpus = _open_corpus(work / "corpus" / "held-out", _corpus_spec(cfg, base_model, held_src),
+        eval_corpus = open_corpus(work / "corpus" / "held-out", corpus_spec(cfg, base_model, held_src),
                                    held_src.num_sequences, cfg, force)
         reused = train_corpus.complete and eval_corpus.complete
-        _build_split(train_corpus, train_src, gen, cfg, pad_id, rank, world, "distillation corpus", progress)
-        _build_split(eval_corpus, held_src, gen, cfg, pad_id, rank, world, "held-out corpus", progress)
+        build_split(train_corpus, train_src, gen, cfg, pad_id, rank, world, "distillation corpus", progress)
+        build_split(eval_corpus, held_src, gen, cfg, pad_id, rank, world, "held-out corpus", progress)
         gen.close()
         gen_s = time.time() - t_start
-        model = _load_base(base_model, torch.device("cpu"))
+        model = load_base(base_model, torch.device("cpu"))
         embed = model.get_input_embeddings().weight.detach().float().to(device)  # [V, H], frozen
         out_head = model.get_output_embeddings().weight.detach().float()  # [V, H]
         base_params = sum(p.numel() for p in model.parameters())
@@ -523,7 +267,7 @@ def train_drafter(base_model: str | Path, output: str | Path, cfg: DrafterTrainC
             log.info("draft vocabulary: %d tokens cover %.1f%% of the training targets, %.1f%% held out",
                      len(draft_vocab), 100 * covered["train"], 100 * covered["held_out"])
             lookup = lookup.to(device)
-        exit_dim = _exit_dim(cfg, H, cfg.draft_vocab or V, base_params)
+        exit_dim = exit_dim_for(cfg, H, cfg.draft_vocab or V, base_params)
         torch.manual_seed(cfg.seed)  # the drafter's initialisation does not depend on how the corpus was made
         drafter = Drafter(H, V, exit_dim, cfg.num_layers, cfg.rnn, draft_vocab).to(device)
         head_rows = out_head[:V] if draft_vocab is None else out_head[draft_vocab]  # the base's rows for the head's
@@ -540,7 +284,7 @@ def train_drafter(base_model: str | Path, output: str | Path, cfg: DrafterTrainC
         spec = _train_spec(cfg, exit_dim, world)
         start, losses, train_s = 0, [], 0.0
         with torch.no_grad():
-            probe_start = float(_loss_and_hits(drafter, *probe, lookup)[0])
+            probe_start = float(loss_and_hits(drafter, *probe, lookup)[0])
         if cfg.resume:
             state = torch.load(ckpt_path, map_location=device, weights_only=False)
             if state["spec"] != spec:
@@ -570,7 +314,7 @@ def train_drafter(base_model: str | Path, output: str | Path, cfg: DrafterTrainC
                 group["lr"] = _lr(step, cfg)
             h, e, y, *th = corpus_mod.gather(loaded, pos[rank::world], cfg.draft_len, embed, device,
                                              teacher=bool(cfg.soft_targets))
-            loss, hit, ok = _loss_and_hits(model_ddp, h, e, y, lookup, (th[0], teacher_w) if th else None,
+            loss, hit, ok = loss_and_hits(model_ddp, h, e, y, lookup, (th[0], teacher_w) if th else None,
                                            cfg.soft_targets)
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -598,7 +342,7 @@ def train_drafter(base_model: str | Path, output: str | Path, cfg: DrafterTrainC
             return {}
         drafter.eval()
         with torch.no_grad():
-            probe_end = float(_loss_and_hits(drafter, *probe, lookup)[0])
+            probe_end = float(loss_and_hits(drafter, *probe, lookup)[0])
         held = evaluate(drafter, eval_corpus, cfg.draft_len, embed, device, lookup=lookup)
 
     tail = losses[-20:]
