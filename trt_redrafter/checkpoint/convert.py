@@ -70,7 +70,8 @@ class ConvertConfig(ConfigBase):
                                        "128; it must divide every layer's inputs per rank)", choices=GROUP_SIZES)
     calib_prompts: Optional[str] = option(None, help="with --quantize int4_awq or fp8: calibration prompts (AWQ's "
                                                      "activation-aware scales; FP8's input scales), a JSONL file "
-                                                     "(rows with 'turns', 'prompt' or 'text') or 'magpie' (32 user "
+                                                     "of prompts or conversations (the forms train-drafter --prompts "
+                                                     "reads) or 'magpie' (32 user "
                                                      "prompts the base writes itself; the default); 'none' (int4_awq "
                                                      "only): round-to-nearest, no search")
 

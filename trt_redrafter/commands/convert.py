@@ -46,8 +46,7 @@ def calibration_ids(opts: ConvertConfig, base_model: Path | None) -> list[list[i
     import torch
     from transformers import AutoTokenizer
 
-    from ..chat import chat_prompt_ids, has_chat_template
-    from ..datasets import read_jsonl
+    from ..chat import chat_ids, chat_prompt_ids, has_chat_template
 
     tok = AutoTokenizer.from_pretrained(str(base_model))
     if opts.calib_prompts in (None, "magpie"):
@@ -63,13 +62,11 @@ def calibration_ids(opts: ConvertConfig, base_model: Path | None) -> list[list[i
         texts = magpie_user_prompts(hf_sampler(model, torch.device("cpu"), pad), tok, CALIB_MAGPIE, seed=0)
         logger.info("calibration: %d user prompts written by the base itself (Magpie)", len(texts))
     else:
-        texts = []
-        for where, row in read_jsonl(opts.calib_prompts, "--calib-prompts: {path} does not exist."):
-            text = row.get("turns", [None])[0] if isinstance(row, dict) and "turns" in row else \
-                row.get("prompt", row.get("text")) if isinstance(row, dict) else None
-            if not isinstance(text, str) or not text:
-                raise UserError(f"{where}: a calibration row needs 'turns', 'prompt' or 'text' (a string).")
-            texts.append(text)
+        from ..training.prompts import read_conversations
+        convs = read_conversations(opts.calib_prompts, "--calib-prompts: {path} does not exist.")
+        if has_chat_template(tok):
+            return [chat_ids(tok, c) for c in convs]
+        texts = [c[-1]["content"] for c in convs]
     return [chat_prompt_ids(tok, t) if has_chat_template(tok) else tok(t)["input_ids"] for t in texts]
 
 

@@ -23,11 +23,12 @@ EVAL_NGRAM = 8  # a prompt sharing this many consecutive words with an evaluatio
 
 
 def _conversation(row, where: str) -> list[dict]:
-    """One JSONL row -> messages ending with a user turn. Accepts {"prompt": str}, MT-Bench {"turns": [...]}
-    (the first turn), {"messages": [{"role", "content"}]} and ShareGPT {"conversations": [{"from", "value"}]}
-    (up to the last user turn)."""
-    if isinstance(row, dict) and isinstance(row.get("prompt"), str):
-        return [{"role": "user", "content": row["prompt"]}]
+    """One JSONL row -> messages ending with a user turn. Accepts {"prompt": str} (or {"text": str}), MT-Bench
+    {"turns": [...]} (the first turn), {"messages": [{"role", "content"}]} and ShareGPT
+    {"conversations": [{"from", "value"}]} (up to the last user turn)."""
+    for key in ("prompt", "text"):
+        if isinstance(row, dict) and isinstance(row.get(key), str) and row[key]:
+            return [{"role": "user", "content": row[key]}]
     if isinstance(row, dict) and isinstance(row.get("turns"), list) and row["turns"]:
         return [{"role": "user", "content": str(row["turns"][0])}]
     msgs = row.get("messages") if isinstance(row, dict) else None
@@ -39,15 +40,20 @@ def _conversation(row, where: str) -> list[dict]:
         last_user = max((i for i, m in enumerate(msgs) if m.get("role") == "user"), default=None)
         if last_user is not None:
             return [{"role": m["role"], "content": m["content"]} for m in msgs[:last_user + 1]]
-    raise UserError(f"{where}: expected {{\"prompt\": str}}, MT-Bench {{\"turns\": [...]}}, {{\"messages\": [...]}} or "
-                    f"ShareGPT {{\"conversations\": [...]}} with a user turn.")
+    raise UserError(f"{where}: expected {{\"prompt\": str}} (or \"text\"), MT-Bench {{\"turns\": [...]}}, "
+                    f"{{\"messages\": [...]}} or ShareGPT {{\"conversations\": [...]}} with a user turn.")
+
+
+def read_conversations(path: str | Path, missing: str) -> list[list[dict]]:
+    """Every row of a JSONL file of prompts or conversations (`_conversation`'s forms) as messages ending with a user
+    turn; `missing`: the error when the file does not exist (may name {path})."""
+    from ..datasets import read_jsonl as rows
+
+    return [_conversation(row, where) for where, row in rows(Path(path), missing)]
 
 
 def read_jsonl(path: str | Path) -> list[list[dict]]:
-    from ..datasets import read_jsonl as rows
-
-    convs = [_conversation(row, where) for where, row in
-             rows(Path(path), "--prompts {path} does not exist; pass a JSONL file of prompts or conversations.")]
+    convs = read_conversations(path, "--prompts {path} does not exist; pass a JSONL file of prompts or conversations.")
     if len(convs) < 2:
         raise UserError(f"--prompts {path} holds {len(convs)} conversation(s); need at least 2 (one is held out).")
     return convs
