@@ -697,8 +697,10 @@ class Engine:
         """Time the decode steps on this machine: an AR step, and a tree step (verifying T nodes, drafting the next
         trees) at every tree width, for every batch bucket, at two context lengths (COST_CONTEXTS). Runs on free batch
         slots with throw-away KV; a width that could not pay even if every node were accepted (its step costs more
-        than 1 + dl AR steps) ends the widths of that batch size (the rest are extrapolated, proportionally). Under
-        TP every rank takes part (the steps are collective) and rank 0's timings decide how many steps run."""
+        than 1 + dl AR steps) ends the widths of that batch size (the rest are extrapolated, proportionally). The
+        calls of one point are timed in interleaved rounds, so that the machine's slow phases do not bias the
+        ratios between them. Under TP every rank takes part (the steps are collective) and rank 0's timings decide
+        how many steps run."""
         from tqdm import tqdm
 
         t0 = time.perf_counter()
@@ -717,18 +719,27 @@ class Engine:
             self.proposers[self.cfg.proposer.proposer].on_device
         dev = self.dist.device
 
-        def timed(call, slots: torch.Tensor, ctx: int) -> float:
-            times: list[float] = []
-            repeats = COST_REPEATS[0]
-            while len(times) < repeats + 1:
-                put_rows(self.state.ctx_len, slots, torch.full_like(slots, ctx))
-                t = time.perf_counter()
-                call().cpu()
-                times.append(time.perf_counter() - t)
-                if len(times) == 2:  # rank 0's count: every step is collective, every rank runs as many
-                    repeats = self.dist.broadcast_object(
-                        max(COST_REPEATS[0], min(COST_REPEATS[1], int(COST_POINT_S / times[1]))))
-            return 1e3 * statistics.median(times[1:])
+        def once(call, slots: torch.Tensor, ctx: int) -> float:
+            put_rows(self.state.ctx_len, slots, torch.full_like(slots, ctx))
+            t = time.perf_counter()
+            call().cpu()
+            return time.perf_counter() - t
+
+        def timed(calls: list, slots: torch.Tensor, ctx: int) -> list[float]:
+            """Median ms of each call, timed in rounds of one call each: a slow phase of the machine (they last
+            seconds here) then slows every call of a point alike, and the ratios the policy decides by stay put.
+            One untimed round first; rank 0's timings set the number of rounds (every step is collective)."""
+            times: list[list[float]] = [[] for _ in calls]
+            rounds, r = COST_REPEATS[0], 0
+            while r < rounds + 1:
+                for i, call in enumerate(calls):
+                    times[i].append(once(call, slots, ctx))
+                if r == 1:
+                    per_round = sum(t[1] for t in times)
+                    rounds = self.dist.broadcast_object(
+                        max(COST_REPEATS[0], min(COST_REPEATS[1], int(COST_POINT_S * len(calls) / per_round))))
+                r += 1
+            return [1e3 * statistics.median(t[1:]) for t in times]
 
         # untimed first: the first steps after loading fault the weights in and build lazily made things
         warm = self._step_inputs(free[:1], self._verify_width(P, P), contexts[0] + P, [P])
@@ -744,16 +755,21 @@ class Engine:
             ctx, bs = contexts[c], batches[b]
             slots = [free[i] for i in range(bs)]
             a = self._step_inputs(slots, 1, ctx + 1)
-            ar[c][b] = timed(lambda: self._unit("ar")(*a[:2], "greedy"), a[0], ctx)
-            last = None
-            for w, T in enumerate(self.widths):
-                if self.dist.broadcast_object(last is not None and last[1] > (1 + dl) * ar[c][b]):
-                    tree[c][b][w] = last[1] * T / last[0]
-                    continue
+            calls = [lambda a=a: self._unit("ar")(*a[:2], "greedy")]
+            # widths in order, probed (the second of two calls), until one could not pay even if all its nodes were
+            # accepted; the rounds below time the AR step and the widths up to that one
+            ar_probe = min(once(calls[0], a[0], ctx) for _ in range(2))
+            for T in self.widths:
                 t = self._step_inputs(slots, self._verify_width(T, T), ctx + T, [T] * bs)
-                tree[c][b][w] = timed(lambda: self._unit("redrafter")(*t, "greedy", draft, False, None, None, None),
-                                      t[0], ctx)
-                last = (T, tree[c][b][w])
+                calls.append(lambda t=t: self._unit("redrafter")(*t, "greedy", draft, False, None, None, None))
+                probe = [once(calls[-1], a[0], ctx) for _ in range(2)][1]
+                if self.dist.broadcast_object(probe > (1 + dl) * ar_probe):
+                    break
+            ms = timed(calls, a[0], ctx)
+            ar[c][b] = ms[0]
+            n = len(ms) - 1
+            for w, T in enumerate(self.widths):  # the widths past the cut-off extrapolated, proportionally
+                tree[c][b][w] = ms[1 + w] if w < n else ms[n] * T / self.widths[n - 1]
         for sid in ids:
             self.cache.free(sid)
         put_rows(self.state.ctx_len, torch.tensor(free, device=dev), torch.zeros(len(free), dtype=torch.long,
