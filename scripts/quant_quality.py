@@ -1,5 +1,5 @@
-"""What quantization (weight-only, FP8) costs in quality: perplexity on held-out text and greedy agreement with the float
-model, for this project's quantized engines and llama.cpp's quantized files, on the same token ids.
+"""What quantization (weight-only, FP8) costs in quality: perplexity on held-out text and greedy agreement with the
+float model, for this project's quantized engines and llama.cpp's quantized files, on the same token ids.
 
     python3 scripts/quant_quality.py --hf-model out/smollm2/hf --engines out/perf/engine-int8_wo,out/perf/engine-int4_awq \
         [--llama-cpp GGUF --llama-cpp-types f32,q8_0,q4_1] [--json out/quant/quality.json]

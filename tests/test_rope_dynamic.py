@@ -205,7 +205,8 @@ def test_preempted_requests_recompute_the_same_rotations(dyn):
 
     engine = load_engine(dyn["engine_dir"], kv_cache_tokens=10 * 16)  # room for about one and a half requests
     sched = Scheduler(engine)
-    reqs = {k: sched.submit(Request(k, RequestSpec(p, greedy(_max_new(p)), mode="ar"))) for k, p in dyn["prompts"].items()}
+    reqs = {k: sched.submit(Request(k, RequestSpec(p, greedy(_max_new(p)), mode="ar")))
+            for k, p in dyn["prompts"].items()}
     sched.run_until_idle()
     assert sched.metrics().preemptions > 0
     assert {k: r.seq.output for k, r in reqs.items()} == {k: v[0] for k, v in dyn["hf"].items()}

@@ -18,15 +18,14 @@ from __future__ import annotations
 
 import torch
 
-from .quantization import quantize_groups
+from .quantization import dequantize_groups, quantize_groups
 
 ALPHAS = tuple(i / 10 for i in range(10))
 MAX_ROWS = 1024
 
 
 def _dequant(w: torch.Tensor, group_size: int) -> torch.Tensor:
-    q, scales = quantize_groups(w, group_size)
-    return q.float() * scales.repeat_interleave(group_size, dim=1)
+    return dequantize_groups(*quantize_groups(w, group_size), group_size)
 
 
 def best_scale(x: torch.Tensor, weights: list[torch.Tensor], group_size: int) -> tuple[torch.Tensor, float]:

@@ -54,6 +54,11 @@ def run_hooked(model: torch.nn.Module, calib_ids: list[list[int]], inputs: dict[
             h.remove()
 
 
+def _layer_inputs(layers) -> dict[str, torch.nn.Module]:
+    """"{layer}.{HF module}" -> the module whose input each LAYER_GROUPS entry records."""
+    return {f"{i}.{hf_in}": layer.get_submodule(hf_in) for i, layer in enumerate(layers) for hf_in, _ in LAYER_GROUPS}
+
+
 def _amax(weights: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([w.detach().float().abs().amax() for w in weights]).amax()
 
@@ -62,7 +67,7 @@ def fp8_amax(model: torch.nn.Module, calib_ids: list[list[int]], num_layers: int
              lm_head: bool) -> dict[str, dict[str, torch.Tensor]]:
     """FP8's weight and input amax per TensorRT-LLM module (module docstring)."""
     layers = model.model.layers[:num_layers]
-    inputs = {f"{i}.{hf_in}": layer.get_submodule(hf_in) for i, layer in enumerate(layers) for hf_in, _ in LAYER_GROUPS}
+    inputs = _layer_inputs(layers)
     if lm_head:
         inputs["lm_head"] = model.lm_head
     seen: dict[str, torch.Tensor] = {}
@@ -92,7 +97,7 @@ def awq_scales(model: torch.nn.Module, calib_ids: list[list[int]], group_size: i
     """AWQ's input scales (checkpoint/awq.py) per TensorRT-LLM module (transformer.layers.{i}.X): s [in] over the
     full (unsharded) input; layers that read one input share one."""
     layers = model.model.layers[:num_layers]
-    inputs = {f"{i}.{hf_in}": layer.get_submodule(hf_in) for i, layer in enumerate(layers) for hf_in, _ in LAYER_GROUPS}
+    inputs = _layer_inputs(layers)
     seen: dict[str, list[torch.Tensor]] = {}
 
     def record(key: str, rows: torch.Tensor) -> None:

@@ -194,6 +194,12 @@ def quantize_groups(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, tor
     return q.reshape(out, k).to(torch.int8), scale
 
 
+def dequantize_groups(q: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+    """q [out, in] and scales [out, ceil(in / group)] -> q * s [out, in] in fp32 (a per-channel scale is one group
+    of the whole row)."""
+    return q.float() * scales.float().repeat_interleave(group_size, dim=1)[:, :q.shape[1]]
+
+
 def pack_int4_rows(q: torch.Tensor) -> torch.Tensor:
     """q [out, in] int8 in [-8, 7] -> [out / 2, in] int8: rows 2j and 2j + 1 in the low and high nibble."""
     u = q.view(torch.uint8)
@@ -334,7 +340,7 @@ def dequantize_stored(tensors: dict[str, torch.Tensor], quant: Quantization, dty
             w = w8.float() * ws
         else:
             q, scales, pre = read_awq(tensors, module, quant.group_size, where)
-            w = q.float() * scales.float().repeat_interleave(quant.group_size, dim=1)[:, :q.shape[1]]
+            w = dequantize_groups(q, scales, quant.group_size)
             if pre is not None:
                 w = w * pre.float()[None, :]
         out[name] = w.to(dtype)

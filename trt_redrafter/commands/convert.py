@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 
 from ..checkpoint.convert import DEFAULT_DTYPE, ConvertConfig, convert_base_checkpoint, convert_checkpoint
+from ..checkpoint.quantization import CALIBRATED, MODES
 from ..config import ReDrafterConfig, load_recipe
 from ..errors import UserError
 from ..log import get_logger
@@ -35,7 +36,7 @@ def register(subparsers) -> None:
 
 
 CALIB_MAGPIE = 32  # user prompts the base writes itself when int4_awq or fp8 has no --calib-prompts
-CALIBRATED_MODES = ("int4_awq", "fp8")
+CALIBRATED_MODES = tuple(mode for mode, (algo, _) in MODES.items() if algo in CALIBRATED)  # int4_awq, fp8
 
 
 def calibration_ids(opts: ConvertConfig, base_model: Path | None) -> list[list[int]] | None:

@@ -31,6 +31,7 @@ kernels, eager calls them directly.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Literal, Optional, Union, get_args
 
@@ -39,6 +40,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import cpu
+from ..checkpoint.quantization import E4M3_MAX, dequantize_groups
 from ..errors import UserError
 from ..log import get_logger
 
@@ -149,9 +151,7 @@ class QuantWeight:
 
     def dequantize(self) -> torch.Tensor:
         """-> W [out, in] in `dtype` (q * s computed in fp32, then rounded once)."""
-        out, k = self.q.shape
-        s = self.scales.float().repeat_interleave(self.group_size, dim=1)[:, :k]
-        return (self.q.float() * s).to(self.dtype)
+        return dequantize_groups(self.q, self.scales, self.group_size).to(self.dtype)
 
     @staticmethod
     def cat(parts: list["QuantWeight"]) -> "QuantWeight":
@@ -166,14 +166,15 @@ class QuantWeight:
                            first.group_size, first.dtype, first.pre_scale)
 
 
-E4M3_MAX = 448.0
+def fp8_quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x / scale (the scale cast to x's dtype, as TensorRT-LLM's FP8Linear casts it) in e4m3, saturating at +-448."""
+    return (x / scale.to(x.dtype)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
 def fp8_qdq(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x quantized to e4m3 with `scale` and back, in x's dtype: TensorRT-LLM's FP8Linear without the FP8 GEMM plugin
-    (quantize(x, scale cast to the model dtype, 'fp8') then dequantize), saturating at +-448."""
-    s = scale.to(x.dtype)
-    return (x / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).to(x.dtype) * s
+    (quantize(x, scale cast to the model dtype, 'fp8') then dequantize)."""
+    return fp8_quantize(x, scale).to(x.dtype) * scale.to(x.dtype)
 
 
 @dataclass
@@ -304,7 +305,7 @@ class Linear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         M = x2.shape[0]
-        xq = (x2 / self.input_scale.to(x.dtype)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        xq = fp8_quantize(x2, self.input_scale)
         if M % 16:
             xq = F.pad(xq.view(torch.int8), (0, 0, 0, 16 - M % 16)).view(torch.float8_e4m3fn)
         y = torch._scaled_mm(xq, w8.t(), scale_a=self.input_scale, scale_b=scale, out_dtype=x.dtype)[:M]
@@ -319,6 +320,7 @@ class Linear(nn.Module):
         return f"{self.in_features} -> {self.out_features}, {self.impl}{q}"
 
 
+@functools.cache
 def _cuda_weight_only() -> bool:
     """Whether the Triton weight-only GEMM (plugins/weight_only.py) can run: triton is importable."""
     try:

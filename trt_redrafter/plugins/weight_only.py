@@ -76,5 +76,6 @@ def wo_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bits: int,
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))
     _wo_gemm_kernel[grid](x, q, scales, out, M, N, K, scales.shape[1], max(group_size, BLOCK_K), INT4=bits == 4,
-                          PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+                          PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                          BLOCK_K=BLOCK_K)
     return out

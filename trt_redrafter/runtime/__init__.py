@@ -2,9 +2,10 @@
 
 One request's way through it: a `sequence.RequestSpec` (prompt, sampling, mode, proposer, stops), made where it
 enters and carried as is; `scheduler.Scheduler` queues it (`scheduler.Request`: the spec, one id, where its tokens
-go) and batches it in flight -> `engine.Engine` admits it into a batch slot (`sequence.Sequence` on the host, `state.SlotState` rows and `kv_cache.PagedKVCache` blocks on the
-device), prefills it, then runs batched steps: `policy.Policy` decides each step (an AR step, or how many nodes of
-each draft tree to verify, by the measured `policy.CostModel` and the proposer's calibrated confidence), and
+go) and batches it in flight -> `engine.Engine` admits it into a batch slot (`sequence.Sequence` on the host,
+`state.SlotState` rows and `kv_cache.PagedKVCache` blocks on the device), prefills it, then runs batched steps:
+`policy.Policy` decides each step (an AR step, or how many nodes of each draft tree to verify, by the measured
+`policy.CostModel` and the proposer's calibrated confidence), and
 `step.DecodeStep` runs it (verify -> accept -> rewind -> draft -> pack) as one compiled or captured unit
 (`graphs`). Proposers (`proposer`, `ngram`) fill the trees. The engine directory's schema is
 `checkpoint.engine_config`.

@@ -756,14 +756,17 @@ class Engine:
             slots = [free[i] for i in range(bs)]
             a = self._step_inputs(slots, 1, ctx + 1)
             calls = [lambda a=a: self._unit("ar")(*a[:2], "greedy")]
-            # widths in order, probed (the second of two calls), until one could not pay even if all its nodes were
-            # accepted; the rounds below time the AR step and the widths up to that one
-            ar_probe = min(once(calls[0], a[0], ctx) for _ in range(2))
+
+            def probe(call) -> float:  # the second of two calls (the first may still build things)
+                return [once(call, a[0], ctx) for _ in range(2)][1]
+
+            # widths in order, probed, until one could not pay even if all its nodes were accepted; the rounds below
+            # time the AR step and the widths up to that one
+            ar_probe = probe(calls[0])
             for T in self.widths:
                 t = self._step_inputs(slots, self._verify_width(T, T), ctx + T, [T] * bs)
                 calls.append(lambda t=t: self._unit("redrafter")(*t, "greedy", draft, False, None, None, None))
-                probe = [once(calls[-1], a[0], ctx) for _ in range(2)][1]
-                if self.dist.broadcast_object(probe > (1 + dl) * ar_probe):
+                if self.dist.broadcast_object(probe(calls[-1]) > (1 + dl) * ar_probe):
                     break
             ms = timed(calls, a[0], ctx)
             ar[c][b] = ms[0]

@@ -20,7 +20,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Hashable, Optional
 
 from ..errors import ServerBusy, UserError
 from ..log import get_logger
@@ -66,7 +66,7 @@ class StepPlan:
 class Request:
     """A request in the scheduler: its spec, where its tokens go, and its place in the queue."""
 
-    request_id: str
+    request_id: Hashable  # unique among the scheduler's requests (the Triton model's key, generate's index)
     spec: RequestSpec
     on_tokens: Optional[OnTokens] = None
     seq: Optional[Sequence] = None  # set on submission
@@ -112,7 +112,7 @@ class Scheduler:
         self._lock = threading.Condition()
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
-        self._by_id: dict[str, Request] = {}
+        self._by_id: dict[Hashable, Request] = {}
         self._stop = False
         self._thread: threading.Thread | None = None
         self._steps = self._finished = self._accepted = self._gen_steps = self._preemptions = 0
@@ -150,7 +150,7 @@ class Scheduler:
             self._lock.notify_all()
         return reqs
 
-    def cancel(self, request_id: str, stop: bool = False) -> bool:
+    def cancel(self, request_id: Hashable, stop: bool = False) -> bool:
         """End a request before the next step (its KV blocks freed): cancelled, or with `stop` stopped (it finishes
         with finish_reason "stopped" and the tokens it has). False if unknown/finished."""
         with self._lock:
