@@ -22,6 +22,7 @@ the drafter once per drafted token (dl times), which is its own floor.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import platform
@@ -106,6 +107,43 @@ def random_pair(shape: str, nb: int, dl: int, max_batch: int, max_input: int, ma
     base_bytes = sum(t.numel() * t.element_size() for t in sd.values())
     drafter_bytes = sum(t.numel() * t.element_size() for t in apple.values())
     return Pair(cfg, tensors, hf, base_bytes, drafter_bytes)
+
+
+def quantized(pair: Pair, mode: str, calib_ids: list[list[int]], group_size: int = 128) -> tuple[EngineConfig, dict]:
+    """The same pair with its base in one of `convert --quantize`'s forms (checkpoint/quantization.py): the config
+    says so and, for FP8, the layers are stored as the checkpoint would hold them, with their input scales calibrated
+    by the HF model on `calib_ids`; weight-only modes are quantized by the engine at load, as from a checkpoint."""
+    if mode == "none":
+        return pair.cfg, pair.tensors
+    from trt_redrafter.checkpoint.calibration import fp8_amax
+    from trt_redrafter.checkpoint.quantization import parse_quantization, store_quantized
+
+    cfg0 = pair.cfg
+    m = cfg0.checkpoint.model
+    raw = build_pretrained_config(m, cfg0.checkpoint.drafter, cfg0.tree, 1, quantize=mode, group_size=group_size)
+    info = parse_checkpoint_config(raw, where=f"gpu_bench --quantize {mode}")
+    quant = parse_quantization(raw, "gpu_bench")
+    tensors = pair.tensors
+    if quant.stored_quantized:
+        if not quant.fp8:
+            raise SystemExit(f"--quantize {mode}: needs AWQ's calibration search; use int4_wo, int8_wo or fp8 here")
+        calib = fp8_amax(pair.hf, calib_ids, m.num_hidden_layers, lm_head=False)
+        tensors = store_quantized(tensors, quant, m.num_hidden_layers, getattr(torch, m.dtype), calib)
+    return dataclasses.replace(cfg0, checkpoint=info), tensors
+
+
+LINEAR_BITS = {"none": None, "fp8": 8, "int8_wo": 8, "int4_wo": 4}
+
+
+def quantized_base_bytes(pair: Pair, mode: str) -> int:
+    """The bytes an AR step reads of the base in `mode`: the transformer layers' linear weights at the mode's width
+    (scales are a rounding error), everything else as stored."""
+    bits = LINEAR_BITS.get(mode)
+    if bits is None:
+        return pair.base_bytes
+    linear = sum(t.numel() * t.element_size() for k, t in pair.tensors.items()
+                 if k.startswith("transformer.layers.") and k.endswith(".weight") and t.dim() == 2)
+    return pair.base_bytes - linear + linear * bits // (8 * pair.tensors["transformer.ln_f.weight"].element_size())
 
 
 def make_successor(sd: dict[str, torch.Tensor], seed: int) -> None:
@@ -385,6 +423,9 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--compile", default="auto", help="comma-separated RuntimeConfig.compile values to compare")
     ap.add_argument("--kernels", default="auto", help="comma-separated RuntimeConfig.kernels values to compare")
+    ap.add_argument("--quantize", default="none",
+                    help="comma-separated base forms to compare on the same weights: none (the float base), fp8 "
+                         "(calibrated on 8 random prompts), int8_wo, int4_wo")
     ap.add_argument("--hf-batches", default="1", help="batch sizes to time HF generate at ('' to skip)")
     ap.add_argument("--assumed-tokens-per-step", type=float, default=3.5)
     ap.add_argument("--seed", type=int, default=0)
@@ -427,17 +468,21 @@ def main() -> int:
         doc[f"hf_generate_ms_per_token_b{b}"] = hf_ms[b]
         if b == 1:
             doc["hf_outputs_b1"] = hf_out
-    for compile_mode, kernels in [(c, k) for c in args.compile.split(",") for k in args.kernels.split(",")]:
+    calib_ids = prompts_for(8, args.prompt_len, m.vocab_size, args.seed + 13)
+    for quant, compile_mode, kernels in [(q, c, k) for q in args.quantize.split(",") for c in args.compile.split(",")
+                                         for k in args.kernels.split(",")]:
         runtime = RuntimeConfig(device=device.type, compile=compile_mode, kernels=kernels, speculate="full")
         t0 = time.perf_counter()
-        engine = Engine.from_tensors(pair.cfg, pair.tensors, Dist(0, 1, device), runtime)
+        cfg, tensors = quantized(pair, quant, calib_ids)
+        engine = Engine.from_tensors(cfg, tensors, Dist(0, 1, device), runtime)
+        del tensors
         warm = time.perf_counter() - t0
         for b in batches:
             prompts = prompts_for(b, args.prompt_len, m.vocab_size, args.seed)
             ar = measure(engine, prompts, args.max_tokens, "ar", args.repeats)
             rd = measure(engine, prompts, args.max_tokens, "redrafter", args.repeats)
-            floor_ms = (pair.base_bytes + b * mean_ctx * kv_per_token) / bw * 1e3
-            row = {"kernels": engine.kernels, "compile": engine.compiler.mode, "batch": b, "warmup_s": warm,
+            floor_ms = (quantized_base_bytes(pair, quant) + b * mean_ctx * kv_per_token) / bw * 1e3
+            row = {"quantize": quant, "kernels": engine.kernels, "compile": engine.compiler.mode, "batch": b, "warmup_s": warm,
                    "ar_step_ms": ar["step_ms"], "ar_tpot_ms": ar["tpot_ms"],
                    "rd_step_ms": rd["step_ms"], "rd_tpot_ms": rd["tpot_ms"], "rd_tokens_per_step": rd["tokens_per_step"],
                    "step_ratio": rd["step_ms"] / ar["step_ms"], "ar_roofline_ms": floor_ms,
@@ -472,12 +517,12 @@ def main() -> int:
     print(f"\n{doc['device']}, {args.shape} {args.dtype}, nb={args.num_beams} beam length={args.beam_length}, "
           f"prompt {args.prompt_len} + {args.max_tokens} tokens; copy bandwidth {bw / 1e9:.0f} GB/s; "
           f"HF generate " + ", ".join(f"b{b}: {v:.2f} ms/token" for b, v in hf_ms.items()))
-    print("| compile | kernels | batch | AR step ms | roofline ms | AR % of roofline | RD step ms | RD/AR step | "
+    print("| base | compile | kernels | batch | AR step ms | roofline ms | AR % of roofline | RD step ms | RD/AR step | "
           "drafter floor ms | RD tokens/step (random) | projected RD ms/token @" f"{args.assumed_tokens_per_step} | "
           "projected speedup |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in doc["runs"]:
-        print(f"| {r['compile']} | {r['kernels']} | {r['batch']} | {r['ar_step_ms']:.2f} | {r['ar_roofline_ms']:.2f} | "
+        print(f"| {r['quantize']} | {r['compile']} | {r['kernels']} | {r['batch']} | {r['ar_step_ms']:.2f} | {r['ar_roofline_ms']:.2f} | "
               f"{100 * r['ar_fraction_of_roofline']:.0f}% | {r['rd_step_ms']:.2f} | {r['step_ratio']:.2f} | "
               f"{r['rd_drafter_floor_ms']:.2f} | {r['rd_tokens_per_step']:.2f} | {r['projected_rd_ms_per_token']:.2f} | "
               f"{r['projected_speedup']:.2f} |")
@@ -485,12 +530,12 @@ def main() -> int:
         if "phases_ms" in r:
             ph = r["phases_ms"]
             total = sum(ph.values()) or 1.0
-            print(f"phases ({r['compile']}, {r['kernels']}, batch 1): " + ", ".join(f"{k} {v:.3f} ms ({100 * v / total:.0f}%)"
+            print(f"phases ({r['quantize']}, {r['compile']}, {r['kernels']}, batch 1): " + ", ".join(f"{k} {v:.3f} ms ({100 * v / total:.0f}%)"
                                                                     for k, v in ph.items()))
     for r in doc["runs"]:
         if "parity" in r:
             pr = r["parity"]
-            print(f"greedy parity ({r['compile']}, {r['kernels']}, {args.dtype}): ReDrafter == AR on {pr['ar_eq_rd']}/"
+            print(f"greedy parity ({r['quantize']}, {r['compile']}, {r['kernels']}, {args.dtype}): ReDrafter == AR on {pr['ar_eq_rd']}/"
                   f"{pr['prompts']} prompts, AR == HF on {pr['ar_eq_hf']}/{pr['prompts']}; divergences (reference "
                   f"top-2 logit gap in bf16 ulps): " + ", ".join(f"{d['pair']}@{d['at']}: {d['gap_in_bf16_ulps_of_top']:.1f}"
                                                                for d in pr["divergences"]))

@@ -53,14 +53,19 @@ def test_cuda_sampled_redrafter_equals_sampled_ar(tiny, kernels):
 @pytest.mark.parametrize("compile", ["off", "cudagraphs"])
 def test_cuda_fp8_base_runs_scaled_mm_and_greedy_redrafter_equals_fp8_ar(tmp_path, compile):
     """An FP8 base (`convert --quantize fp8`) on a GPU with FP8 GEMMs: its layers run torch._scaled_mm, greedy
-    ReDrafter equals the FP8 model's greedy AR, and the GPU's FP8 model is the one the CPU emulates (same first
-    logits to fp32 accumulation order)."""
+    ReDrafter equals the FP8 model's greedy AR, and the GPU's FP8 model is the one the CPU emulates: one layer gives
+    the CPU's product up to the FP8 tensor cores' accumulation (on an H200, 10 of 1792 outputs of a 128-input layer
+    differed by up to 3e-4 of the largest: Hopper's FP8 MMA keeps fewer accumulator bits than fp32), and the whole
+    model's logits lie far closer to the CPU's FP8 model than
+    either lies to the float model (the models differ only where a different fp32 summation moves an input across
+    an e4m3 rounding boundary in a later layer, which a whole-model tolerance cannot bound)."""
     import json
+    from engine_utils import _hf_model
     calib = tmp_path / "calib.jsonl"
     calib.write_text("\n".join(json.dumps({"prompt": f"calibration prompt {i} of a few words"}) for i in range(8)))
-    _, engines = build_tiny_engines(tmp_path, seed=2, num_beams=6, draft_len=4, hidden_size=128, num_heads=4,
-                                    num_kv_heads=2, max_batch_size=4,
-                                    convert_args=("--quantize", "fp8", "--calib-prompts", calib))
+    base, engines = build_tiny_engines(tmp_path, seed=2, num_beams=6, draft_len=4, hidden_size=128, num_heads=4,
+                                       num_kv_heads=2, max_batch_size=4,
+                                       convert_args=("--quantize", "fp8", "--calib-prompts", calib))
     prompts = random_prompts(384, PROMPT_LENS, seed=1)
     engine = load_engine(engines[1], device="cuda", compile=compile)
     layer = engine.model.layers[0]
@@ -69,9 +74,18 @@ def test_cuda_fp8_base_runs_scaled_mm_and_greedy_redrafter_equals_fp8_ar(tmp_pat
     rd = [r.output_ids for r in generate(engine, prompts, greedy(24), "redrafter")]
     assert rd == ar
     cpu = load_engine(engines[1])
-    assert cpu.model.layers[0].attn.qkv.fp8 is None and cpu.model.layers[0].attn.qkv.input_scale is not None
+    cpu_qkv = cpu.model.layers[0].attn.qkv
+    assert cpu_qkv.fp8 is None and cpu_qkv.input_scale is not None
+    x = torch.randn(7, cpu_qkv.in_features, generator=torch.Generator().manual_seed(0)) * float(
+        cpu_qkv.input_scale) * 100
+    y_cpu = cpu_qkv(x)
+    torch.testing.assert_close(layer.attn.qkv(x.cuda()).cpu(), y_cpu, rtol=1e-3, atol=1e-3 * float(y_cpu.abs().max()))
     gpu_logits, cpu_logits = (_prompt_logits(e, prompts[1]) for e in (load_engine(engines[1], device="cuda"), cpu))
-    torch.testing.assert_close(gpu_logits, cpu_logits, rtol=1e-3, atol=1e-3)
+    with torch.no_grad():
+        float_logits = _hf_model(str(base))(torch.tensor([prompts[1]])).logits[0, -cpu_logits.shape[0]:].float()
+    quantization_error = (cpu_logits - float_logits).abs().max()
+    assert (gpu_logits - cpu_logits).abs().max() < 0.25 * quantization_error, (
+        float((gpu_logits - cpu_logits).abs().max()), float(quantization_error))
 
 
 def _prompt_logits(engine, prompt: list[int]) -> torch.Tensor:

@@ -46,9 +46,10 @@ def run_hooked(model: torch.nn.Module, calib_ids: list[list[int]], inputs: dict[
 
     hooks = [mod.register_forward_pre_hook(hook(key)) for key, mod in inputs.items()]
     try:
+        device = next(model.parameters()).device
         with torch.inference_mode():
             for ids in calib_ids:
-                model(torch.tensor([ids]))
+                model(torch.tensor([ids], device=device))
     finally:
         for h in hooks:
             h.remove()

@@ -162,7 +162,7 @@ def quantize_per_channel(w: torch.Tensor, bits: int, scale_dtype: torch.dtype,
                          amax: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """w [out, in] -> (q [out, in] int8, scales [out, 1] in `scale_dtype`): TensorRT-LLM's symmetric_quantize (module
     docstring). `amax` [out] overrides w's own (a row-parallel rank's slice takes the whole row's)."""
-    amax = channel_amax(w) if amax is None else amax.float()
+    amax = channel_amax(w) if amax is None else amax.float().to(w.device)
     scale = amax * (1.0 / float(1 << (bits - 1)))  # [out] fp32, as the quantizer divides by it
     lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
     safe = torch.where(scale == 0, torch.ones_like(scale), scale)
@@ -268,8 +268,8 @@ def fp8_tensors(w: torch.Tensor, weight_amax: float, input_amax: float) -> dict[
     scale = amax / 448 in fp32 (`get_scaling_factor`), weight = (w / scale) cast to e4m3 (`to_quantized_weight`),
     both scales of shape [1] (TensorRT-LLM's FP8Linear parameters). `weight_amax` is taken over the whole layer (all
     ranks; q, k and v together), so every rank's slice shares one scale; `input_amax` is the calibration inputs'."""
-    ws = torch.tensor([max(weight_amax, 1e-12) / E4M3_MAX], dtype=torch.float32)
-    xs = torch.tensor([max(input_amax, 1e-12) / E4M3_MAX], dtype=torch.float32)
+    ws = torch.tensor([max(weight_amax, 1e-12) / E4M3_MAX], dtype=torch.float32, device=w.device)
+    xs = torch.tensor([max(input_amax, 1e-12) / E4M3_MAX], dtype=torch.float32, device=w.device)
     return {"weight": (w.detach().float() / ws).to(torch.float8_e4m3fn), "weights_scaling_factor": ws,
             "activation_scaling_factor": xs}
 
