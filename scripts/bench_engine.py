@@ -3,11 +3,13 @@
 run, at one or more batch sizes; optionally Hugging Face `generate` (greedy, and prompt-lookup decoding) on the
 same weights, prompts and threads, and llama.cpp (`--llama-cpp GGUF`, llama-cpp-python) at the weight types asked.
 
-For each repeat and batch size, the prompts are decoded greedily in every mode (the mode order rotating from one
-repeat to the next), `--batch-size` requests at a time. Reports, per batch size and mode, the median over repeats
-of the per-request median TPOT (ms/token), the mean decode-step time (`Engine.step_times`: launch to read-back),
+For each repeat and batch size, the prompts are decoded greedily `--batch-size` requests at a time, each group in
+every mode one after the other (the mode order rotating from one group to the next), so that the machine's slow
+phases, which last seconds, fall on every mode alike. Reports, per batch size and mode, the median over repeats of
+the per-request median TPOT (ms/token), the speedup over AR (per round, AR's mean TPOT over the mode's on the same
+groups; the median over rounds), the mean decode-step time (`Engine.step_times`: launch to read-back),
 the step cost relative to an AR step, tokens/step, acceptance, the host proposer's time per step and its share of
-the step, the speedup over AR, and whether the greedy output equals AR's; then a phase breakdown of one ReDrafter
+the step, and whether the greedy output equals AR's; then a phase breakdown of one ReDrafter
 request. With `--hf-model DIR` (the base's HF directory) HF `generate` runs at batch 1 on the same prompts: its
 TPOT is (time for max_tokens - time for 1 token) / (max_tokens - 1), medians as above. The last stdout line is one
 JSON document. Threads, compile mode and the machine's load average are recorded with the numbers. With
@@ -248,49 +250,71 @@ def main() -> int:
     max_tokens = min(args.max_tokens, engine.build.max_seq_len - max(map(len, prompts)))
     params = SamplingConfig(max_tokens=max_tokens)
 
-    def run(mode: str, bs: int):
-        res = []
-        for i in range(0, len(prompts), bs):
-            dist.broadcast_object("more")
-            if mode == "ar":
-                res += generate(engine, prompts[i:i + bs], params, "ar")
-            else:
-                res += generate(engine, prompts[i:i + bs], params, "redrafter", proposer=mode)
-        return res
+    def run_group(mode: str, group: list[list[int]]):
+        dist.broadcast_object("more")
+        if mode == "ar":
+            return generate(engine, group, params, "ar")
+        return generate(engine, group, params, "redrafter", proposer=mode)
+
+    def groups(bs: int) -> list[list[list[int]]]:
+        return [prompts[i:i + bs] for i in range(0, len(prompts), bs)]
 
     for bs in batches:
         for mode in modes:  # warm-up (excluded): first variants compile / capture here
-            run(mode, bs)
+            for g in groups(bs):
+                run_group(mode, g)
     rows = []
     for bs in batches:
-        tpot, step, propose, widths = ({m: [] for m in modes} for _ in range(4))
-        last = {}
+        # Modes interleaved per request group (the order rotating), not one mode's whole run after another: this
+        # machine has slow phases lasting seconds, which then slow every mode alike. The speedup of a round is AR's
+        # mean TPOT over the mode's, over the same groups; the row gives the median over rounds.
+        tpot, ratios, group_ratios = ({m: [] for m in modes} for _ in range(3))
+        seconds, steps, propose = ({m: 0.0 for m in modes} for _ in range(3))
+        widths: dict[str, dict[int, int]] = {m: {} for m in modes}
+        last: dict[str, list] = {}
+        k = 0
         for rep in range(args.repeats):
-            for mode in modes[rep % len(modes):] + modes[:rep % len(modes)]:
-                engine.step_times.reset()
-                res = run(mode, bs)
-                st = engine.step_times  # an N-gram request with nothing worth drafting takes an AR step
-                steps = st.steps["ar"] + st.steps["redrafter"]
-                tpot[mode].append(statistics.median(r.ms_per_token for r in res))
-                step[mode].append(1e3 * (st.seconds["ar"] + st.seconds["redrafter"]) / steps)
-                propose[mode].append(1e3 * st.seconds["propose"] / steps)
-                widths[mode].append(dict(st.widths))
-                last[mode] = res
-        ar_ms, ar_step = statistics.median(tpot["ar"]), statistics.median(step["ar"])
+            results: dict[str, list] = {m: [] for m in modes}
+            sums = {m: 0.0 for m in modes}
+            for g in groups(bs):
+                group_tpot = {}
+                for mode in modes[k % len(modes):] + modes[:k % len(modes)]:
+                    engine.step_times.reset()
+                    res = run_group(mode, g)
+                    st = engine.step_times  # an N-gram request with nothing worth drafting takes an AR step
+                    seconds[mode] += st.seconds["ar"] + st.seconds["redrafter"]
+                    steps[mode] += st.steps["ar"] + st.steps["redrafter"]
+                    propose[mode] += st.seconds["propose"]
+                    if rep == args.repeats - 1:
+                        for w, n in st.widths.items():
+                            widths[mode][w] = widths[mode].get(w, 0) + n
+                    group_tpot[mode] = statistics.median(r.ms_per_token for r in res)
+                    results[mode] += res
+                k += 1
+                for mode in modes:
+                    group_ratios[mode].append(group_tpot["ar"] / group_tpot[mode])
+                    sums[mode] += group_tpot[mode]
+            for mode in modes:
+                tpot[mode].append(statistics.median(r.ms_per_token for r in results[mode]))
+                ratios[mode].append(sums["ar"] / sums[mode])
+            last = results
+        ar_step = 1e3 * seconds["ar"] / max(1, steps["ar"])
         for mode in modes:
             res = last[mode]
+            step_ms = 1e3 * seconds[mode] / max(1, steps[mode])
             row = {"batch_size": bs, "mode": mode, "ms_per_token": statistics.median(tpot[mode]),
-                   "step_ms": statistics.median(step[mode]), "propose_ms_per_step": statistics.median(propose[mode]),
+                   "step_ms": step_ms, "propose_ms_per_step": 1e3 * propose[mode] / max(1, steps[mode]),
                    "tokens_per_step": statistics.mean(r.tokens_per_step for r in res) if mode != "ar" else 1.0,
                    "acceptance_rate": (sum(r.accepted_draft_tokens for r in res) / max(1, sum(r.draft_tokens for r in res))
                                        if mode != "ar" else None),
                    "greedy_outputs_equal": [r.output_ids for r in res] == [r.output_ids for r in last["ar"]],
-                   "steps_by_width": widths[mode][-1]}
-            row["speedup"] = ar_ms / row["ms_per_token"]
+                   "steps_by_width": widths[mode], "round_speedups": ratios[mode], "group_speedups": group_ratios[mode]}
+            row["speedup"] = statistics.median(ratios[mode])
             row["step_cost_ratio"] = row["step_ms"] / ar_step
             row["propose_share"] = row["propose_ms_per_step"] / row["step_ms"] if row["step_ms"] else 0.0
             rows.append(row)
-            print(f"batch {bs}: {mode} {row['ms_per_token']:.3f} ms/token ({row['speedup']:.2f}x AR)", file=sys.stderr)
+            print(f"batch {bs}: {mode} {row['ms_per_token']:.3f} ms/token ({row['speedup']:.2f}x AR, paired)",
+                  file=sys.stderr)
 
     hf = {}
     if args.hf_model and ecfg.tp_size == 1:
