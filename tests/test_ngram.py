@@ -227,7 +227,7 @@ def test_a_batch_mixing_proposers_equals_ar(pair):
     engine = load_engine(engine_dir)
     sched = Scheduler(engine)
     kinds = ["ngram", "redrafter", "mixed", "ngram", "mixed"]
-    reqs = [sched.submit(Request(str(i), RequestSpec(p, greedy(MAX_NEW), proposer=k))) for i, (p, k) in
+    reqs = [sched.submit(Request(i, RequestSpec(p, greedy(MAX_NEW), proposer=k))) for i, (p, k) in
             enumerate(zip(prompts, kinds))]
     sched.run_until_idle()
     assert [r.seq.output for r in reqs] == ar

@@ -42,7 +42,7 @@ def test_requests_joining_mid_run_keep_their_greedy_output(tiny):
     engine_dir, prompts, ar = tiny
     engine = load_engine(engine_dir, OracleProposer(engine_dir, dict(enumerate(ar)), corrupt_every=3))
     sched = Scheduler(engine)
-    reqs = [Request(str(i), RequestSpec(p, greedy(MAX_NEW))) for i, p in enumerate(prompts)]
+    reqs = [Request(i, RequestSpec(p, greedy(MAX_NEW))) for i, p in enumerate(prompts)]
     streamed, finals = _collect(sched, reqs)
     sched.submit(reqs[0])
     for _ in range(3):
@@ -81,7 +81,7 @@ def test_kv_preemption_recomputes_without_changing_outputs(tiny):
     # room for about two requests: the other four wait, and running ones get preempted as they grow
     engine = load_engine(engine_dir, kv_cache_tokens=2 * (13 + MAX_NEW + 10) + 64)
     sched = Scheduler(engine)
-    reqs = [sched.submit(Request(str(i), RequestSpec(p, greedy(MAX_NEW)))) for i, p in enumerate(prompts)]
+    reqs = [sched.submit(Request(i, RequestSpec(p, greedy(MAX_NEW)))) for i, p in enumerate(prompts)]
     streamed, _ = _collect(sched, reqs)
     sched.run_until_idle()
     assert sched.metrics().preemptions > 0
@@ -94,7 +94,7 @@ def test_fcfs_admission_is_bounded_by_batch_size_and_token_budget(tiny):
     engine = load_engine(engine_dir)
     sched = Scheduler(engine, max_num_tokens=18)  # the 13-token prompt cannot join the 6-token one in a step
     for i, p in enumerate(prompts):
-        sched.submit(Request(str(i), RequestSpec(p, greedy(4))))
+        sched.submit(Request(i, RequestSpec(p, greedy(4))))
     sched.step_once()
     m = sched.metrics()
     assert (m.running, m.waiting) == (1, 5)  # request 1 blocks the shorter ones behind it: no overtaking
@@ -107,3 +107,17 @@ def test_a_request_that_can_never_fit_the_kv_cache_is_refused(tiny):
     engine = load_engine(engine_dir, kv_cache_tokens=48)
     with pytest.raises(UserError, match="max-tokens-in-paged-kv-cache"):
         Scheduler(engine).submit(Request("x", RequestSpec(prompts[1], greedy(MAX_NEW))))
+
+
+def test_one_id_names_a_request_from_the_client_to_the_kv_cache(tiny):
+    """The scheduler admits a request under its own id: the engine's sequence, the TP plan and the KV cache's blocks
+    are all keyed by Request.request_id (a Triton key here), not by a second, engine-made number."""
+    engine_dir, prompts, _ = tiny
+    engine = load_engine(engine_dir)
+    sched = Scheduler(engine)
+    reqs = [sched.submit(Request(f"triton-{i}", RequestSpec(p, greedy(4)))) for i, p in enumerate(prompts[:2])]
+    sched.step_once()
+    assert [r.seq.seq_id for r in reqs] == ["triton-0", "triton-1"]
+    assert all(engine.cache.has(r.request_id) for r in reqs)
+    sched.run_until_idle()
+    assert not any(engine.cache.has(r.request_id) for r in reqs)

@@ -35,7 +35,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Hashable, Optional
 
 import torch
 from safetensors.torch import load_file
@@ -90,7 +90,7 @@ COST_POINT_S = 0.25  # ... so that each point takes about this long
 class StepEvent:
     """What one step did for one request (streamed to clients)."""
 
-    seq_id: int
+    seq_id: Hashable  # the request's id (Request.request_id), or the engine's own count
     new_tokens: list[int]
     finished: bool
 
@@ -308,9 +308,11 @@ class Engine:
         """The proposer that fills `seq`'s trees (a test's oracle, when the engine was given one)."""
         return self.override or self.proposers[seq.proposer]
 
-    def new_sequence(self, spec: RequestSpec, seq_id: int | None = None) -> Sequence:
+    def new_sequence(self, spec: RequestSpec, seq_id: Hashable | None = None) -> Sequence:
         """Validate a request against the engine's limits and make its state. The spec's `proposer` (redrafter,
-        ngram, mixed) overrides the engine's default for this request."""
+        ngram, mixed) overrides the engine's default for this request. `seq_id`: the request's own id (the
+        scheduler passes Request.request_id, so one id names a request everywhere); by default the engine counts
+        from 0. Negative integers are the engine's own (throw-away sequences of the cost model)."""
         if spec.mode not in DECODING_MODES:
             raise UserError(f"mode must be one of {', '.join(DECODING_MODES)}, got {spec.mode!r}.")
         name = spec.proposer or self.cfg.proposer.proposer
@@ -392,7 +394,7 @@ class Engine:
         prompt = [s for s in seqs if s.in_prompt_phase]
         decode = [s for s in seqs if not s.in_prompt_phase]
         emitted: dict[int, list[int]] = {}
-        compose: dict[int, Optional[Draft]] = {}  # seq_id -> the device's draft (mixed) or None: next tree on host
+        compose: dict[Hashable, Optional[Draft]] = {}  # seq_id -> the device's draft (mixed) or None: next tree on host
         if decode:
             decision = decision if decision is not None else self.decide(decode)
             self._run_decode(decode, decision, emitted, compose)
@@ -422,7 +424,7 @@ class Engine:
         return events
 
     def _run_decode(self, group: list[Sequence], decision: StepDecision, emitted: dict[int, list[int]],
-                    compose: dict[int, Optional[Draft]]) -> None:
+                    compose: dict[Hashable, Optional[Draft]]) -> None:
         """Launch one decode step for `group`, read it back, and record what it did for each request."""
         t0 = time.perf_counter()
         out, layout = self._launch(decision, group)
@@ -472,7 +474,7 @@ class Engine:
         return self.override is None and self.drafter is not None and any(
             s.speculative and self.proposers[s.proposer].on_device for s in seqs)
 
-    def _compose_on_host(self, seqs: list[Sequence], device: dict[int, Optional[Draft]]) -> None:
+    def _compose_on_host(self, seqs: list[Sequence], device: dict[Hashable, Optional[Draft]]) -> None:
         """The next tree of each of `seqs` (drafts, packed by its next tree step): its proposer's `compose`, from the
         device's draft where the proposer wants it; None keeps the tree the step packed (or leaves none)."""
         if not seqs:
@@ -591,7 +593,7 @@ class Engine:
         """The same call on padding slots only (what a CUDA-graph capture may run for real)."""
         return (torch.full_like(slots, self.state.padding_slot), *rest)
 
-    def _prefill(self, seqs: list[Sequence], compose: dict[int, Optional[Draft]]) -> list[int]:
+    def _prefill(self, seqs: list[Sequence], compose: dict[Hashable, Optional[Draft]]) -> list[int]:
         """Prompt step (eager) for newly admitted (or preempted) requests -> their first true tokens; their first trees
         drafted on the device (their nodes in `seq.tree`), and the rows whose first tree the host composes put into
         `compose` (with the device's draft, where the proposer wants it)."""

@@ -39,7 +39,7 @@ def generate(engine: Engine, prompts: list[list[int]], params: SamplingConfig | 
     if isinstance(params, SamplingConfig):
         params = [params] * len(prompts)
     sched = Scheduler(engine)
-    reqs = [sched.submit(Request(str(i), RequestSpec(p, sp, mode, proposer, tuple(stop_ids))))
+    reqs = [sched.submit(Request(i, RequestSpec(p, sp, mode, proposer, tuple(stop_ids))))
             for i, (p, sp) in enumerate(zip(prompts, params))]
     sched.run_until_idle()
     engine.dist.broadcast_object(None)  # release the follower ranks

@@ -18,6 +18,7 @@ rejected entries are simply overwritten later.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Hashable
 
 import torch
 
@@ -50,7 +51,7 @@ class PagedKVCache:
         self.block_table = self._table.to(device)  # [max_slots, max_blocks_per_seq] what steps read
         self._dirty = False
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low block ids first
-        self._seqs: dict[int, _SeqBlocks] = {}
+        self._seqs: dict[Hashable, _SeqBlocks] = {}
 
     # ---- accounting -----------------------------------------------------------------------------------
     @property
@@ -61,7 +62,7 @@ class PagedKVCache:
     def used_blocks(self) -> int:
         return self.num_blocks - len(self._free)
 
-    def blocks_needed(self, seq_id: int, num_tokens: int) -> int:
+    def blocks_needed(self, seq_id: Hashable, num_tokens: int) -> int:
         have = len(self._seqs[seq_id].blocks) if seq_id in self._seqs else 0
         return max(0, -(-num_tokens // self.block_size) - have)
 
@@ -69,7 +70,7 @@ class PagedKVCache:
         blocks = -(-num_tokens // self.block_size)
         return blocks <= self.num_blocks and blocks <= self.max_blocks_per_seq
 
-    def reserve(self, seq_id: int, num_tokens: int) -> None:
+    def reserve(self, seq_id: Hashable, num_tokens: int) -> None:
         """Make sure `seq_id` owns slots for positions [0, num_tokens)."""
         need = self.blocks_needed(seq_id, num_tokens)
         if need > len(self._free):
@@ -82,13 +83,13 @@ class PagedKVCache:
         if need and seq.slot >= 0:
             self._write_row(seq)
 
-    def bind(self, seq_id: int, slot: int) -> None:
+    def bind(self, seq_id: Hashable, slot: int) -> None:
         """Mirror `seq_id`'s blocks into block-table row `slot` (the sequence's batch slot)."""
         seq = self._seqs.setdefault(seq_id, _SeqBlocks())
         seq.slot = slot
         self._write_row(seq)
 
-    def free(self, seq_id: int) -> None:
+    def free(self, seq_id: Hashable) -> None:
         seq = self._seqs.pop(seq_id, None)
         if seq is not None:
             self._free.extend(reversed(seq.blocks))
@@ -96,10 +97,10 @@ class PagedKVCache:
                 self._table[seq.slot] = self.scratch_block
                 self._dirty = True
 
-    def has(self, seq_id: int) -> bool:
+    def has(self, seq_id: Hashable) -> bool:
         return seq_id in self._seqs
 
-    def blocks(self, seq_id: int) -> list[int]:
+    def blocks(self, seq_id: Hashable) -> list[int]:
         return list(self._seqs[seq_id].blocks)
 
     def sync(self) -> None:
@@ -115,7 +116,7 @@ class PagedKVCache:
         self._dirty = True
 
     # ---- addressing (host, for tests and tools) ---------------------------------------------------------
-    def slots(self, seq_id: int, start: int, end: int) -> torch.Tensor:
+    def slots(self, seq_id: Hashable, start: int, end: int) -> torch.Tensor:
         """Flat slot indices of positions [start, end) of `seq_id`. LongTensor[end - start] on the cache device."""
         blocks = self._seqs[seq_id].blocks
         assert end <= len(blocks) * self.block_size, (seq_id, end, len(blocks), self.block_size)

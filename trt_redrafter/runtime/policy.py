@@ -50,7 +50,7 @@ import os
 import platform
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Hashable, Iterable, Optional
 
 from ..log import get_logger
 from .step import SCORE_SCALE
@@ -302,7 +302,7 @@ class Calibration:
 class Candidate:
     """One decoding request as the policy sees it."""
 
-    seq_id: int
+    seq_id: Hashable
     speculative: bool  # mode redrafter (an AR request rides along with keep 1)
     scores: Optional[list[int]]  # its tree's node scores, best first (root first), or None: no tree yet
     calibration: Optional[Calibration] = None
@@ -317,7 +317,7 @@ class StepDecision:
     tree step over `width` nodes that keeps keep[seq_id] of them per request and drafts the next trees (`draft`)."""
 
     width: int
-    keep: dict[int, int] = field(default_factory=dict)
+    keep: dict[Hashable, int] = field(default_factory=dict)
     draft: bool = True
     expected: float = 0.0  # tokens per request the policy expected (tree steps), for the record
     compose: bool = True  # host proposers compose the next trees after this step (not while the policy rests)
@@ -459,6 +459,6 @@ class Policy:
         return list(itertools.accumulate(map(p, c.scores[1:]), initial=0.0))
 
     @staticmethod
-    def _keep(cands: list[Candidate], width: int) -> dict[int, int]:
+    def _keep(cands: list[Candidate], width: int) -> dict[Hashable, int]:
         return {c.seq_id: (min(width, len(c.scores)) if c.speculative and c.scores and c.fresh else 1)
                 for c in cands}

@@ -43,7 +43,7 @@ OnTokens = Callable[["Request", list[int], bool], None]  # (request, new tokens,
 class PlannedRequest:
     """One request of a step plan: what a follower rank needs to make (or find) the same Sequence."""
 
-    seq_id: int
+    seq_id: Hashable  # the request's id
     spec: RequestSpec
     output: list[int]  # tokens emitted so far (a request re-admitted after preemption resumes from them)
 
@@ -126,7 +126,7 @@ class Scheduler:
         """Validate every request, then queue them all or none (one Triton request with a batch of prompts is
         answered as a whole); raises UserError naming the first request the engine cannot serve."""
         for req in reqs:
-            req.seq = self.engine.new_sequence(req.spec)
+            req.seq = self.engine.new_sequence(req.spec, seq_id=req.request_id)
             n, max_tokens = len(req.spec.prompt), req.spec.params.max_tokens
             if n > self.max_num_tokens:
                 raise UserError(f"the prompt has {n} tokens but one step may hold at most "

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Hashable, Optional
 
 from ..config import DecodingMode, SamplingConfig
 
@@ -65,7 +65,7 @@ class TreeNodes:
 class Sequence:
     """A request admitted by the engine (`Engine.new_sequence`): its `spec` and the state of its decoding."""
 
-    seq_id: int
+    seq_id: Hashable  # the request's id (Request.request_id), one id from the client to the KV cache
     spec: RequestSpec
     max_len: int  # prompt + output limit (engine max_seq_len)
     output: list[int] = field(default_factory=list)
