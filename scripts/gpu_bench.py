@@ -116,13 +116,13 @@ def quantized(pair: Pair, mode: str, calib_ids: list[list[int]], group_size: int
     if mode == "none":
         return pair.cfg, pair.tensors
     from trt_redrafter.checkpoint.calibration import fp8_amax
-    from trt_redrafter.checkpoint.quantization import parse_quantization, store_quantized
+    from trt_redrafter.checkpoint.quantization import store_quantized
 
     cfg0 = pair.cfg
     m = cfg0.checkpoint.model
     raw = build_pretrained_config(m, cfg0.checkpoint.drafter, cfg0.tree, 1, quantize=mode, group_size=group_size)
     info = parse_checkpoint_config(raw, where=f"gpu_bench --quantize {mode}")
-    quant = parse_quantization(raw, "gpu_bench")
+    quant = info.quant
     tensors = pair.tensors
     if quant.stored_quantized:
         if not quant.fp8:
@@ -132,15 +132,13 @@ def quantized(pair: Pair, mode: str, calib_ids: list[list[int]], group_size: int
     return dataclasses.replace(cfg0, checkpoint=info), tensors
 
 
-LINEAR_BITS = {"none": None, "fp8": 8, "int8_wo": 8, "int4_wo": 4}
-
-
-def quantized_base_bytes(pair: Pair, mode: str) -> int:
-    """The bytes an AR step reads of the base in `mode`: the transformer layers' linear weights at the mode's width
-    (scales are a rounding error), everything else as stored."""
-    bits = LINEAR_BITS.get(mode)
-    if bits is None:
+def quantized_base_bytes(pair: Pair, cfg: EngineConfig) -> int:
+    """The bytes an AR step reads of the base as `cfg` quantizes it: the transformer layers' linear weights at the
+    quantization's width (8 bits for FP8; scales are a rounding error), everything else as stored."""
+    quant = cfg.checkpoint.quant
+    if quant is None:
         return pair.base_bytes
+    bits = 8 if quant.fp8 else quant.bits
     linear = sum(t.numel() * t.element_size() for k, t in pair.tensors.items()
                  if k.startswith("transformer.layers.") and k.endswith(".weight") and t.dim() == 2)
     return pair.base_bytes - linear + linear * bits // (8 * pair.tensors["transformer.ln_f.weight"].element_size())
@@ -481,7 +479,7 @@ def main() -> int:
             prompts = prompts_for(b, args.prompt_len, m.vocab_size, args.seed)
             ar = measure(engine, prompts, args.max_tokens, "ar", args.repeats)
             rd = measure(engine, prompts, args.max_tokens, "redrafter", args.repeats)
-            floor_ms = (quantized_base_bytes(pair, quant) + b * mean_ctx * kv_per_token) / bw * 1e3
+            floor_ms = (quantized_base_bytes(pair, cfg) + b * mean_ctx * kv_per_token) / bw * 1e3
             row = {"quantize": quant, "kernels": engine.kernels, "compile": engine.compiler.mode, "batch": b, "warmup_s": warm,
                    "ar_step_ms": ar["step_ms"], "ar_tpot_ms": ar["tpot_ms"],
                    "rd_step_ms": rd["step_ms"], "rd_tpot_ms": rd["tpot_ms"], "rd_tokens_per_step": rd["tokens_per_step"],

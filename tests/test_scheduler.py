@@ -119,5 +119,7 @@ def test_one_id_names_a_request_from_the_client_to_the_kv_cache(tiny):
     sched.step_once()
     assert [r.seq.seq_id for r in reqs] == ["triton-0", "triton-1"]
     assert all(engine.cache.has(r.request_id) for r in reqs)
+    with pytest.raises(ValueError, match="triton-0"):  # a second live sequence may not take an id in flight
+        engine.new_sequence(RequestSpec(prompts[0], greedy(4)), seq_id="triton-0")
     sched.run_until_idle()
     assert not any(engine.cache.has(r.request_id) for r in reqs)

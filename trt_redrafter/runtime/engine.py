@@ -327,6 +327,8 @@ class Engine:
                             f"{name!r} drafts do not have; use acceptance 'exact' (distribution-exact).")
         self.build.check_request(spec.prompt, spec.params.max_tokens, self.vocab_size)
         sid = next(self._ids) if seq_id is None else seq_id
+        if self.cache.has(sid):  # two live sequences under one id would share KV blocks
+            raise ValueError(f"sequence id {sid!r} already holds KV blocks on this engine; release it first")
         spec = dataclasses.replace(spec, prompt=list(spec.prompt),
                                    stop_sequences=tuple(tuple(q) for q in spec.stop_sequences if q))
         return Sequence(sid, spec, self.build.max_seq_len, proposer=name)

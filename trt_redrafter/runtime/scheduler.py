@@ -317,7 +317,7 @@ class Scheduler:
 
 def follow(engine: Engine) -> None:
     """Non-driver ranks: mirror rank 0's scheduler, one broadcast plan at a time, until it says stop."""
-    seqs: dict[int, Sequence] = {}
+    seqs: dict[Hashable, Sequence] = {}
     while True:
         msg = engine.dist.broadcast_object(None)
         if msg is None:
