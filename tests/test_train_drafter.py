@@ -143,6 +143,38 @@ def test_the_schedule_streams_a_few_shards_and_visits_every_position_once_per_ep
     assert again == ref
 
 
+def test_shards_in_memory_default_holds_every_shard_that_fits(tmp_path, monkeypatch):
+    """--shards-in-memory 0 (the default) holds the whole corpus when a quarter of the memory holds it, else as many
+    shards as fit (never none); an explicit count is kept, capped at the corpus; a negative count is refused."""
+    import torch
+
+    from trt_redrafter.errors import UserError
+    from trt_redrafter.training import corpus as cm
+    from trt_redrafter.training import loop
+    from trt_redrafter.training.config import DrafterTrainConfig
+
+    c = cm.ShardedCorpus(tmp_path, {"t": 1}, 6)
+    for i in range(6):
+        toks = torch.arange(16).reshape(2, 8)
+        c.write(i, cm.Shard(toks, toks, torch.zeros(2, 8, 64), torch.tensor([2, 2]), torch.tensor([8, 8])))
+    per_shard = 2 * max(c.shard_path(i).stat().st_size for i in range(6))
+    auto, three = DrafterTrainConfig(), DrafterTrainConfig(shards_in_memory=3)
+    assert auto.shards_in_memory == 0
+    assert loop.shards_in_memory(auto, c, world=1) == 6
+    assert loop.shards_in_memory(three, c, world=1) == 3
+    assert loop.shards_in_memory(DrafterTrainConfig(shards_in_memory=50), c, world=1) == 6
+    page = 4096
+    pages = {"SC_PAGE_SIZE": page, "SC_PHYS_PAGES": loop.MEMORY_SHARE * 4 * per_shard // page + 1}
+    monkeypatch.setattr(loop.os, "sysconf", lambda name: pages[name])  # memory for 4 shards in the quarter
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert loop.shards_in_memory(auto, c, world=1) == 4
+    assert loop.shards_in_memory(auto, c, world=2) == 2  # two processes on the machine share it
+    pages["SC_PHYS_PAGES"] = 1
+    assert loop.shards_in_memory(auto, c, world=1) == 1
+    with pytest.raises(UserError, match="--shards-in-memory"):
+        DrafterTrainConfig(shards_in_memory=-1).validate()
+
+
 def _take(it, n):
     out = []
     for x in it:

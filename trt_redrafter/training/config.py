@@ -65,8 +65,10 @@ class DrafterTrainConfig(ConfigBase):
     save_every: int = option(100, help="checkpoint every N steps")
     resume: bool = option(False, help="continue from the work directory's checkpoint")
     stop_after: int = option(0, help="end this run after N steps, leaving a checkpoint to --resume from")
-    shards_in_memory: int = option(4, help="corpus shards (of --gen-batch-size sequences) held in memory while "
-                                           "training")
+    shards_in_memory: int = option(0, help="corpus shards (of --gen-batch-size sequences) held in memory while "
+                                           "training; each batch is drawn from the shards held, so fewer shards "
+                                           "let the drafter overfit the few conversations it sees at a time. 0 "
+                                           "(default): every shard, or as many as a quarter of the memory holds")
     dtype: str = option("float32", help="dtype of the written weights", choices=tuple(DTYPES))
     generator: str = option("engine", choices=GENERATORS,
                             help="who writes the corpus: engine (default: the project's torch engine, "
@@ -81,10 +83,13 @@ class DrafterTrainConfig(ConfigBase):
 
     def validate(self) -> None:
         for n in ("draft_len", "steps", "batch_size", "seq_len", "prompt_min", "prompt_max", "num_sequences",
-                  "eval_sequences", "gen_batch_size", "save_every", "shards_in_memory"):
+                  "eval_sequences", "gen_batch_size", "save_every"):
             v = getattr(self, n)
             if not isinstance(v, int) or v <= 0:
                 raise UserError(f"--{n.replace('_', '-')}: expected a positive integer, got {v!r}.")
+        if not isinstance(self.shards_in_memory, int) or self.shards_in_memory < 0:
+            raise UserError(f"--shards-in-memory: expected 0 (as many as fit) or a positive integer, got "
+                            f"{self.shards_in_memory!r}.")
         if self.stop_after < 0:
             raise UserError(f"--stop-after: expected a step count >= 0, got {self.stop_after}.")
         if sum(bool(x) for x in (self.data, self.prompts, self.magpie)) > 1:

@@ -186,6 +186,25 @@ def build_split(corpus: corpus_mod.ShardedCorpus, source: Source, generator, cfg
         corpus.refresh()
 
 
+MEMORY_SHARE = 4  # --shards-in-memory 0 holds shards in up to 1/MEMORY_SHARE of the machine's memory
+
+
+def shards_in_memory(cfg: DrafterTrainConfig, corpus: corpus_mod.ShardedCorpus, world: int) -> int:
+    """How many shards training holds at a time: --shards-in-memory, or with 0 every shard where they fit in a
+    quarter of the machine's memory (shared by the processes of one machine), else as many as do. A batch is drawn
+    from the positions of the shards held, and neighbouring positions of one conversation predict nearly the same
+    tokens: with few shards held the drafter fits those few conversations for a hundred steps, then the next ones
+    (its training loss falls 4x within a group and jumps back at the next), instead of learning from all of them
+    at once."""
+    if cfg.shards_in_memory:
+        return min(cfg.shards_in_memory, corpus.num_shards)
+    # a loaded shard holds its tokens and targets as int64 (4x their int16/int32 size on disk): 2x the file, at most
+    per_shard = 2 * max(corpus.shard_path(i).stat().st_size for i in range(corpus.num_shards))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    budget = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (MEMORY_SHARE * max(1, local))
+    return max(1, min(corpus.num_shards, budget // per_shard))
+
+
 def _train_spec(cfg: DrafterTrainConfig, exit_dim: int, world: int) -> dict:
     keys = ("draft_len", "num_layers", "rnn", "draft_vocab", "steps", "lr", "warmup", "weight_decay", "batch_size",
             "seed", "shards_in_memory")
@@ -247,6 +266,10 @@ def train_drafter(base_model: str | Path, output: str | Path, cfg: DrafterTrainC
         build_split(eval_corpus, held_src, gen, cfg, pad_id, rank, world, "held-out corpus", progress)
         gen.close()
         gen_s = time.time() - t_start
+        held = shards_in_memory(cfg, train_corpus, world)
+        if held != cfg.shards_in_memory:
+            log.info("holding %d of the corpus's %d shards in memory while training", held, train_corpus.num_shards)
+        cfg = dataclasses.replace(cfg, shards_in_memory=held)  # the number held, in the checkpoint and training.json
         model = load_base(base_model, torch.device("cpu"))
         embed = model.get_input_embeddings().weight.detach().float().to(device)  # [V, H], frozen
         out_head = model.get_output_embeddings().weight.detach().float()  # [V, H]
