@@ -198,7 +198,8 @@ def shards_in_memory(cfg: DrafterTrainConfig, corpus: corpus_mod.ShardedCorpus, 
     at once."""
     if cfg.shards_in_memory:
         return min(cfg.shards_in_memory, corpus.num_shards)
-    # a loaded shard holds its tokens and targets as int64 (4x their int16/int32 size on disk): 2x the file, at most
+    # a loaded shard holds its tokens and targets as int64 (twice their int32 on disk) beside its bf16 hidden states:
+    # less than twice the file
     per_shard = 2 * max(corpus.shard_path(i).stat().st_size for i in range(corpus.num_shards))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     budget = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (MEMORY_SHARE * max(1, local))
