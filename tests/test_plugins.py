@@ -4,7 +4,9 @@ kernels, greedy output equal to AR and HF, under the interpreter."""
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ from trt_redrafter import plugins  # noqa: E402
 from trt_redrafter.decoding import acceptance, beam_search, sampling, tree  # noqa: E402
 from trt_redrafter.model.attention import AttentionMeta, torch_tree_attention  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[1]
 DEV = torch.device("cuda" if CUDA else "cpu")
 gpu = pytest.mark.skipif(not CUDA, reason="realistic shapes need a CUDA GPU")
 
@@ -266,23 +269,50 @@ def _wo_case(n, k, bits, group, seed):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("bits,n,k,group", [(8, 72, 96, 96), (4, 40, 128, 64), (4, 33, 64, 64), (8, 48, 160, 32)])
+@pytest.mark.parametrize("bits,n,k,group", [(8, 72, 96, 96), (4, 40, 128, 64), (4, 33, 64, 64), (8, 48, 160, 32),
+                                            (4, 24, 512, 128)])
 def test_weight_only_gemm_matches_the_dequantized_weight(dtype, bits, n, k, group):
     """int8 / int4, per channel and per group, ragged N: every row against float64 x @ (q * s)^T; a row's bits do not
-    depend on how many rows share the call (M = 1 vs 5 vs 17)."""
+    depend on how many rows share the call (M = 1, 5, 17 and 40: one to three row tiles)."""
     from trt_redrafter.plugins import weight_only
     w = _wo_case(n, k, bits, group, seed=bits + n)
-    q, s = weight_only.pack(w.q, w.scales, bits)
-    assert q.numel() == n * k * bits // 8
-    x = torch.randn(17, k, generator=torch.Generator().manual_seed(n)).to(dtype)
+    q, s = weight_only.pack(w.q, w.scales, bits, group)
+    bk = weight_only.tiles_for(bits, group, k).block_k
+    assert q.numel() == n * (k if bits == 8 else -(-k // bk) * bk // 2)
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(n)).to(dtype)
     ref = x.double() @ (w.q.double() * w.scales.double().repeat_interleave(group, dim=1)[:, :k]).T
     out = weight_only.wo_linear(x.to(DEV), q.to(DEV), s.to(DEV), bits, group).cpu()
-    assert out.dtype == dtype and out.shape == (17, n)
+    assert out.dtype == dtype and out.shape == (40, n)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol * float(ref.abs().max()))
-    for m in (1, 5):
+    for m in (1, 5, 17):
         alone = weight_only.wo_linear(x[:m].contiguous().to(DEV), q.to(DEV), s.to(DEV), bits, group).cpu()
-        assert torch.equal(alone, out[:m])
+        assert torch.equal(alone, out[:m]), m
+
+
+def test_weight_only_tiles_take_a_short_group_as_their_block_k():
+    from trt_redrafter.plugins import weight_only
+    assert weight_only.tiles_for(4, 32, 4096).block_k == 32
+    assert weight_only.tiles_for(8, 4096, 4096) == weight_only.TILES[(8, True)]
+
+
+def test_weight_only_tile_search_runs_and_applies_its_best(tmp_path, monkeypatch):
+    """scripts/wo_gemm_tune.py on the tiny shapes (interpreted here): every kind gets a best tile, each candidate's
+    output was checked against the dequantized weight, and --apply puts the best into the kernel's table."""
+    import importlib.util
+    from trt_redrafter.plugins import weight_only
+    spec = importlib.util.spec_from_file_location("wo_gemm_tune", ROOT / "scripts" / "wo_gemm_tune.py")
+    tune = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tune)
+    monkeypatch.setattr(weight_only, "TILES", dict(weight_only.TILES))
+    out = tmp_path / "tune.json"
+    assert tune.main(["--shapes", "tiny", "--rows", "1,5", "--kinds", "int8,int4_g128", "--budget-s", "4",
+                      "--rep-ms", "1", "--apply", "--output", str(out)]) == 0
+    result = json.loads(out.read_text())
+    best = {k: weight_only.Tiles(*v["best"]) for k, v in result["kinds"].items()}
+    assert set(best) == {"int8", "int4_g128"}
+    assert weight_only.TILES[(8, True)] == best["int8"] and weight_only.TILES[(4, False)] == best["int4_g128"]
+    assert all(len(times) == 4 for times in result["kinds"]["int8"]["times"].values())  # 2 shapes x 2 row counts
 
 
 # ---- the engine on the kernels ------------------------------------------------------------------------------------

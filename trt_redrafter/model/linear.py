@@ -260,7 +260,7 @@ class Linear(nn.Module):
                 return
             if weight.q.is_cuda and _cuda_weight_only():
                 from ..plugins import weight_only
-                self.packed, scales = weight_only.pack(weight.q, weight.scales, weight.bits)
+                self.packed, scales = weight_only.pack(weight.q, weight.scales, weight.bits, weight.group_size)
                 self.quant = (scales, weight.bits, weight.group_size)
                 return
             weight = weight.dequantize()
