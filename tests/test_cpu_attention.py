@@ -86,6 +86,24 @@ def test_a_rows_attention_does_not_depend_on_the_tokens_beside_it(dtype):
         assert torch.equal(alone[:, 0], together[:, t]), t
 
 
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_a_rows_attention_does_not_depend_on_how_the_threads_split_the_rows(dtype):
+    """The kernel gives each thread the rows of one KV head and a run of new tokens, split as far as the threads need
+    work: 1 thread, 2 or 4 split a 9-token tree of two requests differently, and every row keeps its bits."""
+    dt = DTYPES[dtype]
+    _need(dt)
+    q, kc, vc, meta = _case(torch.Generator().manual_seed(5), dt, 2, 9, 9, 3, 64, 16, [70, 23], 6)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 4):
+            torch.set_num_threads(n)
+            outs.append(cpu_tree_attention(q, kc, vc, meta, 0.125))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+
+
 def test_refusals():
     _need(torch.float32)
     q, kc, vc, meta = _case(torch.Generator().manual_seed(1), torch.float32, 1, 2, 4, 2, 16, 16, [10], 1)

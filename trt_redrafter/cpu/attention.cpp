@@ -47,41 +47,98 @@ inline __m512 exp_nonpos(__m512 x) {
   return _mm512_maskz_mov_ps((__mmask16)~under, _mm512_scalef_ps(p, n));
 }
 
-// One query row against the keys it sees (ND * 16 = D; q and the output accumulator stay in registers).
+// The query rows of one request that read one KV head: its `group` heads at new tokens t0 .. t1 - 1. They share every
+// key and value row they load (the committed positions: all of them; the tree's: each row its own), so a step reads
+// the cache once per KV head whatever the number of heads and new tokens. Each row's arithmetic is still the one
+// fixed sequence of the header (a row's scores, their max, exp, then sum and the weighted values in position
+// order); rows only share loads, so their bits do not depend on which rows share a call.
 template <typename T, int ND>
-void attend_row(const T* qrow, const T* kc, const T* vc, const int64_t* key_off, const int64_t* tree_off,
-                const bool* mask, int64_t n, int64_t Tn, float scale, std::vector<float>& scores,
-                std::vector<const T*>& vrows, T* orow) {
-  __m512 qv[ND], acc[ND];
-  for (int i = 0; i < ND; ++i) qv[i] = load16(qrow + 16 * i);
-  scores.clear();
-  vrows.clear();
-  auto visit = [&](int64_t off) {
-    __m512 d = _mm512_mul_ps(qv[0], load16(kc + off));
-    for (int i = 1; i < ND; ++i) d = _mm512_fmadd_ps(qv[i], load16(kc + off + 16 * i), d);
-    scores.push_back(_mm512_reduce_add_ps(d) * scale);
-    vrows.push_back(vc + off);
-  };
-  for (int64_t j = 0; j < n; ++j) visit(key_off[j]);
-  for (int64_t j = 0; j < Tn; ++j)
-    if (mask[j]) visit(tree_off[j]);
-  const int64_t S = (int64_t)scores.size();
-  float mx = -INFINITY;
-  for (float v : scores) mx = std::max(mx, v);
-  scores.resize((S + 15) / 16 * 16, -INFINITY);  // padding lanes: e^-inf = 0, never summed below
-  const __m512 vmx = _mm512_set1_ps(mx);
-  for (int64_t j = 0; j < S; j += 16)
-    _mm512_storeu_ps(scores.data() + j, exp_nonpos(_mm512_sub_ps(_mm512_loadu_ps(scores.data() + j), vmx)));
-  for (int i = 0; i < ND; ++i) acc[i] = _mm512_setzero_ps();
-  float sum = 0.f;
-  for (int64_t j = 0; j < S; ++j) {
-    sum += scores[j];
-    const __m512 p = _mm512_set1_ps(scores[j]);
-    for (int i = 0; i < ND; ++i) acc[i] = _mm512_fmadd_ps(p, load16(vrows[j] + 16 * i), acc[i]);
+struct RowGroup {
+  static constexpr int64_t D = 16 * ND;
+  static constexpr int RC = ND >= 6 ? 2 : (ND >= 4 ? 4 : (ND == 3 ? 5 : 8));  // rows per register block of values
+  std::vector<float> scores;    // [R, stride]: committed positions, then the visible tree positions
+  std::vector<int64_t> tree;    // [R, Tn]: each row's visible tree positions, in order
+  std::vector<int64_t> ntree;   // [R]
+  std::vector<float> acc;       // [R, D]
+  std::vector<float> sums;      // [R]
+
+  void run(const T* const* qrows, T* const* orows, const bool* const* masks, int64_t R, const T* kc, const T* vc,
+           const int64_t* key_off, const int64_t* tree_off, int64_t n, int64_t Tn, float scale) {
+    const int64_t stride = (n + Tn + 15) / 16 * 16;
+    scores.assign(R * stride, -INFINITY);
+    tree.resize(R * Tn);
+    ntree.assign(R, 0);
+    acc.assign(R * D, 0.f);
+    sums.assign(R, 0.f);
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t j = 0; j < Tn; ++j)
+        if (masks[r][j]) tree[r * Tn + ntree[r]++] = j;
+    auto dot = [&](const T* qrow, const __m512* kr) {
+      __m512 d = _mm512_mul_ps(load16(qrow), kr[0]);
+      for (int i = 1; i < ND; ++i) d = _mm512_fmadd_ps(load16(qrow + 16 * i), kr[i], d);
+      return _mm512_reduce_add_ps(d) * scale;
+    };
+    // scores: each committed key row loaded once for all rows; then each row's own tree keys
+    __m512 kr[ND];
+    for (int64_t j = 0; j < n; ++j) {
+      for (int i = 0; i < ND; ++i) kr[i] = load16(kc + key_off[j] + 16 * i);
+      for (int64_t r = 0; r < R; ++r) scores[r * stride + j] = dot(qrows[r], kr);
+    }
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t c = 0; c < ntree[r]; ++c) {
+        for (int i = 0; i < ND; ++i) kr[i] = load16(kc + tree_off[tree[r * Tn + c]] + 16 * i);
+        scores[r * stride + n + c] = dot(qrows[r], kr);
+      }
+    // e^(s - max) per row (padding lanes stay e^-inf = 0 and are never summed)
+    for (int64_t r = 0; r < R; ++r) {
+      float* sr = scores.data() + r * stride;
+      const int64_t S = n + ntree[r];
+      float mx = -INFINITY;
+      for (int64_t j = 0; j < S; ++j) mx = std::max(mx, sr[j]);
+      const __m512 vmx = _mm512_set1_ps(mx);
+      for (int64_t j = 0; j < S; j += 16)
+        _mm512_storeu_ps(sr + j, exp_nonpos(_mm512_sub_ps(_mm512_loadu_ps(sr + j), vmx)));
+    }
+    // values: blocks of committed positions (in L1 while RC rows at a time use them), in position order per row
+    constexpr int64_t KB = 64;
+    for (int64_t j0 = 0; j0 < n; j0 += KB) {
+      const int64_t j1 = std::min(n, j0 + KB);
+      for (int64_t r0 = 0; r0 < R; r0 += RC) {
+        const int rc = (int)std::min<int64_t>(RC, R - r0);
+        __m512 a[RC][ND];
+        for (int r = 0; r < rc; ++r)
+          for (int i = 0; i < ND; ++i) a[r][i] = _mm512_loadu_ps(acc.data() + (r0 + r) * D + 16 * i);
+        for (int64_t j = j0; j < j1; ++j) {
+          __m512 v[ND];
+          for (int i = 0; i < ND; ++i) v[i] = load16(vc + key_off[j] + 16 * i);
+          for (int r = 0; r < rc; ++r) {
+            const float p = scores[(r0 + r) * stride + j];
+            sums[r0 + r] += p;
+            const __m512 pv = _mm512_set1_ps(p);
+            for (int i = 0; i < ND; ++i) a[r][i] = _mm512_fmadd_ps(pv, v[i], a[r][i]);
+          }
+        }
+        for (int r = 0; r < rc; ++r)
+          for (int i = 0; i < ND; ++i) _mm512_storeu_ps(acc.data() + (r0 + r) * D + 16 * i, a[r][i]);
+      }
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      __m512 a[ND];
+      for (int i = 0; i < ND; ++i) a[i] = _mm512_loadu_ps(acc.data() + r * D + 16 * i);
+      float sum = sums[r];
+      for (int64_t c = 0; c < ntree[r]; ++c) {
+        const float p = scores[r * stride + n + c];
+        sum += p;
+        const __m512 pv = _mm512_set1_ps(p);
+        const T* vrow = vc + tree_off[tree[r * Tn + c]];
+        for (int i = 0; i < ND; ++i) a[i] = _mm512_fmadd_ps(pv, load16(vrow + 16 * i), a[i]);
+      }
+      const int64_t S = n + ntree[r];
+      const __m512 inv = _mm512_set1_ps(S ? 1.f / sum : 0.f);
+      for (int i = 0; i < ND; ++i) store16(orows[r] + 16 * i, _mm512_mul_ps(a[i], inv));
+    }
   }
-  const __m512 inv = _mm512_set1_ps(S ? 1.f / sum : 0.f);
-  for (int i = 0; i < ND; ++i) store16(orow + 16 * i, _mm512_mul_ps(acc[i], inv));
-}
+};
 
 template <typename T, int ND>
 void attend(const T* q, const T* kc, const T* vc, const int64_t* block_table, const int64_t* ctx_len,
@@ -97,15 +154,34 @@ void attend(const T* q, const T* kc, const T* vc, const int64_t* block_table, co
     for (int64_t pos = 0; pos < len; ++pos)
       offs[b][pos] = (block_table[b * nblk + pos / block_size] * block_size + pos % block_size) * nkv * D;
   }
-  at::parallel_for(0, bs * Tn * nh, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    std::vector<const T*> vrows;
+  // work items: (request, KV head, a run of new tokens); the new tokens are split only as far as the threads need
+  // work (which rows share an item never changes a row's bits)
+  const int64_t per_kv = bs * nkv;
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(Tn, (2 * at::get_num_threads() + per_kv - 1) / per_kv));
+  const int64_t tlen = (Tn + chunks - 1) / chunks;
+  at::parallel_for(0, per_kv * chunks, 1, [&](int64_t begin, int64_t end) {
+    RowGroup<T, ND> rows;
+    std::vector<const T*> qrows;
+    std::vector<T*> orows;
+    std::vector<const bool*> masks;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t h = item % nh, t = (item / nh) % Tn, b = item / (nh * Tn);
-      const int64_t n = ctx_len[b], kv = (h / group) * D;
+      const int64_t c = item % chunks, kvh = (item / chunks) % nkv, b = item / (chunks * nkv);
+      const int64_t t0 = c * tlen, t1 = std::min(Tn, t0 + tlen);
+      if (t0 >= t1) continue;
+      qrows.clear();
+      orows.clear();
+      masks.clear();
+      for (int64_t t = t0; t < t1; ++t)
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t h = kvh * group + g;
+          qrows.push_back(q + ((b * Tn + t) * nh + h) * D);
+          orows.push_back(out + ((b * Tn + t) * nh + h) * D);
+          masks.push_back(tree_mask + (b * Tn + t) * Tn);
+        }
+      const int64_t n = ctx_len[b];
       const int64_t* key_off = offs[b].data();
-      attend_row<T, ND>(q + ((b * Tn + t) * nh + h) * D, kc + kv, vc + kv, key_off, key_off + n,
-                        tree_mask + (b * Tn + t) * Tn, n, Tn, scale, scores, vrows, out + ((b * Tn + t) * nh + h) * D);
+      rows.run(qrows.data(), orows.data(), masks.data(), (int64_t)qrows.size(), kc + kvh * D, vc + kvh * D, key_off,
+               key_off + n, n, Tn, scale);
     }
   });
 }
