@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -84,6 +85,21 @@ def test_cost_cache_falls_back_to_the_user_cache_for_a_read_only_engine(tmp_path
 
 
 # ---- calibration -------------------------------------------------------------------------------------------------
+
+
+def test_a_cost_model_is_measured_again_when_a_step_kernel_changes(tmp_path):
+    """The cached cost model's key holds a digest of the step kernels' sources: editing a kernel (a CPU .cpp, a
+    Triton module) changes it, so the step is timed again instead of trusting costs of the old kernel."""
+    import shutil
+    src = Path(pol.__file__).resolve().parents[1] / "cpu"
+    copy = tmp_path / "cpu"
+    shutil.copytree(src, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    before = pol.kernel_sources_digest([copy])
+    assert pol.kernel_sources_digest([copy]) == before
+    (copy / "attention.cpp").write_text((copy / "attention.cpp").read_text() + "\n// edited\n")
+    assert pol.kernel_sources_digest([copy]) != before
+    import torch
+    assert pol.fingerprint(device=torch.device("cpu"))["kernel_sources"] == pol.kernel_sources_digest()
 
 def test_calibration_starts_at_the_claim_and_learns_the_truth():
     cal = Calibration()

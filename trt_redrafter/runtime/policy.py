@@ -142,7 +142,8 @@ def _interp(xs: list[int], ys: list[float], x: float) -> float:
 
 
 def fingerprint(**parts) -> dict:
-    """What a cost model depends on besides the engine's weights: the machine and how the engine runs."""
+    """What a cost model depends on besides the engine's weights: the machine, how the engine runs, and the sources
+    of the step's own kernels (a changed kernel changes the step's costs)."""
     import torch
 
     device = parts.pop("device")
@@ -150,7 +151,20 @@ def fingerprint(**parts) -> dict:
         name = torch.cuda.get_device_name(device)
     else:
         name = _cpu_name()
-    return {"version": COST_MODEL_VERSION, "device": name, "torch": torch.__version__, **parts}
+    return {"version": COST_MODEL_VERSION, "device": name, "torch": torch.__version__,
+            "kernel_sources": kernel_sources_digest(), **parts}
+
+
+def kernel_sources_digest(roots: Optional[Iterable[Path]] = None) -> str:
+    """A digest of the step kernels' sources: the CPU kernels (cpu/*.cpp, *.h) and the Triton kernels
+    (plugins/*.py) of this installed copy."""
+    pkg = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for root in roots or (pkg / "cpu", pkg / "plugins"):
+        for f in sorted(p for ext in ("*.cpp", "*.h", "*.py") for p in Path(root).glob(ext)):
+            h.update(f.name.encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def _cpu_name() -> str:
