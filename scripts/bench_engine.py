@@ -357,7 +357,8 @@ def main() -> int:
         "chat_template": chat_template,
         "repeats": args.repeats, "rows": rows, "hf": hf, "phases_ms": phases, "runtime": runtime.to_dict(),
         "compile": engine.compiler.mode, "kernels": engine.kernels, "engine_load_s": load_s,
-        "speculate": engine.policy.mode, "cost_model": costs.to_dict() if costs else None, "roofline": roofline,
+        "speculate": engine.policy.mode, "cost_model": costs.to_dict() if costs else None,
+        "step_scale": dict(zip(("ar", "tree"), engine.policy.step_scale)), "roofline": roofline,
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                     "torch_threads": torch.get_num_threads(), "loadavg": os.getloadavg(), "device": str(dist.device)},
     }
@@ -368,6 +369,9 @@ def main() -> int:
     if costs is not None:
         print(f"speculation policy: auto; the step cost model (ms) it decides with, measured at load or cached beside "
               f"the engine:\n{costs.table()}")
+        ar_scale, tree_scale = engine.policy.step_scale
+        print(f"the steps as they ran against that model (the policy's running ratio of measured to modelled time, "
+              f"at the end of the run): AR steps {ar_scale:.2f}x, tree steps {tree_scale:.2f}x")
     else:
         print(f"speculation policy: {engine.policy.mode} (fixed tree width)")
     print("| batch | mode | ms/token | speedup vs AR | step ms | step cost vs AR | tokens/step | acceptance | "

@@ -156,6 +156,30 @@ def test_a_weak_tree_among_good_ones_is_not_verified_but_drafting_goes_on():
     assert not d.is_tree
 
 
+def test_the_cost_model_follows_the_steps_as_they_run():
+    """The cost model was measured once; the steps' measured times scale it per kind (AR, tree). A tree that does not
+    pay against the modelled AR step pays once AR steps are seen to take 1.4x their model (a machine in a slow
+    memory phase), and stops paying once tree steps are seen to take 2x theirs."""
+    widths = tree_buckets(5)
+    costs = CostModel([1], widths, [100, 1100], [[10.0], [10.0]], [[[13.0, 13.5, 14.0, 15.0]]] * 2)
+    policy = Policy("auto", 5, costs)
+    tree = [0, q(0.3)]
+    assert not policy.decide(cands(1, tree, Calibration()), True).is_tree  # 1.3 tokens for 1.35 AR steps
+    for _ in range(30):
+        policy.observe_step(pol.AR_STEP, 1, 100, 14.0)
+    assert policy.step_scale[0] == pytest.approx(1.4, rel=0.03) and policy.step_scale[1] == 1.0
+    d = policy.decide(cands(1, tree, Calibration()), True)
+    assert d.is_tree and d.width == 2
+    for _ in range(30):
+        policy.observe_step(d, 1, 100, 100.0)  # clamped: at most 2x the model per observation
+    assert policy.step_scale[1] == pytest.approx(2.0, rel=0.05)
+    # drafting's gain and cost are running means: the verdict turns within a few steps
+    assert [policy.decide(cands(1, tree, Calibration()), True).is_tree for _ in range(8)][-1] is False
+    fixed = Policy("full", 5, costs)
+    fixed.observe_step(pol.AR_STEP, 1, 100, 30.0)
+    assert fixed.step_scale == [1.0, 1.0]  # fixed widths decide by no cost model
+
+
 def never_right() -> Calibration:
     cal = Calibration()
     for _ in range(100):

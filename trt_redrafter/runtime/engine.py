@@ -432,7 +432,9 @@ class Engine:
         out, layout = self._launch(decision, group)
         rows = out.cpu().tolist()  # the step's one host sync
         kind = "redrafter" if decision.is_tree else "ar"
-        self.step_times.add(kind, time.perf_counter() - t0)
+        took = time.perf_counter() - t0
+        self.step_times.add(kind, took)
+        self.policy.observe_step(decision, len(group), sum(s.ctx_len for s in group) / len(group), 1e3 * took)
         self.step_times.widths[decision.width] += 1
         nb = self.redrafter.num_beams
         for s, row in zip(group, rows):

@@ -6,7 +6,9 @@ Both sides are measured, not assumed:
     CostModel    step time by batch size and verified tree nodes T, measured on this machine for this engine (its
                  device, dtype, kernels, linear layers, compile mode and threads) at two context lengths, and cached
                  beside the engine: `ar` (an AR step) and `tree` (a step that verifies T nodes of every request's tree
-                 and drafts the next trees).
+                 and drafts the next trees). The steps as they run scale it: each kind's running ratio of measured
+                 to modelled time (`Policy.observe_step`), since a machine's speed moves in phases (a shared host's
+                 memory bandwidth) and a memory-bound AR step moves more than a tree step.
     Calibration  P(a drafted node is accepted | the proposer's score for it), learned from every verified node's
                  outcome, per proposer and acceptance rule. A node's score is its proposer's confidence in the whole
                  path to it (ReDrafter: the drafter's log-probability of the beam prefix, which its beam search
@@ -62,6 +64,9 @@ COST_MODEL_VERSION = 1
 PROBE_MIN, PROBE_MAX = 4, 64  # AR steps between probes while resting (doubling while probes find nothing)
 PROBE_HOPE = 0.95  # probe sooner than PROBE_MAX only where the last trees, drafted again, would nearly pay
 MEAN_DECAY = 0.8  # running means of a drafting step's gain and cost: weight of the past
+# the cost model, measured once, against the steps as they run now: a running mean (weight of the past) of each kind's
+# measured / modelled step time, each observation clamped to [1 / STEP_SCALE_CLAMP, STEP_SCALE_CLAMP]
+STEP_SCALE_DECAY, STEP_SCALE_CLAMP = 0.9, 2.0
 
 # calibration: bins of a node's score (log-probability), best first; the prior is the score itself (a calibrated
 # drafter), worth PRIOR_WEIGHT observations; old outcomes fade by DECAY per step, so a drafter that starts or stops
@@ -358,6 +363,21 @@ class Policy:
         self.speculating, self.mean_gain, self.mean_cost, self.mean_batch = False, 1.0, 1.0, 0
         self.calibrations: dict[tuple[str, bool], Calibration] = {}
         self.host_ms, self.host_resting = 0.0, False  # ms to compose one request's tree on the host (running mean)
+        self.step_scale = [1.0, 1.0]  # measured / modelled step time, running means: AR steps, tree steps
+
+    def observe_step(self, decision: "StepDecision", batch: int, context: float, ms: float) -> None:
+        """A decode step's measured time (launch to read-back, as the cost model times it), by the engine after each
+        step: the running ratio of measured to modelled time of its kind. Only where the policy decides by the cost
+        model and the step is one it models (an AR step, or a tree step that drafted)."""
+        if self.mode != "auto" or callable(self._costs) or self._costs is None:
+            return
+        if decision.is_tree and not decision.draft:
+            return
+        model = self._costs.tree_ms(batch, decision.width, context) if decision.is_tree else \
+            self._costs.ar_ms(batch, context)
+        ratio = min(max(ms / model, 1 / STEP_SCALE_CLAMP), STEP_SCALE_CLAMP)
+        k = int(decision.is_tree)
+        self.step_scale[k] = STEP_SCALE_DECAY * self.step_scale[k] + (1 - STEP_SCALE_DECAY) * ratio
 
     def observe_host(self, ms_per_request: float) -> None:
         """The host's time to compose one request's tree, measured by the engine after each step that composed."""
@@ -408,7 +428,7 @@ class Policy:
         B = len(cands)
         context = sum(c.context for c in cands) / B
         costs = self.costs
-        ar_ms = costs.ar_ms(B, context)
+        ar_ms = costs.ar_ms(B, context) * self.step_scale[0]
         if not fresh:  # resting: AR steps, and a probe (a step that drafts) when trees might pay again
             self.rest += 1
             if not can_draft or self.rest < self.probe_every:
@@ -462,7 +482,7 @@ class Policy:
         best = None
         for w in widths:
             expected = sum(g[min(w, len(g)) - 1] for g in gains)
-            ms = self.costs.tree_ms(B, w, context)
+            ms = self.costs.tree_ms(B, w, context) * self.step_scale[1]
             if best is None or (B + expected) / ms > (B + best[1]) / best[2]:
                 best = (w, expected, ms)
         return best
