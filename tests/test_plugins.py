@@ -290,9 +290,10 @@ def test_weight_only_gemm_matches_the_dequantized_weight(dtype, bits, n, k, grou
         assert torch.equal(alone, out[:m]), m
 
 
-def test_weight_only_tiles_take_a_short_group_as_their_block_k():
+def test_weight_only_tiles_fit_their_block_k_to_the_group():
     from trt_redrafter.plugins import weight_only
     assert weight_only.tiles_for(4, 32, 4096).block_k == 32
+    assert weight_only.tiles_for(8, 384, 4096).block_k == 128  # a group of 384: the largest halving that divides it
     assert weight_only.tiles_for(8, 4096, 4096) == weight_only.TILES[(8, True)]
 
 

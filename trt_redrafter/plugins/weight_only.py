@@ -26,9 +26,8 @@ Oracle: F.linear of the dequantized weight (`model.linear.QuantWeight.dequantize
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -45,7 +44,7 @@ class Tiles(NamedTuple):
 
 
 # (bits, per_channel) -> tiles, for every M: the best of 32 candidates each on an H200 (scripts/wo_gemm_tune.py,
-# docs/perf.md "NVIDIA H200: the weight-only GEMM"); int8 in groups was not searched and takes int8's
+# docs/perf.md "The weight-only GEMM, retuned"); int8 in groups was not searched and takes int8's
 TILES = {
     (8, True): Tiles(32, 256, 2, 3),
     (8, False): Tiles(32, 256, 2, 3),
@@ -100,12 +99,15 @@ def _wo_gemm_kernel(x_ptr, q_ptr, s_ptr, out_ptr, M, N, K, KQ, G, GROUP, INT4: t
 
 
 def tiles_for(bits: int, group_size: int, K: int) -> Tiles:
-    """The tiles for this weight, whatever the row count: the table's, with block_k the group size where a group is
-    shorter."""
+    """The tiles for this weight, whatever the row count: the table's, with block_k halved until it divides the
+    group size (a group shorter than the table's block_k, or not a multiple of it)."""
     per_channel = group_size >= K
     tiles = TILES[(bits, per_channel)]
-    if not per_channel and group_size < tiles.block_k:
-        tiles = tiles._replace(block_k=group_size)
+    if not per_channel:
+        bk = tiles.block_k
+        while bk > 16 and group_size % bk:
+            bk //= 2
+        tiles = tiles._replace(block_k=bk)
     return tiles
 
 
