@@ -365,7 +365,7 @@ class Policy:
         self.host_ms, self.host_resting = 0.0, False  # ms to compose one request's tree on the host (running mean)
         self.step_scale = [1.0, 1.0]  # measured / modelled step time, running means: AR steps, tree steps
 
-    def observe_step(self, decision: "StepDecision", batch: int, context: float, ms: float) -> None:
+    def observe_step(self, decision: StepDecision, batch: int, context: float, ms: float) -> None:
         """A decode step's measured time (launch to read-back, as the cost model times it), by the engine after each
         step: the running ratio of measured to modelled time of its kind. Only where the policy decides by the cost
         model and the step is one it models (an AR step, or a tree step that drafted)."""
