@@ -157,7 +157,8 @@ void attend(const T* q, const T* kc, const T* vc, const int64_t* block_table, co
   // work items: (request, KV head, a run of new tokens); the new tokens are split only as far as the threads need
   // work (which rows share an item never changes a row's bits)
   const int64_t per_kv = bs * nkv;
-  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(Tn, (2 * at::get_num_threads() + per_kv - 1) / per_kv));
+  const int64_t chunks =
+      std::max<int64_t>(1, std::min<int64_t>(Tn, (2 * at::get_num_threads() + per_kv - 1) / per_kv));
   const int64_t tlen = (Tn + chunks - 1) / chunks;
   at::parallel_for(0, per_kv * chunks, 1, [&](int64_t begin, int64_t end) {
     RowGroup<T, ND> rows;

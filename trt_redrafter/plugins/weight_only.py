@@ -34,6 +34,8 @@ import triton
 import triton.language as tl
 
 BLOCK_M = 16
+# triton.jit reads TRITON_INTERPRET when the kernel below is defined: interpreted, it multiplies in fp32 (see above)
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 class Tiles(NamedTuple):
@@ -135,11 +137,11 @@ def wo_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bits: int,
     t = tiles or tiles_for(bits, group_size, K)
     assert q.shape[1] == (-(-K // t.block_k) * t.block_k // 2 if bits == 4 else K), (tuple(q.shape), K, bits)
     assert per_channel or (group_size % t.block_k == 0 and t.block_k >= 16), \
-        f"group size {group_size} must be a multiple of the tile's {t.block_k} inputs, and at least 16 (or the whole row)"
+        f"group size {group_size} must be a multiple of the tile's {t.block_k} inputs, at least 16 (or the whole row)"
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, t.block_n))
-    _wo_gemm_kernel[grid](x, q, scales, out, M, N, K, q.shape[1], scales.shape[1], max(group_size, t.block_k),
-                          INT4=bits == 4, PER_CHANNEL=per_channel,
-                          FP32=x.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1", BLOCK_M=BLOCK_M,
-                          BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages)
+    _wo_gemm_kernel[grid](x, q, scales, out, M, N, K, q.shape[1], scales.shape[1], group_size,
+                          INT4=bits == 4, PER_CHANNEL=per_channel, FP32=x.dtype == torch.float32 or _INTERPRETED,
+                          BLOCK_M=BLOCK_M, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps,
+                          num_stages=t.num_stages)
     return out
