@@ -7,8 +7,10 @@ kernels (their fake functions below give it the output shapes).
                      (q and s packed by `pack_wo` below)
     tree_attention   tree attention reading the paged KV cache in place      attention.cpp
                                                               oracle: model.attention.torch_tree_attention
+    topk             each row's k largest values and their indices           topk.cpp     oracle: torch.topk
+                     (the drafter's beam search: decoding.beam_search)
 
-Both compute every output element in one fixed order that does not depend on how many rows (tokens) a step has,
+The linear and attention kernels compute every output element in one fixed order that does not depend on how many rows (tokens) a step has,
 which greedy ReDrafter == greedy AR needs. The build needs a C++ compiler (the one inductor uses) and ninja; it
 takes ~30 s once per torch version and is kept under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions).
 """
@@ -29,7 +31,7 @@ from ..log import get_logger
 
 logger = get_logger(__name__)
 
-_SOURCES = [os.path.join(os.path.dirname(__file__), name) for name in ("linear.cpp", "attention.cpp")]
+_SOURCES = [os.path.join(os.path.dirname(__file__), name) for name in ("linear.cpp", "attention.cpp", "topk.cpp")]
 _BUILD_ERROR: list[str] = []  # the first build failure: a process tries once
 _CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
 
@@ -79,6 +81,7 @@ def ops():
     torch.library.register_fake("trt_redrafter_cpu::linear", _linear_fake)
     torch.library.register_fake("trt_redrafter_cpu::linear_wo", _linear_wo_fake)
     torch.library.register_fake("trt_redrafter_cpu::tree_attention", _tree_attention_fake)
+    torch.library.register_fake("trt_redrafter_cpu::topk", _topk_fake)
     return torch.ops.trt_redrafter_cpu
 
 
@@ -122,6 +125,17 @@ def _quiet(name: str):
         yield
     finally:
         log.setLevel(level)
+
+
+def _topk_fake(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (*x.shape[:-1], k)
+    return x.new_empty(shape), x.new_empty(shape, dtype=torch.long)
+
+
+def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest of each row along the last dimension of a float32 CPU tensor, descending, equal values in
+    ascending index order (topk.cpp) -> (values, int64 indices); `torch.topk`'s contract for the beam search."""
+    return torch.ops.trt_redrafter_cpu.topk(x, k)
 
 
 def _linear_fake(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias) -> torch.Tensor:

@@ -55,6 +55,9 @@ class BeamSearchResult:
     scores: Optional[torch.Tensor] = None  # [bs, nb, dl] float32; log P(beam prefix up to each drafted position)
 
 
+TopkFn = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]  # (x, k) -> values, indices (last dim)
+
+
 def warp_logits(logits: torch.Tensor, k: Optional[int]) -> torch.Tensor:
     """Set every logit below the k-th largest of its row to LOG_ZERO (ties with the k-th are kept); None: no-op."""
     if k is None or k >= logits.shape[-1]:
@@ -90,14 +93,16 @@ def select_beams(step_logits: torch.Tensor, score: torch.Tensor, num_beams: int,
 
 
 def select_beams_topk(step_logits: torch.Tensor, score: torch.Tensor, num_beams: int, warp_top_k: Optional[int],
-                      need_log_probs: bool = False
+                      need_log_probs: bool = False, topk: TopkFn = torch.topk
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """`select_beams` without touching nin*V candidates: the nb best of all beams' candidates are among each beam's
     own nb best (a beam's score is the same for all its tokens), and with the warp the top-k values also give the
     normalizer. So: one top-K per beam (K = max(nb, warp)), the log-normalizer from those K values (warp) or from
     a logsumexp over V (no warp), then top nb of the nin*nb survivors. Same selection as the oracle up to
     rounding (the normalizer is summed in another order) and exact ties; the kernel `plugins.beam_step` computes
-    this too. The full log-probs are computed only when asked (`apple` acceptance).
+    this too. The full log-probs are computed only when asked (`apple` acceptance). `topk(x, k)` -> (values,
+    indices) along the last dimension, descending: `torch.topk`, or the CPU kernel `cpu.topk` (equal values in index
+    order).
     """
     bs, nin, V = step_logits.shape
     nb = num_beams
@@ -108,20 +113,20 @@ def select_beams_topk(step_logits: torch.Tensor, score: torch.Tensor, num_beams:
         # over the warp's top-k, or over V)
         logits = step_logits.float()
         top, token = logits.max(dim=-1)  # [bs, 1]; the first maximal index, as argmax
-        kept = logits.topk(warp_top_k, dim=-1).values if warp_top_k is not None and warp_top_k < V else logits
+        kept = topk(logits, warp_top_k)[0] if warp_top_k is not None and warp_top_k < V else logits
         lse = torch.logsumexp(kept - top[..., None], dim=-1)  # [bs, 1]
         return score - lse, torch.zeros_like(score, dtype=torch.long), token, None
     logits = step_logits.float()
     K = min(max(nb, warp_top_k or 0), V)
     kk = min(nb, K)  # candidates kept per beam
-    top, idx = logits.topk(K, dim=-1)  # [bs, nin, K] descending
+    top, idx = topk(logits, K)  # [bs, nin, K] descending
     x = top - top[..., :1]  # max-subtracted, as the oracle
     if warp_top_k is not None and warp_top_k < V:
         lse = torch.logsumexp(x, dim=-1, keepdim=True)  # warped-out tokens sit at LOG_ZERO: exp() is 0
     else:
         lse = torch.logsumexp(logits - top[..., :1], dim=-1, keepdim=True)
     candidates = (score[:, :, None] + (x[..., :kk] - lse)).reshape(bs, nin * kk)  # [bs, nin*kk]
-    new_score, flat = torch.topk(candidates, nb, dim=-1)  # [bs, nb]
+    new_score, flat = topk(candidates, nb)  # [bs, nb]
     token = idx[..., :kk].reshape(bs, nin * kk).gather(1, flat)
     step_logp = None
     if need_log_probs:

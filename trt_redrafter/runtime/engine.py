@@ -27,6 +27,7 @@ broadcast, so ranks never drift apart. The engine knows nothing about text: toke
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import os
@@ -42,6 +43,7 @@ from safetensors.torch import load_file
 
 from .. import cpu as cpu_kernels
 from ..config import DECODING_MODES, PROPOSERS, BuildConfig, RuntimeConfig, torch_dtype
+from ..decoding import beam_search
 from ..errors import UserError
 from ..log import get_logger
 from ..model.drafter import DrafterRank
@@ -195,6 +197,7 @@ class Engine:
             kernels = StepKernels.triton([*self.cache.k, *self.cache.v], with_mover="inductor" not in runtime.compile)
         elif self.kernels == "cpu":
             self.model.attention_impl = cpu_tree_attention
+            select = functools.partial(beam_search.select_beams_topk, topk=cpu_kernels.topk)
         self.device_drafter = BeamDrafter(self.drafter, self.model.embed, rd.num_beams, rd.draft_len_per_beam,
                                           select=select) if self.drafter is not None else None
         table = self.engine_dir / NGRAMS_FILE if self.engine_dir is not None else None

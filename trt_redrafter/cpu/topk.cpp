@@ -1,0 +1,125 @@
+// The k largest values of each row and their indices, for the drafter's beam search on a CPU (decoding/beam_search.py
+// select_beams_topk): Apple's top-50 warp and the beams' candidates over a draft vocabulary of thousands of tokens.
+//
+// torch.topk selects from a copy of each row; here a bound from 64 block maxima (row_topk) leaves the few values that
+// can rank, found 16 at a time with AVX-512 compares, and only those are sorted.
+//
+// Result: values [..., k] descending and their indices [..., k] (int64); equal values in ascending index order (the
+// first occurrence first, as an argmax), which torch.topk does not promise. NaN is selected only where a row holds
+// fewer than k other values, after them. Rows are split across threads only when there are enough of them to pay for it.
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/library.h>
+#include <torch/types.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+namespace {
+
+// insert (v, i) into the best-first list vals/idx of n entries (capacity k): after every entry with a value >= v
+// (earlier indices win ties, and rows are scanned in ascending index order), dropping the last when full
+inline void insert(float v, int64_t i, float* vals, int64_t* idx, int64_t& n, int64_t k) {
+  int64_t pos = n < k ? n : k - 1;
+  while (pos > 0 && v > vals[pos - 1]) {
+    vals[pos] = vals[pos - 1];
+    idx[pos] = idx[pos - 1];
+    --pos;
+  }
+  vals[pos] = v;
+  idx[pos] = i;
+  if (n < k) ++n;
+}
+
+// every value in order against the k-th best so far, 16 at a time
+void scan_topk(const float* x, int64_t V, int64_t k, float* vals, int64_t* idx) {
+  int64_t n = 0, j = 0;
+  for (; j < V && n < k; ++j)  // the first k values that are not NaN
+    if (x[j] == x[j]) insert(x[j], j, vals, idx, n, k);
+  for (; j + 16 <= V; j += 16) {
+    __mmask16 m = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + j), _mm512_set1_ps(vals[k - 1]), _CMP_GT_OQ);
+    while (m) {  // lanes above the k-th best when the chunk was tested; the k-th best rises as they go in
+      const int lane = __builtin_ctz(m);
+      m &= m - 1;
+      if (x[j + lane] > vals[k - 1]) insert(x[j + lane], j + lane, vals, idx, n, k);
+    }
+  }
+  for (; j < V; ++j)
+    if (x[j] > vals[k - 1]) insert(x[j], j, vals, idx, n, k);
+  for (j = 0; j < V && n < k; ++j)  // a row of fewer than k numbers: its NaNs last, in index order
+    if (x[j] != x[j]) {
+      vals[n] = x[j];
+      idx[n++] = j;
+    }
+}
+
+constexpr int64_t kBlocks = 64;
+
+// A bound first: split the row into 64 blocks; the k-th largest of their maxima (k <= 64) has at least k values at or
+// above it, so the k best are among the values >= it, usually a few per cent of the row, which are then ranked.
+// Falls back to scan_topk where the bound does not hold k numbers (NaNs) or the row is too short to split.
+void row_topk(const float* x, int64_t V, int64_t k, float* vals, int64_t* idx, std::vector<std::pair<float, int64_t>>& cand) {
+  const int64_t bsz = V / kBlocks / 16 * 16;  // block length, whole vectors; the tail past 64 blocks joins no block
+  if (k > kBlocks || bsz == 0) return scan_topk(x, V, k, vals, idx);
+  float maxima[kBlocks];
+  for (int64_t b = 0; b < kBlocks; ++b) {
+    __m512 mx = _mm512_loadu_ps(x + b * bsz);
+    for (int64_t j = b * bsz + 16; j < (b + 1) * bsz; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(x + j));
+    maxima[b] = _mm512_reduce_max_ps(mx);
+  }
+  std::nth_element(maxima, maxima + (k - 1), maxima + kBlocks, [](float a, float b) { return a > b; });
+  const float bound = maxima[k - 1];
+  cand.clear();
+  const __m512 t = _mm512_set1_ps(bound);
+  int64_t j = 0;
+  for (; j + 16 <= V; j += 16) {
+    __mmask16 m = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + j), t, _CMP_GE_OQ);
+    while (m) {
+      const int lane = __builtin_ctz(m);
+      m &= m - 1;
+      cand.emplace_back(x[j + lane], j + lane);
+    }
+  }
+  for (; j < V; ++j)
+    if (x[j] >= bound) cand.emplace_back(x[j], j);
+  if ((int64_t)cand.size() < k) return scan_topk(x, V, k, vals, idx);
+  std::partial_sort(cand.begin(), cand.begin() + k, cand.end(), [](const auto& a, const auto& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  });
+  for (int64_t i = 0; i < k; ++i) {
+    vals[i] = cand[i].first;
+    idx[i] = cand[i].second;
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> topk(const at::Tensor& x_in, int64_t k) {
+  TORCH_CHECK(x_in.dim() >= 1 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(),
+              "cpu topk: x must be a float32 CPU tensor, got ", x_in.scalar_type(), " on ", x_in.device());
+  const int64_t V = x_in.size(-1);
+  TORCH_CHECK(k >= 1 && k <= V, "cpu topk: k = ", k, " must be in [1, ", V, "] (the last dimension)");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t R = V ? x.numel() / V : 0;
+  auto shape = x.sizes().vec();
+  shape.back() = k;
+  at::Tensor vals = at::empty(shape, x.options());
+  at::Tensor idx = at::empty(shape, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  float* vp = vals.data_ptr<float>();
+  int64_t* ip = idx.data_ptr<int64_t>();
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(V, 1));  // ~64k values a thread at least
+  at::parallel_for(0, R, grain, [&](int64_t begin, int64_t end) {
+    std::vector<std::pair<float, int64_t>> cand;
+    cand.reserve(1024);
+    for (int64_t r = begin; r < end; ++r) row_topk(xp + r * V, V, k, vp + r * k, ip + r * k, cand);
+  });
+  return {vals, idx};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(trt_redrafter_cpu, m) { m.def("topk(Tensor x, int k) -> (Tensor, Tensor)"); }
+
+TORCH_LIBRARY_IMPL(trt_redrafter_cpu, CPU, m) { m.impl("topk", &topk); }
