@@ -161,14 +161,16 @@ def fingerprint(**parts) -> dict:
 
 
 def kernel_sources_digest(roots: Optional[Iterable[Path]] = None) -> str:
-    """A digest of the step kernels' sources: the CPU kernels (cpu/*.cpp, *.h) and the Triton kernels
-    (plugins/*.py) of this installed copy."""
+    """A digest of the step kernels' sources: the CPU kernels (cpu/*.cpp, *.h), the Triton kernels (plugins/*.py)
+    and the compile options (runtime/graphs.py) of this installed copy."""
     pkg = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
+    files = [] if roots else [Path(__file__).with_name("graphs.py")]
     for root in roots or (pkg / "cpu", pkg / "plugins"):
-        for f in sorted(p for ext in ("*.cpp", "*.h", "*.py") for p in Path(root).glob(ext)):
-            h.update(f.name.encode())
-            h.update(f.read_bytes())
+        files += sorted(p for ext in ("*.cpp", "*.h", "*.py") for p in Path(root).glob(ext))
+    for f in files:
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
     return h.hexdigest()[:16]
 
 
