@@ -180,6 +180,26 @@ def test_the_cost_model_follows_the_steps_as_they_run():
     assert fixed.step_scale == [1.0, 1.0]  # fixed widths decide by no cost model
 
 
+def test_a_step_after_a_step_of_the_other_kind_does_not_scale_the_cost_model():
+    """A probe among AR steps (and the first AR step after trees) runs with its graph and weights out of cache: its
+    time is not what a run of such steps costs, so only steps that follow one of their own kind are observed."""
+    widths = tree_buckets(5)
+    costs = CostModel([1], widths, [100, 1100], [[10.0], [10.0]], [[[13.0, 13.5, 14.0, 15.0]]] * 2)
+    policy = Policy("auto", 5, costs)
+    tree = pol.StepDecision(width=2, keep={0: 2}, draft=True)
+    for _ in range(10):
+        policy.observe_step(pol.AR_STEP, 1, 100, 10.0)
+    for _ in range(5):  # lone probes, each 3x its model
+        policy.observe_step(tree, 1, 100, 40.5)
+        policy.observe_step(pol.AR_STEP, 1, 100, 10.0)
+    assert policy.step_scale == [1.0, 1.0]
+    policy.observe_step(tree, 1, 100, 27.0)  # the switch: not observed
+    policy.observe_step(tree, 1, 100, 27.0)  # a run's second tree step: 2x its model
+    assert policy.step_scale[1] == pytest.approx(0.9 + 0.1 * 2.0)
+    policy.observe_step(pol.AR_STEP, 1, 100, 20.0)  # back to AR: not observed
+    assert policy.step_scale[0] == 1.0
+
+
 def never_right() -> Calibration:
     cal = Calibration()
     for _ in range(100):

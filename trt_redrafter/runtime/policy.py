@@ -366,6 +366,7 @@ class Policy:
         self.calibrations: dict[tuple[str, bool], Calibration] = {}
         self.host_ms, self.host_resting = 0.0, False  # ms to compose one request's tree on the host (running mean)
         self.step_scale = [1.0, 1.0]  # measured / modelled step time, running means: AR steps, tree steps
+        self._last_kind: Optional[int] = None  # the kind of the last step observed (0 AR, 1 tree)
 
     def observe_step(self, decision: StepDecision, batch: int, context: float, ms: float) -> None:
         """A decode step's measured time (launch to read-back, as the cost model times it), by the engine after each
@@ -375,10 +376,17 @@ class Policy:
             return
         if decision.is_tree and not decision.draft:
             return
+        k = int(decision.is_tree)
+        switched, self._last_kind = self._last_kind != k, k
+        if switched:
+            # the first step of a kind after the other kind (a probe among AR steps, an AR step after trees) finds
+            # its graph's code and weights out of cache: a cost that a run of such steps, which the cost model
+            # times and the policy weighs, does not pay (models/small: probes took 1.6x a run's tree steps and
+            # kept the policy from trees that paid)
+            return
         model = self._costs.tree_ms(batch, decision.width, context) if decision.is_tree else \
             self._costs.ar_ms(batch, context)
         ratio = min(max(ms / model, 1 / STEP_SCALE_CLAMP), STEP_SCALE_CLAMP)
-        k = int(decision.is_tree)
         self.step_scale[k] = STEP_SCALE_DECAY * self.step_scale[k] + (1 - STEP_SCALE_DECAY) * ratio
 
     def observe_host(self, ms_per_request: float) -> None:
