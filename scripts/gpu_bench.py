@@ -245,7 +245,8 @@ def measure(engine: Engine, prompts: list[list[int]], max_tokens: int, mode: str
         tpots.append(statistics.median(r.ms_per_token for r in res))
         steps.append(engine.step_times.mean_ms(mode))
         st = engine.step_times  # every decode step of the run, AR steps the policy chose included
-        decode_steps.append(1e3 * (st.seconds["ar"] + st.seconds["redrafter"]) / (st.steps["ar"] + st.steps["redrafter"]))
+        decode_steps.append(1e3 * (st.seconds["ar"] + st.seconds["redrafter"])
+                            / (st.steps["ar"] + st.steps["redrafter"]))
         tps.append(statistics.mean(r.tokens_per_step for r in res) if mode == "redrafter" else 1.0)
         out = [r.output_ids for r in res]
     return {"tpot_ms": statistics.median(tpots), "step_ms": statistics.median(steps),

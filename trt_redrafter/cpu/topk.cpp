@@ -6,7 +6,8 @@
 //
 // Result: values [..., k] descending and their indices [..., k] (int64); equal values in ascending index order (the
 // first occurrence first, as an argmax), which torch.topk does not promise. NaN is selected only where a row holds
-// fewer than k other values, after them. Rows are split across threads only when there are enough of them to pay for it.
+// fewer than k other values, after them. Rows are split across threads only when there are enough of them to pay
+// for it.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/library.h>
@@ -61,7 +62,8 @@ constexpr int64_t kBlocks = 64;
 // A bound first: split the row into 64 blocks; the k-th largest of their maxima (k <= 64) has at least k values at or
 // above it, so the k best are among the values >= it, usually a few per cent of the row, which are then ranked.
 // Falls back to scan_topk where the bound does not hold k numbers (NaNs) or the row is too short to split.
-void row_topk(const float* x, int64_t V, int64_t k, float* vals, int64_t* idx, std::vector<std::pair<float, int64_t>>& cand) {
+void row_topk(const float* x, int64_t V, int64_t k, float* vals, int64_t* idx,
+              std::vector<std::pair<float, int64_t>>& cand) {
   const int64_t bsz = V / kBlocks / 16 * 16;  // block length, whole vectors; the tail past 64 blocks joins no block
   if (k > kBlocks || bsz == 0) return scan_topk(x, V, k, vals, idx);
   float maxima[kBlocks];
