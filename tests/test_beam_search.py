@@ -151,18 +151,27 @@ def test_deterministic():
     assert torch.equal(a.beams, b.beams) and torch.equal(a.log_probs, b.log_probs)
 
 
+@pytest.mark.parametrize("vocab", [500, 8192])
+@pytest.mark.parametrize("kernel", ["torch", "cpu"])
 @pytest.mark.parametrize("warp", [50, None])
-def test_fast_selection_picks_the_oracles_beams(warp):
-    """select_beams_topk (the engine's CPU path) chooses what the literal nb*V top-k chooses, one beam included."""
+def test_fast_selection_picks_the_oracles_beams(warp, kernel, vocab):
+    """select_beams_topk (the engine's CPU path) chooses what the literal nb*V top-k chooses, one beam included, with
+    torch.topk and with the CPU top-k kernel (cpu/topk.cpp: its scan below 1024 values a row, its bound above)."""
+    from trt_redrafter import cpu
     from trt_redrafter.decoding.beam_search import select_beams, select_beams_topk
 
+    if kernel == "cpu":
+        if not cpu.available(torch.float32):
+            pytest.skip("this CPU has no AVX-512")
+        cpu.ops()  # on such a CPU the kernels must build: a failure here is a failure
+    topk = cpu.topk if kernel == "cpu" else torch.topk
     g = torch.Generator().manual_seed(7)
-    for nin, nb in ((6, 6), (1, 6), (1, 1), (3, 2)):
-        logits = torch.randn(4, nin, 500, generator=g) * 3
+    for nin, nb in ((6, 6), (4, 4), (1, 6), (1, 1), (3, 2)):
+        logits = torch.randn(4, nin, vocab, generator=g) * 3
         score = torch.randn(4, nin, generator=g)
         ref = select_beams(logits, score, nb, warp)
         for need in (True, False):
-            got = select_beams_topk(logits, score, nb, warp, need)
+            got = select_beams_topk(logits, score, nb, warp, need, topk=topk)
             assert torch.equal(got[1], ref[1]) and torch.equal(got[2], ref[2]), (nin, nb, need)
             if need:
                 torch.testing.assert_close(got[0], ref[0])

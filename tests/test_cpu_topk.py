@@ -1,7 +1,7 @@
 """The CPU top-k kernel (trt_redrafter/cpu/topk.cpp) the drafter's beam search runs on a CPU: each row's k largest
 values, descending, equal values in ascending index order (a stable descending sort's first k), through both of its
-paths (the bound from 64 block maxima, and the plain scan for short rows, k > 64 and NaN-heavy rows); the beam search
-picks the literal algorithm's beams with it; the engine's CPU kernels use it.
+paths (the bound from 64 block maxima, and the plain scan for short rows, k > 64 and NaN-heavy rows); the engine's
+CPU kernels use it (the beam search picks the literal algorithm's beams with it: tests/test_beam_search.py).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from trt_redrafter import cpu
-from trt_redrafter.decoding.beam_search import select_beams, select_beams_topk
+from trt_redrafter.decoding.beam_search import select_beams_topk
 
 
 @pytest.fixture(autouse=True)
@@ -72,18 +72,6 @@ def test_topk_refusals():
         cpu.topk(x, 0)
     with pytest.raises(RuntimeError, match="float32"):
         cpu.topk(x.double(), 2)
-
-
-@pytest.mark.parametrize("warp", [50, None])
-def test_beam_selection_with_the_cpu_topk_picks_the_oracles_beams(warp):
-    g = torch.Generator().manual_seed(3)
-    for nin, nb in ((4, 4), (1, 4), (1, 1), (3, 2)):
-        logits = torch.randn(2, nin, 8192, generator=g) * 3
-        score = torch.randn(2, nin, generator=g)
-        ref = select_beams(logits, score, nb, warp)
-        got = select_beams_topk(logits, score, nb, warp, False, topk=cpu.topk)
-        assert torch.equal(got[1], ref[1]) and torch.equal(got[2], ref[2]), (nin, nb)
-        torch.testing.assert_close(got[0], ref[0])
 
 
 def test_topk_compiles_as_an_external_op():

@@ -11,8 +11,9 @@ kernels (their fake functions below give it the output shapes).
                      (the drafter's beam search: decoding.beam_search)
 
 The linear and attention kernels compute every output element in one fixed order that does not depend on how many
-rows (tokens) a step has, which greedy ReDrafter == greedy AR needs. The build needs a C++ compiler (the one inductor uses) and ninja; it
-takes ~30 s once per torch version and is kept under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions).
+rows (tokens) a step has, which greedy ReDrafter == greedy AR needs. The build needs a C++ compiler (the one inductor
+uses) and ninja; it takes ~30 s once per torch version and is kept under TORCH_EXTENSIONS_DIR (default
+~/.cache/torch_extensions).
 """
 
 from __future__ import annotations
