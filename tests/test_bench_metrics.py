@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -9,7 +10,8 @@ import pytest
 
 from trt_redrafter.bench.harness import BenchConfig, combine_repeats, point_order, Target
 from trt_redrafter.bench.metrics import RequestRecord, distribution, median_of_points, percentile, summarize
-from trt_redrafter.bench.schedule import Prompt, load_prompts, pick_prompts, poisson_offsets, vicuna_prompt
+from trt_redrafter.bench.schedule import (Prompt, first_prompts, load_prompts, pick_prompts, poisson_offsets,
+                                         vicuna_prompt)
 from trt_redrafter.errors import UserError
 
 
@@ -114,6 +116,23 @@ def test_prompts_mt_bench_and_prompt_rows(tmp_path):
     bad.write_text('{"text": "x"}\n')
     with pytest.raises(UserError, match="bad.jsonl:1 has neither"):
         load_prompts(bad)
+
+
+def test_first_prompts_spread_over_categories_or_in_file_order(tmp_path):
+    """bench_engine's default prompts: one of each category before a second of any (MT-Bench's first rows are all
+    one category); rows without a category come after; `file` keeps the file's order."""
+    f = tmp_path / "q.jsonl"
+    rows = [("a", "w1"), ("a", "w2"), ("a", "w3"), ("b", "m1"), (None, "raw"), ("c", "c1"), ("b", "m2")]
+    f.write_text("".join(json.dumps({"category": c, "turns": [t]} if c else {"prompt": t}) + "\n" for c, t in rows))
+    prompts = load_prompts(f, "none")
+    assert [p.category for p in prompts] == ["a", "a", "a", "b", "", "c", "b"]
+    texts = lambda ps: [p.text for p in ps]  # noqa: E731
+    assert texts(first_prompts(prompts, 99)) == ["w1", "m1", "c1", "w2", "m2", "w3", "raw"]
+    assert texts(first_prompts(prompts, 3)) == ["w1", "m1", "c1"]
+    assert texts(first_prompts(prompts, 3, "file")) == ["w1", "w2", "w3"]
+    assert first_prompts([Prompt("x"), Prompt("y")], 1) == [Prompt("x")]  # no categories: the file's order
+    with pytest.raises(UserError, match="--prompt-order must be one of categories, file"):
+        first_prompts(prompts, 3, "random")
 
 
 def test_bench_config_validation_names_the_field():

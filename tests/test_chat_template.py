@@ -180,7 +180,8 @@ def test_bench_engine_script_prompts(chat_dir, tmp_path):
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     tok = load_tokenizer(chat_dir)
-    args = argparse.Namespace(prompts=_jsonl(tmp_path / "q.jsonl"), num_prompts=2, chat_template="auto")
+    args = argparse.Namespace(prompts=_jsonl(tmp_path / "q.jsonl"), num_prompts=2, chat_template="auto",
+                              prompt_order="categories")
     assert script.encode_prompts(tok, args) == ([hf_chat_ids(tok, MSG), tok.encode("def f():")], "tokenizer")
     args.prompts = tmp_path / "missing.jsonl"  # no silent fallback to other prompts: one clear error
     with pytest.raises(SystemExit, match="missing.jsonl does not exist"):

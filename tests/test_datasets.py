@@ -32,6 +32,9 @@ def test_a_cached_file_is_used_without_a_download(tmp_path, monkeypatch):
     assert datasets.resolve_dataset("mt-bench") == tmp_path / datasets.MT_BENCH.filename
     prompts = schedule.load_prompts("mt-bench", "none")
     assert len(prompts) == 80 and prompts[0].text.startswith("Compose an engaging travel blog post")
+    # the benchmarks' 8 prompts: one question of each of its 8 categories, not its first 8 (all "writing")
+    assert {p.category for p in prompts[:8]} == {"writing"}
+    assert len({p.category for p in schedule.first_prompts(prompts, 8)}) == 8
     assert datasets.resolve_dataset("some/file.jsonl") == Path("some/file.jsonl")  # a path stays a path
 
 

@@ -6,7 +6,7 @@ Both depend only on the seed, so AR and ReDrafter (and every TP size) get the sa
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..chat import TOKENIZER, VICUNA, chat_template_for, encode_prompt, has_chat_template, vicuna_prompt
@@ -28,6 +28,7 @@ class Prompt:
 
     text: str  # text_input: the user message (template "tokenizer") or the whole prompt
     template: str = "none"  # "tokenizer" (applied by the server), "vicuna" (already in text) or "none"
+    category: str = field(default="", compare=False)  # the dataset row's category (MT-Bench: writing, math, ...)
 
     @property
     def chat(self) -> bool:
@@ -83,7 +84,8 @@ def load_prompts(path: str | Path, chat_template: str = "auto", tokenizer=None) 
             text, chat = row["prompt"], chat_template != "auto"
         else:
             raise UserError(f"{where} has neither 'turns' (MT-Bench) nor a string 'prompt'.")
-        prompts.append(chat_prompt(text, template) if chat else Prompt(text))
+        prompt = chat_prompt(text, template) if chat else Prompt(text)
+        prompts.append(replace(prompt, category=str(row.get("category") or "")))
     if not prompts:
         raise UserError(f"dataset {path} holds no prompts.")
     return prompts
@@ -94,6 +96,30 @@ def chat_prompt(user: str, template: str) -> Prompt:
     if template == VICUNA:
         return Prompt(vicuna_prompt(user), VICUNA)
     return Prompt(user, template)
+
+
+PROMPT_ORDERS = ("categories", "file")
+
+
+def first_prompts(prompts: list[Prompt], n: int, order: str = "categories") -> list[Prompt]:
+    """The first n prompts, in the file's order or spread over its categories.
+
+    `categories` takes the first prompt of every category (in the order the categories first appear), then the
+    second of every category, and so on; prompts without a category keep their place after those. MT-Bench lists
+    its 80 questions category by category, so its first 8 rows are all `writing`, the category a drafter predicts
+    worst; its first 8 spread over categories are one question of each of the 8.
+    """
+    if order not in PROMPT_ORDERS:
+        raise UserError(f"--prompt-order must be one of {', '.join(PROMPT_ORDERS)}, got {order!r}.")
+    if order == "categories":
+        by_category: dict[str, list[Prompt]] = {}
+        for p in prompts:
+            if p.category:
+                by_category.setdefault(p.category, []).append(p)
+        rounds = max(map(len, by_category.values()), default=0)
+        spread = [c[i] for i in range(rounds) for c in by_category.values() if i < len(c)]
+        prompts = spread + [p for p in prompts if not p.category]
+    return prompts[:n]
 
 
 def pick_prompts(prompts: list, n: int, seed: int) -> list:
