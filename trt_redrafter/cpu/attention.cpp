@@ -47,6 +47,25 @@ inline __m512 exp_nonpos(__m512 x) {
   return _mm512_maskz_mov_ps((__mmask16)~under, _mm512_scalef_ps(p, n));
 }
 
+// The 16 sums across lanes of d[0..15] as one vector, each added in the grouping of _mm512_reduce_add_ps (lanes
+// i + i+8, then + i+4, + i+2, + i+1; a sum's bits are the same, since a + b == b + a): 45 shuffles and adds for 16
+// sums, against 8 per sum. Lane 4b + g holds the sum of d[4g + b]: put key c in slot sum16_slot(c).
+inline constexpr int sum16_slot(int c) { return 4 * (c % 4) + c / 4; }
+
+inline __m512 sum16(const __m512* d) {
+  __m512 w[8], z[4], u[2];
+  for (int m = 0; m < 8; ++m)  // lanes i + i+8: [d2m 0-3, d2m 4-7, d2m+1 0-3, d2m+1 4-7]
+    w[m] = _mm512_add_ps(_mm512_shuffle_f32x4(d[2 * m], d[2 * m + 1], 0x44),
+                         _mm512_shuffle_f32x4(d[2 * m], d[2 * m + 1], 0xEE));
+  for (int k = 0; k < 4; ++k)  // + i+4: 128-bit block b holds d(4k + b)'s 4 sums
+    z[k] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * k], w[2 * k + 1], 0x88),
+                         _mm512_shuffle_f32x4(w[2 * k], w[2 * k + 1], 0xDD));
+  for (int l = 0; l < 2; ++l)  // + i+2: block b holds 2 sums of d(8l + b) and 2 of d(8l + 4 + b)
+    u[l] = _mm512_add_ps(_mm512_shuffle_ps(z[2 * l], z[2 * l + 1], 0x44),
+                         _mm512_shuffle_ps(z[2 * l], z[2 * l + 1], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], 0x88), _mm512_shuffle_ps(u[0], u[1], 0xDD));  // + i+1
+}
+
 // The query rows of one request that read one KV head: its `group` heads at new tokens t0 .. t1 - 1. They share every
 // key and value row they load (the committed positions: all of them; the tree's: each row its own), so a step reads
 // the cache once per KV head whatever the number of heads and new tokens. Each row's arithmetic is still the one
@@ -61,6 +80,7 @@ struct RowGroup {
   std::vector<int64_t> ntree;   // [R]
   std::vector<float> acc;       // [R, D]
   std::vector<float> sums;      // [R]
+  alignas(64) float kblock[16 * D];  // 16 committed keys as float32, in sum16's slots
 
   void run(const T* const* qrows, T* const* orows, const bool* const* masks, int64_t R, const T* kc, const T* vc,
            const int64_t* key_off, const int64_t* tree_off, int64_t n, int64_t Tn, float scale) {
@@ -78,12 +98,29 @@ struct RowGroup {
       for (int i = 1; i < ND; ++i) d = _mm512_fmadd_ps(load16(qrow + 16 * i), kr[i], d);
       return _mm512_reduce_add_ps(d) * scale;
     };
-    // scores: each committed key row loaded once for all rows; then each row's own tree keys
-    __m512 kr[ND];
-    for (int64_t j = 0; j < n; ++j) {
-      for (int i = 0; i < ND; ++i) kr[i] = load16(kc + key_off[j] + 16 * i);
-      for (int64_t r = 0; r < R; ++r) scores[r * stride + j] = dot(qrows[r], kr);
+    // scores of the committed keys, 16 keys at a time: a block's keys as float32 once, then each row (its q in
+    // registers) takes its 16 lane-wise products and sums them across lanes together (sum16, in the grouping of
+    // _mm512_reduce_add_ps: every score has the bits `dot` gives it, as the tree keys' scores below); then each
+    // row's own tree keys
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {
+      const int nk = (int)std::min<int64_t>(16, n - j0);
+      for (int c = 0; c < 16; ++c)  // key c in slot sum16_slot(c), so that lane c of the sums is key c's
+        for (int i = 0; i < ND; ++i)
+          _mm512_store_ps(kblock + sum16_slot(c) * D + 16 * i,
+                          c < nk ? load16(kc + key_off[j0 + c] + 16 * i) : _mm512_setzero_ps());
+      for (int64_t r = 0; r < R; ++r) {
+        __m512 qr[ND], d[16];
+        for (int i = 0; i < ND; ++i) qr[i] = load16(qrows[r] + 16 * i);
+        for (int c = 0; c < 16; ++c) {
+          d[c] = _mm512_mul_ps(qr[0], _mm512_load_ps(kblock + c * D));
+          for (int i = 1; i < ND; ++i) d[c] = _mm512_fmadd_ps(qr[i], _mm512_load_ps(kblock + c * D + 16 * i), d[c]);
+        }
+        _mm512_mask_storeu_ps(scores.data() + r * stride + j0, (__mmask16)((1u << nk) - 1),
+                              _mm512_mul_ps(sum16(d), vscale));
+      }
     }
+    __m512 kr[ND];
     for (int64_t r = 0; r < R; ++r)
       for (int64_t c = 0; c < ntree[r]; ++c) {
         for (int i = 0; i < ND; ++i) kr[i] = load16(kc + tree_off[tree[r * Tn + c]] + 16 * i);
@@ -93,9 +130,9 @@ struct RowGroup {
     for (int64_t r = 0; r < R; ++r) {
       float* sr = scores.data() + r * stride;
       const int64_t S = n + ntree[r];
-      float mx = -INFINITY;
-      for (int64_t j = 0; j < S; ++j) mx = std::max(mx, sr[j]);
-      const __m512 vmx = _mm512_set1_ps(mx);
+      __m512 vmax = _mm512_set1_ps(-INFINITY);  // lanes past S hold -inf
+      for (int64_t j = 0; j < S; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(sr + j));
+      const __m512 vmx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
       for (int64_t j = 0; j < S; j += 16)
         _mm512_storeu_ps(sr + j, exp_nonpos(_mm512_sub_ps(_mm512_loadu_ps(sr + j), vmx)));
     }
@@ -106,20 +143,25 @@ struct RowGroup {
       for (int64_t r0 = 0; r0 < R; r0 += RC) {
         const int rc = (int)std::min<int64_t>(RC, R - r0);
         __m512 a[RC][ND];
-        for (int r = 0; r < rc; ++r)
+        float sum[RC];
+        for (int r = 0; r < rc; ++r) {
           for (int i = 0; i < ND; ++i) a[r][i] = _mm512_loadu_ps(acc.data() + (r0 + r) * D + 16 * i);
+          sum[r] = sums[r0 + r];
+        }
         for (int64_t j = j0; j < j1; ++j) {
           __m512 v[ND];
           for (int i = 0; i < ND; ++i) v[i] = load16(vc + key_off[j] + 16 * i);
           for (int r = 0; r < rc; ++r) {
             const float p = scores[(r0 + r) * stride + j];
-            sums[r0 + r] += p;
+            sum[r] += p;
             const __m512 pv = _mm512_set1_ps(p);
             for (int i = 0; i < ND; ++i) a[r][i] = _mm512_fmadd_ps(pv, v[i], a[r][i]);
           }
         }
-        for (int r = 0; r < rc; ++r)
+        for (int r = 0; r < rc; ++r) {
           for (int i = 0; i < ND; ++i) _mm512_storeu_ps(acc.data() + (r0 + r) * D + 16 * i, a[r][i]);
+          sums[r0 + r] = sum[r];
+        }
       }
     }
     for (int64_t r = 0; r < R; ++r) {
