@@ -37,7 +37,8 @@ PY
 }
 compare "$OUT/ar.json" "$OUT/redrafter.json" "one rank"
 set -x
-# AR vs ReDrafter on MT-Bench first turns in the model's chat template, same engine, same run, 2 threads, compiled
+# AR vs ReDrafter on MT-Bench first turns (one of each category) in the model's chat template, same engine, same run,
+# 2 threads, compiled
 # (inductor: a few minutes the first time, with progress bars; the compiled kernels are kept beside the engine)
 python3 scripts/bench_engine.py --engine "$OUT/smollm2-engine" --num-prompts 8 --max-tokens 64 --repeats 3 \
     --batch-size 1,8 --modes ar,redrafter --threads 2 | tee "$OUT/bench.txt" | grep -v '^{'
