@@ -102,7 +102,8 @@ def measure(args, name: str, drafter: Path, prompts: list[tuple[str, str]]) -> d
         # --speculate full: every drafted token verified, so tokens/step measures the drafter, not the speculation
         # policy's (machine-dependent) choice of how much of it to verify
         common = ["run", "--engine", str(engine), "--chat", "--json", "--max-tokens", str(args.max_tokens),
-                  "--compile", "off", "--threads", str(args.threads), "--speculate", "full", "--prompt", *(text for text, _ in prompts)]
+                  "--compile", "off", "--threads", str(args.threads), "--speculate", "full",
+                  "--prompt", *(text for text, _ in prompts)]
         rows = [json.loads(line) for line in cli(*common).splitlines() if line.startswith("{")]
         if ar is None:
             ar = [json.loads(line)["output_ids"] for line in cli(*common, "--mode", "ar").splitlines()
