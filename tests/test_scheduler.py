@@ -123,3 +123,29 @@ def test_one_id_names_a_request_from_the_client_to_the_kv_cache(tiny):
         engine.new_sequence(RequestSpec(prompts[0], greedy(4)), seq_id="triton-0")
     sched.run_until_idle()
     assert not any(engine.cache.has(r.request_id) for r in reqs)
+
+
+def test_max_queue_size_refuses_beyond_the_waiting_limit_and_serves_the_rest(tiny):
+    """Requests waiting for a batch slot beyond max_queue_size are refused with ServerBusy at once (a batch of
+    prompts as a whole); once the running batch takes the waiting ones, more are accepted; the accepted keep their
+    greedy output."""
+    from trt_redrafter.errors import ServerBusy
+
+    engine_dir, prompts, ar = tiny
+    engine = load_engine(engine_dir)
+    sched = Scheduler(engine, max_queue_size=2)
+    reqs = [Request(i, RequestSpec(p, greedy(MAX_NEW))) for i, p in enumerate(prompts)]
+    sched.submit(reqs[0])
+    with pytest.raises(ServerBusy, match=r"server busy: 1 requests .*max_queue_size=2"):
+        sched.submit_all(reqs[1:3])  # 1 + 2 > 2: all or none
+    sched.submit(reqs[1])
+    with pytest.raises(ServerBusy, match="max_queue_size=2"):
+        sched.submit(reqs[2])
+    assert sched.metrics().waiting == 2
+    sched.step_once()  # both waiting ones join the running batch (max_batch_size 4): the queue is empty again
+    sched.submit_all(reqs[2:4])
+    with pytest.raises(ServerBusy):
+        sched.submit(reqs[4])
+    sched.run_until_idle()
+    assert [r.seq.output for r in reqs[:4]] == ar[:4]
+    assert engine.cache.used_blocks == 0

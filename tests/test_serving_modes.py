@@ -388,7 +388,10 @@ def test_overload_is_answered_at_once_with_server_busy(setup, unary_server):
     assert all(i in ours or "Exceeds maximum queue size" in results[i][1] for i in busy), \
         [results[i][1] for i in busy]
     assert all(results[i][1] == want[prompts[i]] for i in served)
-    assert len(served) >= MAX_BATCH + QUEUE and busy, (len(served), len(busy))
+    # how many get through depends on how the burst meets execute(): Triton's queue alone guarantees the first
+    # request taken and QUEUE more (a loaded machine gives exactly that); the engine's own refusal is tested
+    # deterministically in test_scheduler.py
+    assert len(served) >= 1 + QUEUE and busy, (len(served), len(busy))
     slowest_served = max(results[i][2] for i in served)
     assert max(results[i][2] for i in busy) < slowest_served  # refused at once, not after waiting its turn
     m = _idle(unary_server, timeout=10.0)
