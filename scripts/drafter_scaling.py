@@ -112,15 +112,29 @@ def measure(args, name: str, drafter: Path, prompts: list[tuple[str, str]]) -> d
         if ar is None:
             ar = [json.loads(line)["output_ids"] for line in cli(*common, "--mode", "ar").splitlines()
                   if line.startswith("{")]
-        per_prompt = [r["tokens_per_step"] for r in rows]
-        by_category: dict[str, list[float]] = {}
-        for (_, category), x in zip(prompts, per_prompt):
-            by_category.setdefault(category or "-", []).append(x)
-        result[tree] = {"tokens_per_step": round(sum(per_prompt) / len(per_prompt), 3),
-                        "per_prompt": [round(x, 2) for x in per_prompt],
-                        "by_category": {c: round(sum(v) / len(v), 3) for c, v in by_category.items()},
-                        "identical_to_ar": [r["output_ids"] for r in rows] == ar}
+        result[tree] = summarize(rows, [category for _, category in prompts], ar)
     return result
+
+
+def summarize(rows: list[dict], categories: list[str], ar_outputs: list[list[int]]) -> dict:
+    """One tree's figures from `run --json` rows (one per prompt, in the prompts' order).
+
+    tokens_per_step is the mean of the prompts' own (each answer weighs the same, as every earlier figure);
+    pooled_tokens_per_step is every token made in decode steps over every step (long answers weigh more);
+    answers_cut_at_max_tokens counts the answers --max-tokens ended rather than the model."""
+    per_prompt = [r["tokens_per_step"] for r in rows]
+    by_category: dict[str, list[float]] = {}
+    for category, x in zip(categories, per_prompt):
+        by_category.setdefault(category or "-", []).append(x)
+    steps = sum(r["steps"] for r in rows)
+    pooled = sum(r["tokens_per_step"] * r["steps"] for r in rows) / steps if steps else 0.0
+    return {"tokens_per_step": round(sum(per_prompt) / len(per_prompt), 3),
+            "pooled_tokens_per_step": round(pooled, 3),
+            "per_prompt": [round(x, 2) for x in per_prompt],
+            "output_tokens": [len(r["output_ids"]) for r in rows],
+            "answers_cut_at_max_tokens": sum(r["finish_reason"] == "length" for r in rows),
+            "by_category": {c: round(sum(v) / len(v), 3) for c, v in by_category.items()},
+            "identical_to_ar": [r["output_ids"] for r in rows] == ar_outputs}
 
 
 def point(name: str, t: dict, mt_bench: dict) -> dict:
@@ -246,6 +260,13 @@ def main() -> int:
     for name, a in also.items():
         print(f"| {name} | | | | | " + " | ".join(f"{a['mt_bench'][t]['tokens_per_step']:.2f}" for t in args.trees)
               + f" | {'yes' if all(a['mt_bench'][t]['identical_to_ar'] for t in args.trees) else 'NO'} |")
+    for name, m in [(str(p["conversations"]), p["mt_bench"]) for p in points + list(trained.values())] + \
+            [(name, a["mt_bench"]) for name, a in also.items()]:
+        for t in args.trees:
+            if "pooled_tokens_per_step" in m[t]:  # figures measured before it was recorded lack it
+                print(f"{name}, {t.replace('x', ' x ')}: pooled {m[t]['pooled_tokens_per_step']:.2f} tokens/step; "
+                      f"{m[t]['answers_cut_at_max_tokens']} of {len(m[t]['output_tokens'])} answers cut at "
+                      f"--max-tokens, {sum(m[t]['output_tokens'])} tokens in all")
     return 0
 
 

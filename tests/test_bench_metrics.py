@@ -148,3 +148,27 @@ def test_point_order_interleaves_and_flips_modes():
     assert [(t.tp, t.mode) for t in point_order(ts, 0)] == [(1, "ar"), (1, "redrafter"), (2, "ar"), (2, "redrafter")]
     assert [(t.tp, t.mode) for t in point_order(ts, 1)] == [(1, "redrafter"), (1, "ar"), (2, "redrafter"), (2, "ar")]
 
+
+
+def test_drafter_scaling_summary_means_pools_and_counts_cut_answers():
+    """scripts/drafter_scaling.py's per-tree figures from `run --json` rows: the mean of the prompts' tokens/step,
+    the pooled one (all tokens over all steps), the answers --max-tokens cut, per category, and == AR."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    try:
+        from drafter_scaling import summarize as summarize_tree
+    finally:
+        sys.path.pop(0)
+    rows = [{"tokens_per_step": 2.0, "steps": 10, "output_ids": list(range(21)), "finish_reason": "stop"},
+            {"tokens_per_step": 1.0, "steps": 30, "output_ids": list(range(31)), "finish_reason": "length"},
+            {"tokens_per_step": 3.0, "steps": 20, "output_ids": list(range(61)), "finish_reason": "stop"}]
+    s = summarize_tree(rows, ["math", "math", "coding"], [r["output_ids"] for r in rows])
+    assert s["tokens_per_step"] == 2.0  # (2 + 1 + 3) / 3
+    assert s["pooled_tokens_per_step"] == round((20 + 30 + 60) / 60, 3)  # long answers weigh more
+    assert s["answers_cut_at_max_tokens"] == 1
+    assert s["output_tokens"] == [21, 31, 61]
+    assert s["by_category"] == {"math": 1.5, "coding": 3.0}
+    assert s["identical_to_ar"] is True
+    assert summarize_tree(rows, ["a", "b", "c"], [[0], [1], [2]])["identical_to_ar"] is False
