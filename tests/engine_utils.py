@@ -56,7 +56,8 @@ def run_json(engine_dir, prompts: list[list[int]], mode: str, extra=(), max_new:
     cmd = [sys.executable, "-m", "trt_redrafter", "run", "--engine", str(engine_dir), "--mode", mode, "--json",
            "--max-tokens", str(max_new), "--ignore-eos", "--prompt-ids", *[",".join(map(str, p)) for p in prompts],
            *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    # a compiled TP=2 run compiles on every rank: ~200 s alone on 2 cores, over 300 s when the machine is shared
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     docs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(docs) == len(prompts), proc.stdout
