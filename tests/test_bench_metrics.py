@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -149,13 +151,9 @@ def test_point_order_interleaves_and_flips_modes():
     assert [(t.tp, t.mode) for t in point_order(ts, 1)] == [(1, "redrafter"), (1, "ar"), (2, "redrafter"), (2, "ar")]
 
 
-
 def test_drafter_scaling_summary_means_pools_and_counts_cut_answers():
     """scripts/drafter_scaling.py's per-tree figures from `run --json` rows: the mean of the prompts' tokens/step,
     the pooled one (all tokens over all steps), the answers --max-tokens cut, per category, and == AR."""
-    import sys
-    from pathlib import Path
-
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     try:
         from drafter_scaling import summarize as summarize_tree
