@@ -32,15 +32,23 @@ class GenerationResult:
 
 
 def generate(engine: Engine, prompts: list[list[int]], params: SamplingConfig | list[SamplingConfig],
-             mode: str = "redrafter", stop_ids: tuple[int, ...] = (), proposer: str | None = None
-             ) -> list[GenerationResult]:
+             mode: str = "redrafter", stop_ids: tuple[int, ...] = (), proposer: str | None = None,
+             last: bool = True) -> list[GenerationResult]:
     """Run requests to completion through the in-flight scheduler (driver rank; followers run `follow`).
-    `proposer` overrides the engine's default proposer for these requests."""
+    `proposer` overrides the engine's default proposer for these requests. `last=False` keeps the follower ranks
+    in `follow` for more calls (a benchmark's many runs on one engine); the caller then ends them with
+    `release_followers`."""
     if isinstance(params, SamplingConfig):
         params = [params] * len(prompts)
     sched = Scheduler(engine)
     reqs = [sched.submit(Request(i, RequestSpec(p, sp, mode, proposer, tuple(stop_ids))))
             for i, (p, sp) in enumerate(zip(prompts, params))]
     sched.run_until_idle()
-    engine.dist.broadcast_object(None)  # release the follower ranks
+    if last:
+        release_followers(engine)
     return [GenerationResult.of(r.seq) for r in reqs]
+
+
+def release_followers(engine: Engine) -> None:
+    """End `follow` on the other TP ranks (a no-op at TP 1)."""
+    engine.dist.broadcast_object(None)
