@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import platform
 import statistics
 import sys
@@ -44,9 +43,10 @@ from trt_redrafter.config import (BuildConfig, DrafterConfig, ModelConfig, Propo
 from trt_redrafter.model.tp import Dist  # noqa: E402
 from trt_redrafter.runtime.engine import Engine  # noqa: E402
 from trt_redrafter.checkpoint.engine_config import EngineConfig  # noqa: E402
+from trt_redrafter.bench.baselines import hf_generate  # noqa: E402
+from trt_redrafter.bench.measure import phase_profile, run_mode  # noqa: E402
+from trt_redrafter.bench.oracle import ContinuationOracle  # noqa: E402
 from trt_redrafter.runtime.generate import generate  # noqa: E402
-from trt_redrafter.runtime.proposer import Draft, Proposer  # noqa: E402
-from trt_redrafter.runtime.step import SCORE_FLOOR, quantize_scores  # noqa: E402
 
 SHAPES = {
     # name: (ModelConfig kwargs, drafter exit_dim, drafter layers)
@@ -160,57 +160,6 @@ def make_successor(sd: dict[str, torch.Tensor], seed: int) -> None:
         sd["lm_head.weight"].index_copy_(0, perm, emb)
 
 
-def per_token_acceptance(tokens_per_step: float, dl: int) -> float:
-    """p such that a beam whose every drafted token is accepted with probability p (given its prefix was) emits
-    1 + p + p^2 + ... + p^dl tokens per step on average."""
-    lo, hi = 0.0, 1.0
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if sum(mid ** j for j in range(dl + 1)) < tokens_per_step else (lo, mid)
-    return (lo + hi) / 2
-
-
-class RateOracle(Proposer):
-    """A host proposer with a set acceptance rate (benchmarks only): its first beam is the request's known greedy
-    continuation, each drafted token kept with probability p and replaced by a random one at the first miss; the other
-    beams branch off it at random depths with random tokens. Scores are calibrated: a node on the oracle's path at
-    depth j scores log(p^j), random nodes log(1/V) per random token. So a step that verifies the whole tree emits
-    1 + p + ... + p^dl tokens on average, and the speculation policy sees honest confidences."""
-
-    name = "rate-oracle"
-    on_host = True
-
-    def __init__(self, nb: int, dl: int, vocab: int, tokens_per_step: float, seed: int):
-        import random
-
-        self.num_beams, self.draft_len, self.vocab = nb, dl, vocab
-        self.p = per_token_acceptance(tokens_per_step, dl)
-        self.rng = random.Random(seed)
-        self.continuations: dict[tuple[int, ...], list[int]] = {}
-        self.hit = [int(quantize_scores(torch.tensor(j * math.log(self.p))).item()) for j in range(dl + 1)]
-        miss = int(quantize_scores(torch.tensor(-math.log(vocab))).item())
-        # scores of a branch that leaves the oracle's path after d drafted tokens, at depths d+1..dl
-        self.branch = [[max(SCORE_FLOOR, self.hit[d] + (j - d + 1) * miss) for j in range(d, dl)] for d in range(dl)]
-        self.pool = [self.rng.randrange(3, vocab) for _ in range(4096 + nb * dl)]
-
-    def compose(self, seq, device=None) -> Draft:
-        nb, dl, rng, pool = self.num_beams, self.draft_len, self.rng, self.pool
-        known = self.continuations.get(tuple(seq.prompt), [])[len(seq.output):]
-        k = rng.randrange(len(pool) - nb * dl)  # random tokens: a window of a pre-drawn pool (cheap on the host)
-        oracle = pool[k:k + dl]
-        for j in range(min(dl, len(known))):
-            if rng.random() >= self.p:
-                break
-            oracle[j] = known[j]
-        # the oracle does not know where it misses: its node at depth j scores log(p^j), calibrated
-        rows, scores = [[seq.true_token] + oracle], [self.hit[1:]]
-        for i in range(1, nb):
-            d = rng.randrange(dl)  # shares the oracle's first d drafted tokens, then random ones
-            rows.append([seq.true_token] + oracle[:d] + pool[k + i * dl + d:k + (i + 1) * dl])
-            scores.append(self.hit[1:d + 1] + self.branch[d])
-        return Draft(rows, scores)
-
-
 def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
     """Bytes read + written per second by a large device-to-device copy (median of 20)."""
     if device.type != "cuda":
@@ -236,32 +185,14 @@ def prompts_for(batch: int, length: int, vocab: int, seed: int) -> list[list[int
 
 def measure(engine: Engine, prompts: list[list[int]], max_tokens: int, mode: str, repeats: int) -> dict:
     params = SamplingConfig(max_tokens=max_tokens)
-    generate(engine, prompts, params, mode)  # warm-up (first captures for this batch bucket)
-    tpots, steps, decode_steps, tps = [], [], [], []
-    out = None
-    for _ in range(repeats):
-        engine.step_times.reset()
-        res = generate(engine, prompts, params, mode)
-        tpots.append(statistics.median(r.ms_per_token for r in res))
-        steps.append(engine.step_times.mean_ms(mode))
-        st = engine.step_times  # every decode step of the run, AR steps the policy chose included
-        decode_steps.append(1e3 * (st.seconds["ar"] + st.seconds["redrafter"])
-                            / (st.steps["ar"] + st.steps["redrafter"]))
-        tps.append(statistics.mean(r.tokens_per_step for r in res) if mode == "redrafter" else 1.0)
-        out = [r.output_ids for r in res]
-    return {"tpot_ms": statistics.median(tpots), "step_ms": statistics.median(steps),
-            "step_ms_min": min(steps), "step_ms_max": max(steps), "decode_step_ms": statistics.median(decode_steps),
-            "tokens_per_step": statistics.mean(tps),
-            "outputs": out}
-
-
-def phase_profile(engine: Engine, prompt: list[int], max_tokens: int) -> dict[str, float]:
-    engine.timer.enabled = True
-    generate(engine, [prompt], SamplingConfig(max_tokens=max_tokens), "redrafter")  # captures the phase graphs
-    engine.timer.reset()
-    generate(engine, [prompt], SamplingConfig(max_tokens=max_tokens), "redrafter")
-    engine.timer.enabled = False
-    return engine.timer.mean_ms()
+    run_mode(engine, prompts, params, mode)  # warm-up (first captures for this batch bucket)
+    runs = [run_mode(engine, prompts, params, mode) for _ in range(repeats)]
+    steps = [r.own_step_ms for r in runs]
+    return {"tpot_ms": statistics.median(r.tpot_ms for r in runs), "step_ms": statistics.median(steps),
+            "step_ms_min": min(steps), "step_ms_max": max(steps),
+            "decode_step_ms": statistics.median(r.decode_step_ms for r in runs),
+            "tokens_per_step": statistics.mean(r.tokens_per_step for r in runs),
+            "outputs": runs[-1].outputs, "widths": runs[-1].widths}
 
 
 def kernel_profile(pair: Pair, device: torch.device, prompt: list[int], kernels: str, steps: int = 12,
@@ -289,18 +220,11 @@ def kernel_profile(pair: Pair, device: torch.device, prompt: list[int], kernels:
     return out
 
 
-def hf_generate_ms(hf, prompts: list[list[int]], max_tokens: int, device: torch.device) -> tuple[float, list]:
-    ids = torch.tensor(prompts, device=device)
-    kw = dict(do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0, eos_token_id=None)
-    with torch.no_grad():
-        hf.generate(ids, max_new_tokens=8, min_new_tokens=8, **kw)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        out = hf.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens, **kw)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-    return (time.perf_counter() - t0) * 1e3 / max_tokens, out[:, ids.shape[1]:].tolist()
+def hf_generate_ms(hf, prompts: list[list[int]], max_tokens: int) -> tuple[float, list]:
+    """ms per token of HF generate over `prompts` batched (the whole call over max_tokens, after a warm-up)."""
+    hf_generate(hf, prompts, 8)
+    seconds, out = hf_generate(hf, prompts, max_tokens)
+    return seconds * 1e3 / max_tokens, out
 
 
 def parity_report(engine: Engine, hf, prompts: list[list[int]], max_tokens: int, device: torch.device) -> dict:
@@ -313,9 +237,8 @@ def parity_report(engine: Engine, hf, prompts: list[list[int]], max_tokens: int,
     out = {"prompts": len(prompts), "ar_eq_rd": 0, "ar_eq_hf": 0, "divergences": []}
     params = SamplingConfig(max_tokens=max_tokens)
     for p in prompts:
-        ar = generate(engine, [p], params, "ar")[0].output_ids
-        rd = generate(engine, [p], params, "redrafter")[0].output_ids
-        _, hf_out = hf_generate_ms(hf, [p], max_tokens, device)
+        ar, rd = (run_mode(engine, [p], params, mode).outputs[0] for mode in ("ar", "redrafter"))
+        _, hf_out = hf_generate(hf, [p], max_tokens)
         hf_ids = hf_out[0]
         out["ar_eq_rd"] += ar == rd
         out["ar_eq_hf"] += ar == hf_ids
@@ -353,7 +276,9 @@ def oracle_main(args) -> int:
     del pair.hf
     m = pair.cfg.checkpoint.model
     print(f"built the random pair in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
-    oracle = RateOracle(args.num_beams, dl, m.vocab_size, args.oracle_tokens_per_step, args.seed)
+    continuations: dict[tuple[int, ...], list[int]] = {}  # each prompt's AR output, measured first
+    oracle = ContinuationOracle(args.num_beams, dl, m.vocab_size, continuations, key="prompt",
+                                tokens_per_step=args.oracle_tokens_per_step, seed=args.seed)
     doc = {"shape": args.shape, "dtype": args.dtype, "num_beams": args.num_beams, "beam_length": args.beam_length,
            "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "repeats": args.repeats,
            "oracle_tokens_per_step": args.oracle_tokens_per_step, "per_token_acceptance": oracle.p,
@@ -373,7 +298,7 @@ def oracle_main(args) -> int:
         for b in batches:
             prompts = prompts_for(b, args.prompt_len, m.vocab_size, args.seed + b)
             ar = measure(engines["full"], prompts, args.max_tokens, "ar", args.repeats)
-            oracle.continuations.update({tuple(p): o for p, o in zip(prompts, ar["outputs"])})
+            continuations.update({tuple(p): o for p, o in zip(prompts, ar["outputs"])})
             row = {"compile": engines["full"].compiler.mode, "kernels": engines["full"].kernels, "batch": b,
                    "ar_tpot_ms": ar["tpot_ms"], "ar_step_ms": ar["step_ms"]}
             for speculate, engine in engines.items():
@@ -383,7 +308,7 @@ def oracle_main(args) -> int:
                                   "host_ms_per_step": rd["tpot_ms"] * rd["tokens_per_step"] - rd["decode_step_ms"],
                                   "tokens_per_step": rd["tokens_per_step"], "speedup": ar["tpot_ms"] / rd["tpot_ms"],
                                   "equals_ar": sum(a == r for a, r in zip(ar["outputs"], rd["outputs"])),
-                                  "widths": dict(engine.step_times.widths)}
+                                  "widths": rd["widths"]}
             row["ar_host_ms_per_step"] = ar["tpot_ms"] - ar["step_ms"]
             row["full_step_ratio"] = row["full"]["step_ms"] / ar["step_ms"]
             doc["runs"].append(row)
@@ -467,7 +392,7 @@ def main() -> int:
     hf_ms = {}
     for b in [int(x) for x in args.hf_batches.split(",") if x]:
         hf_ms[b], hf_out = hf_generate_ms(pair.hf, prompts_for(b, args.prompt_len, m.vocab_size, args.seed),
-                                          args.max_tokens, device)
+                                          args.max_tokens)
         doc[f"hf_generate_ms_per_token_b{b}"] = hf_ms[b]
         if b == 1:
             doc["hf_outputs_b1"] = hf_out
@@ -500,7 +425,7 @@ def main() -> int:
                 row["ar_equals_hf_prefix"] = common_prefix(ar["outputs"][0], doc["hf_outputs_b1"][0])
                 row["ar_vs_hf_speedup"] = hf_ms[1] / ar["tpot_ms"]
             if b == 1:
-                row["phases_ms"] = phase_profile(engine, prompts[0], args.max_tokens)
+                row["phases_ms"] = phase_profile(engine, prompts[:1], SamplingConfig(max_tokens=args.max_tokens))
                 if args.parity_prompts:
                     row["parity"] = parity_report(engine, pair.hf, prompts_for(args.parity_prompts, args.prompt_len,
                                                                                m.vocab_size, args.seed + 7),

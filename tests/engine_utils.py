@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
+from trt_redrafter.bench.baselines import hf_generate, load_hf_model
+from trt_redrafter.bench.oracle import ContinuationOracle
 from trt_redrafter.cli import main as cli
 from trt_redrafter.config import RuntimeConfig, SamplingConfig
 from trt_redrafter.runtime.distributed import Dist
 from trt_redrafter.runtime.engine import Engine
 from trt_redrafter.runtime.proposer import Draft, Proposer
-from trt_redrafter.runtime.step import SCORE_FLOOR, quantize_scores
 
 
 def run_cli(*args) -> None:
@@ -74,19 +74,11 @@ def load_engine(engine_dir: Path, proposer=None, device: str = "cpu", compile: s
 
 @functools.lru_cache(maxsize=None)
 def _hf_model(base_dir: str):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    model.generation_config.eos_token_id = None  # generate exactly max_new_tokens, like --ignore-eos
-    return model.eval()
+    return load_hf_model(base_dir)  # eos ignored: exactly max_new_tokens, like --ignore-eos
 
 
 def hf_greedy(base_dir: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
-    model = _hf_model(str(base_dir))
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    return hf_generate(_hf_model(str(base_dir)), [prompt], max_new_tokens)[1][0]
 
 
 def random_prompts(vocab: int, lengths: list[int], seed: int) -> list[list[int]]:
@@ -115,50 +107,16 @@ class HostDrafts(Proposer):
         return Draft(beams.tolist(), self.scores(beams))
 
 
-class OracleProposer(HostDrafts):
-    """A host proposer that drafts the known AR continuation as one of its beams (tests only).
+def OracleProposer(engine_dir: Path, continuations: dict[int, list[int]], corrupt_every: int = 0,
+                   seed: int = 0) -> ContinuationOracle:
+    """A host proposer that drafts each request's known AR continuation (`continuations[seq_id]`: `generate` numbers
+    its prompts from 0) as one beam of every tree, certain of it; with `corrupt_every=k` every k-th tree's oracle
+    beam is wrong at a random depth (partial acceptances). The other beams branch off it with random tokens."""
+    from trt_redrafter.checkpoint.engine_config import load_engine_config
 
-    The other beams branch off the oracle beam at random depths with random tokens, so the verify step sees a
-    real tree. `continuations[seq_id]` is the request's full AR output. With `corrupt_every=k`, every k-th
-    draft has its oracle beam corrupted at a random depth, exercising partial acceptance. Scores: the oracle beam's
-    nodes are certain, the random branches' nodes score log(1 / vocab) per random token.
-    """
-
-    name = "oracle"
-
-    def __init__(self, engine_dir: Path, continuations: dict[int, list[int]], corrupt_every: int = 0, seed: int = 0):
-        from trt_redrafter.checkpoint.engine_config import load_engine_config
-
-        info = load_engine_config(engine_dir).checkpoint
-        self.num_beams, self.draft_len = info.redrafter.num_beams, info.redrafter.draft_len_per_beam
-        self.vocab = info.model.vocab_size
-        self.continuations, self.corrupt_every = continuations, corrupt_every
-        self.g = torch.Generator().manual_seed(seed)
-        self.calls = 0
-        self._oracle = 0
-
-    def beams(self, s) -> torch.Tensor:
-        nb, dl, g = self.num_beams, self.draft_len, self.g
-        known = self.continuations[s.seq_id]
-        cont = known[len(s.output):len(s.output) + dl]
-        cont = cont + [1] * (dl - len(cont))
-        beams = torch.randint(3, self.vocab, (nb, dl + 1), generator=g)
-        beams[:, 0] = s.true_token
-        oracle = self._oracle = int(torch.randint(0, nb, (1,), generator=g))
-        beams[oracle, 1:] = torch.tensor(cont)
-        for b in range(nb):  # share a random prefix with the oracle beam
-            depth = int(torch.randint(0, dl + 1, (1,), generator=g))
-            beams[b, :depth + 1] = beams[oracle, :depth + 1]
-        self.calls += 1
-        if self.corrupt_every and self.calls % self.corrupt_every == 0:
-            d = int(torch.randint(1, dl + 1, (1,), generator=g))
-            beams[oracle, d] = (beams[oracle, d] + 1) % self.vocab
-        return beams
-
-    def scores(self, beams: torch.Tensor) -> list[list[int]]:
-        miss = quantize_scores(torch.tensor(-math.log(self.vocab))).item()
-        same = (beams == beams[self._oracle]).long().cumprod(dim=1)[:, 1:]  # [nb, dl] still on the oracle's path
-        return ((1 - same).cumsum(dim=1) * miss).clamp(min=SCORE_FLOOR).tolist()
+    ecfg = load_engine_config(engine_dir)
+    return ContinuationOracle(ecfg.tree.num_beams, ecfg.tree.draft_len_per_beam, ecfg.checkpoint.model.vocab_size,
+                              continuations, key="seq_id", corrupt_every=corrupt_every, seed=seed)
 
 
 # Llama 2's chat template in miniature: it writes the BOS text itself, as Llama 2's and Llama 3's do, so encoding its

@@ -1,6 +1,6 @@
-"""scripts/gpu_bench.py's rate-oracle mode, on the tiny shape on the CPU: the numbers it reports on a GPU are only
-meaningful if its model keeps greedy ReDrafter == AR (the successor weights) and its oracle delivers the acceptance it
-was set to."""
+"""scripts/gpu_bench.py's rate-oracle mode (trt_redrafter/bench/oracle.py's ContinuationOracle at a set acceptance),
+on the tiny shape on the CPU: the numbers it reports on a GPU are only meaningful if its model keeps greedy ReDrafter
+== AR (the successor weights) and its oracle delivers the acceptance it was set to."""
 
 import json
 import subprocess
@@ -9,15 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from trt_redrafter.bench.oracle import per_token_acceptance
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_per_token_acceptance_inverts_the_tree_mean():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        from gpu_bench import per_token_acceptance
-    finally:
-        sys.path.pop(0)
     for target, dl in ((3.5, 4), (1.6, 4), (2.0, 2)):
         p = per_token_acceptance(target, dl)
         assert sum(p ** j for j in range(dl + 1)) == pytest.approx(target, rel=1e-9)
