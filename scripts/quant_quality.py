@@ -13,7 +13,8 @@ float model, for this project's quantized engines and llama.cpp's quantized file
 - Greedy agreement: MT-Bench first turns in the chat template, `--max-tokens` greedy tokens, against the float
   HF model's tokens: how many outputs are identical, and the mean fraction of tokens before the first difference.
 - llama.cpp (llama-cpp-python): the same token ids, its logits for perplexity, its greedy tokens for agreement;
-  the weight types are re-typed from `--llama-cpp` by llama.cpp's own quantizer (bench_engine.py's cache).
+  the weight types are re-typed from `--llama-cpp` by llama.cpp's own quantizer (bench-engine's cache,
+  trt_redrafter/bench/baselines.py).
 """
 
 from __future__ import annotations
@@ -21,20 +22,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine import llama_cpp_file  # noqa: E402
-
-from trt_redrafter.chat import chat_prompt_ids  # noqa: E402
-from trt_redrafter.config import RuntimeConfig  # noqa: E402
-from trt_redrafter.datasets import mt_bench_path, read_jsonl  # noqa: E402
-from trt_redrafter.model.linear import fp8_qdq  # noqa: E402
-from trt_redrafter.model.tp import Dist  # noqa: E402
-from trt_redrafter.runtime.engine import Engine  # noqa: E402
+from trt_redrafter.bench.baselines import llama_cpp_file
+from trt_redrafter.chat import chat_prompt_ids
+from trt_redrafter.config import RuntimeConfig
+from trt_redrafter.datasets import mt_bench_path, read_jsonl
+from trt_redrafter.model.linear import fp8_qdq
+from trt_redrafter.model.tp import Dist
+from trt_redrafter.runtime.engine import Engine
 
 
 def mt_bench_texts() -> tuple[list[str], list[str]]:

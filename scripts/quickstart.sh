@@ -40,7 +40,7 @@ set -x
 # AR vs ReDrafter on MT-Bench first turns (one of each category) in the model's chat template, same engine, same run,
 # 2 threads, compiled
 # (inductor: a few minutes the first time, with progress bars; the compiled kernels are kept beside the engine)
-python3 scripts/bench_engine.py --engine "$OUT/smollm2-engine" --num-prompts 8 --max-tokens 64 --repeats 3 \
+trt-redrafter bench-engine --engine "$OUT/smollm2-engine" --num-prompts 8 --max-tokens 64 --repeats 3 \
     --batch-size 1,8 --modes ar,redrafter --threads 2 | tee "$OUT/bench.txt" | grep -v '^{'
 # tensor parallelism: the same model at TP=3 (run relaunches itself under mpirun -n 3; one thread per rank)
 trt-redrafter convert --base-model "$HF" --drafter models/smollm2-drafter-fr --output "$OUT/smollm2-ckpt-tp3" --tp 3 \

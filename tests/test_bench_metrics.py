@@ -121,7 +121,7 @@ def test_prompts_mt_bench_and_prompt_rows(tmp_path):
 
 
 def test_first_prompts_spread_over_categories_or_in_file_order(tmp_path):
-    """bench_engine's default prompts: one of each category before a second of any (MT-Bench's first rows are all
+    """bench-engine's default prompts: one of each category before a second of any (MT-Bench's first rows are all
     one category); rows without a category come after; `file` keeps the file's order."""
     f = tmp_path / "q.jsonl"
     rows = [("a", "w1"), ("a", "w2"), ("a", "w3"), ("b", "m1"), (None, "raw"), ("c", "c1"), ("b", "m2")]

@@ -1,6 +1,6 @@
 """A user message becomes the model's own chat prompt (trt_redrafter/chat.py): the tokenizer's chat template when it
 has one, else FastChat's Vicuna v1.1. Checked where it is used: `run --chat` (its prompt ids, and through the real
-CLI on a tiny engine), bench's prompts (`auto` with and without a template), scripts/bench_engine.py, and the
+CLI on a tiny engine), bench's prompts (`auto` with and without a template), bench-engine's, and the
 preprocessing model's code as make-repo copies it (imported without torch). The preprocessing model inside a real
 tritonserver, with `generate --chat`, is tested in test_serving.py.
 """
@@ -8,7 +8,6 @@ tritonserver, with `generate --chat`, is tested in test_serving.py.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import shutil
 import subprocess
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from engine_utils import write_chat_tokenizer
+from trt_redrafter.bench.engine_bench import encode_prompts
 from trt_redrafter.bench.harness import BenchConfig, Target, run_point, sweep_tokenizer
 from trt_redrafter.bench.schedule import Prompt, applied_template, load_prompts, resolve_chat_template
 from trt_redrafter.chat import chat_prompt_ids, vicuna_prompt
@@ -123,7 +123,7 @@ def test_bench_auto_uses_the_tokenizers_template_for_mt_bench_rows(chat_dir, tmp
     prompts = load_prompts(_jsonl(tmp_path / "q.jsonl"), "auto", tok)
     assert prompts == [Prompt(MSG, "tokenizer"), Prompt("def f():")]  # {"prompt"} rows stay raw
     assert prompts[0].chat and not prompts[1].chat  # the server templates the first (apply_chat_template)
-    assert prompts[0].ids(tok) == hf_chat_ids(tok, MSG)  # as fit_prompts and bench_engine.py count it
+    assert prompts[0].ids(tok) == hf_chat_ids(tok, MSG)  # as fit_prompts and bench-engine count it
     assert applied_template(prompts) == "tokenizer"
     forced = load_prompts(tmp_path / "q.jsonl", "tokenizer", tok)
     assert [p.ids(tok) for p in forced] == [hf_chat_ids(tok, MSG), hf_chat_ids(tok, "def f():")]
@@ -175,17 +175,14 @@ def test_bench_requests_ask_the_server_to_template(monkeypatch):
     assert "apply_chat_template" not in {t.name() for t in client.build_inputs(raw)}  # stock ensembles lack it
 
 
-def test_bench_engine_script_prompts(chat_dir, tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_engine", ROOT / "scripts" / "bench_engine.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+def test_bench_engine_prompts(chat_dir, tmp_path):
     tok = load_tokenizer(chat_dir)
     args = argparse.Namespace(prompts=_jsonl(tmp_path / "q.jsonl"), num_prompts=2, chat_template="auto",
                               prompt_order="categories")
-    assert script.encode_prompts(tok, args) == ([hf_chat_ids(tok, MSG), tok.encode("def f():")], "tokenizer")
+    assert encode_prompts(tok, args) == ([hf_chat_ids(tok, MSG), tok.encode("def f():")], "tokenizer")
     args.prompts = tmp_path / "missing.jsonl"  # no silent fallback to other prompts: one clear error
-    with pytest.raises(SystemExit, match="missing.jsonl does not exist"):
-        script.encode_prompts(tok, args)
+    with pytest.raises(UserError, match="missing.jsonl does not exist"):
+        encode_prompts(tok, args)
 
 
 def test_preprocessing_code_as_copied_templates_without_torch(chat_dir, tmp_path):

@@ -21,7 +21,7 @@ tests/test_layers.py walks every import and holds the code to this list.
     products     backends, serving
                  engine builders (torch, TensorRT-LLM); Triton repository, launcher, engine model, OpenAI API
     tools        bench, training
-                 serving benchmarks and the CI gate; drafter distillation
+                 served and offline engine benchmarks, the CI gate; drafter distillation
     entry        commands, cli, triton_repo
                  the CLI's subcommands; the Python models of a generated Triton repository
 """
