@@ -1,7 +1,7 @@
 """The prompt a chat model gets for one user message: its tokenizer's chat template, else FastChat's Vicuna v1.1.
 
 The one place that decides, for `run --chat`, the preprocessing model's `apply_chat_template` input (what
-`generate --chat` sends), `bench`, scripts/bench_engine.py and the OpenAI frontend's /v1/chat/completions (whole
+`generate --chat` sends), `bench`, `bench-engine` and the OpenAI frontend's /v1/chat/completions (whole
 conversations: `chat_ids`). A model that ships a chat template
 (`tokenizer.chat_template`, Hugging Face's `apply_chat_template`) is prompted the way it was tuned; Vicuna's
 tokenizer ships none, and Vicuna gets the template its MT-Bench runs (and the ReDrafter paper's) used.

@@ -9,7 +9,7 @@ temporary name and renamed, so an interrupted fetch is never taken for a finishe
 
 Wherever a command takes a dataset path, the name `mt-bench` means this file.
 
-`read_jsonl` is the one reader of JSONL prompt files (bench and bench_engine's prompts, train-drafter's --prompts,
+`read_jsonl` is the one reader of JSONL prompt files (bench and bench-engine's prompts, train-drafter's --prompts,
 the MT-Bench guard that keeps evaluation questions out of a drafter's corpus).
 """
 
