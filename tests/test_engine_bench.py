@@ -62,7 +62,7 @@ def echo(job, shift=0, **options):
 '''
 
 
-def test_a_baseline_that_segfaults_costs_its_own_row_with_the_reason(tmp_path, monkeypatch):
+def test_a_fake_baseline_that_segfaults_costs_only_its_own_row_with_the_reason(tmp_path, monkeypatch):
     """Each baseline runs in a process of its own: a simulated SIGSEGV (a fake baseline, not llama.cpp) and an
     exception each leave an error row saying why, and the baselines around them still report."""
     (tmp_path / "fake_baselines.py").write_text(textwrap.dedent(FAKE_BASELINES))

@@ -139,13 +139,16 @@ def mode_row(bs: int, mode: str, t: _Tally, ar: _Tally) -> ModeRow:
     ratio = RatioSummary.of(t.round_ratios)
     speculative = mode != "ar"
     step_ms, propose_ms = t.step_ms, 1e3 * t.propose / max(1, t.steps)
+    drafted = sum(r.draft_tokens for r in results)
     return ModeRow(
-        bs, mode, statistics.median(t.tpot), step_ms, propose_ms,
-        statistics.mean(r.tokens_per_step for r in results) if speculative else 1.0,
-        sum(r.accepted_draft_tokens for r in results) / max(1, sum(r.draft_tokens for r in results))
-        if speculative else None,
-        t.outputs == ar.outputs, widths, t.round_ratios, t.group_ratios, ratio.median, ratio.min, ratio.max,
-        ratio.iqr, step_ms / ar.step_ms if ar.step_ms else 0.0, propose_ms / step_ms if step_ms else 0.0)
+        batch_size=bs, mode=mode, ms_per_token=statistics.median(t.tpot), step_ms=step_ms,
+        propose_ms_per_step=propose_ms,
+        tokens_per_step=statistics.mean(r.tokens_per_step for r in results) if speculative else 1.0,
+        acceptance_rate=sum(r.accepted_draft_tokens for r in results) / max(1, drafted) if speculative else None,
+        greedy_outputs_equal=t.outputs == ar.outputs, steps_by_width=widths, round_speedups=t.round_ratios,
+        group_speedups=t.group_ratios, speedup=ratio.median, speedup_min=ratio.min, speedup_max=ratio.max,
+        speedup_iqr=ratio.iqr, step_cost_ratio=step_ms / ar.step_ms if ar.step_ms else 0.0,
+        propose_share=propose_ms / step_ms if step_ms else 0.0)
 
 
 def warm_up(engine: Engine, prompts: list[list[int]], batches: list[int], modes: list[str],
@@ -182,12 +185,12 @@ def encode_prompts(tok, args: argparse.Namespace) -> tuple[list[list[int]], str]
     return [p.ids(tok) for p in prompts], schedule.applied_template(prompts)
 
 
-def memory_roofline(engine: Engine, buffer_mb: int = 512) -> Optional[dict]:
+def memory_roofline(engine: Engine, device: torch.device, buffer_mb: int = 512) -> Optional[dict]:
     """This machine's read bandwidth (a sum over a buffer much larger than the caches) and the bytes of the base's
     linear layers as the engine holds them (packed floats, or quantized bytes and scales): the floor of an AR step."""
     from ..model.linear import Linear
 
-    if engine.dist.device.type != "cpu":
+    if device.type != "cpu":
         return None
     weight_bytes = 0
     for m in engine.model.modules():
@@ -256,7 +259,7 @@ def peer_baselines(args: argparse.Namespace, kinds: list[str], m: Measured, thre
 
 
 def summary_doc(args: argparse.Namespace, ecfg: EngineConfig, engine: Engine, runtime: RuntimeConfig, m: Measured,
-                peers: list[BaselineRow], load_s: float, roofline: Optional[dict]) -> dict:
+                peers: list[BaselineRow], load_s: float, roofline: Optional[dict], device: str) -> dict:
     """The run as one JSON document: the engine and how it ran, every row, the baselines, the machine."""
     costs = engine.policy.costs if engine.policy.mode == "auto" else None
     return {
@@ -270,8 +273,7 @@ def summary_doc(args: argparse.Namespace, ecfg: EngineConfig, engine: Engine, ru
         "cost_model": costs.to_dict() if costs else None,
         "step_scale": dict(zip(("ar", "tree"), engine.policy.step_scale)), "roofline": roofline,
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                    "torch_threads": torch.get_num_threads(), "loadavg": os.getloadavg(),
-                    "device": str(engine.dist.device)},
+                    "torch_threads": torch.get_num_threads(), "loadavg": os.getloadavg(), "device": device},
     }
 
 
@@ -350,7 +352,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         shutdown_dist()
     peers = peer_baselines(args, kinds, measured, torch.get_num_threads()) if ecfg.tp_size == 1 else []
-    doc = summary_doc(args, ecfg, engine, runtime, measured, peers, load_s, memory_roofline(engine))
+    doc = summary_doc(args, ecfg, engine, runtime, measured, peers, load_s, memory_roofline(engine, dist.device),
+                      str(dist.device))
     print_header(doc, engine)
     print_table(measured.rows, peers)
     print_footer(doc)
