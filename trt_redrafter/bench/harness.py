@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import dataclasses
 import tempfile
 import threading
 import time
@@ -334,7 +333,3 @@ def engines_info(targets: list[Target]) -> dict:
                              "greedy_search": rd.greedy_search, "drafter": e.has_drafter,
                              "proposer": e.proposer.to_dict()}
     return out
-
-
-def config_dict(cfg: BenchConfig) -> dict:
-    return dataclasses.asdict(cfg)

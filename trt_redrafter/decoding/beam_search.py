@@ -66,14 +66,6 @@ def warp_logits(logits: torch.Tensor, k: Optional[int]) -> torch.Tensor:
     return logits.masked_fill(logits < kth, LOG_ZERO)
 
 
-def drafter_log_probs(drafter: DrafterProtocol, h: torch.Tensor, state: torch.Tensor,
-                      warp_k: Optional[int]) -> torch.Tensor:
-    """The drafter's normalized next-token log-distribution [n, V] float32 (Apple's `compute_logits` + log_softmax)."""
-    logits = drafter.logits(h, state).float()  # [n, V]
-    logits = logits - logits.max(dim=-1, keepdim=True).values  # Apple's `maintain_logits`
-    return torch.log_softmax(warp_logits(logits, warp_k), dim=-1)
-
-
 def select_beams(step_logits: torch.Tensor, score: torch.Tensor, num_beams: int, warp_top_k: Optional[int],
                  need_log_probs: bool = True
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:

@@ -48,10 +48,6 @@ class AttentionMeta:
     def batch_size(self) -> int:
         return self.positions.shape[0]
 
-    @property
-    def num_new(self) -> int:
-        return self.positions.shape[1]
-
     def for_torch(self) -> "AttentionMeta":
         """Fill `kv_slots` and `visible` for `torch_tree_attention` (tensor ops only, no host sync)."""
         bs, T = self.positions.shape

@@ -120,12 +120,3 @@ STOCK = {"ensemble": (ENSEMBLE_INPUTS, ENSEMBLE_OUTPUTS), "tensorrt_llm_bls": (B
          "tensorrt_llm": (ENGINE_INPUTS, ENGINE_OUTPUTS)}
 
 
-def pbtxt_lines(tensors: list[Tensor], ragged: frozenset[str] = frozenset(), outputs: bool = False) -> str:
-    """config.pbtxt entries for `tensors` (how the templates' blocks were written; outputs are never optional)."""
-    rows = []
-    for t in tensors:
-        dims = ", ".join(str(d) for d in t.dims)
-        extra = (" optional: true" if t.optional and not outputs else "") + \
-            (" allow_ragged_batch: true" if t.name in ragged else "")
-        rows.append(f'  {{ name: "{t.name}" data_type: {t.dtype} dims: [ {dims} ]{extra} }}')
-    return ",\n".join(rows)

@@ -567,10 +567,6 @@ def kernel_log_since(before: Optional[list[str]]) -> Optional[list[str]]:
     return after[len(before):] if after[:len(before)] == before else after
 
 
-def shm_regions(prefix: str = SHM_PREFIX_STEM) -> list[str]:
-    return glob.glob(f"/dev/shm/{prefix}*")
-
-
 def parse_host_port(url: str, default_port: int) -> tuple[str, int]:
     m = re.fullmatch(r"(?:\w+://)?([^:/]+)(?::(\d+))?/?", url)
     if not m:

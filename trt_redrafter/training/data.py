@@ -65,10 +65,3 @@ def text_files(source: str | None) -> tuple[list[Path], list[Path]]:
     held = files[9::10] or files[:1]
     train = [p for p in files if p not in held] or held
     return train, held
-
-
-def prompt_windows(stream: torch.Tensor, n: int, min_len: int, max_len: int, g: torch.Generator) -> list[list[int]]:
-    """`n` windows of the token stream at random offsets, lengths uniform in [min_len, max_len] (no bos)."""
-    lengths = torch.randint(min_len, max_len + 1, (n,), generator=g).tolist()
-    starts = torch.randint(0, max(1, len(stream) - max_len), (n,), generator=g).tolist()
-    return [stream[s:s + k].tolist() for s, k in zip(starts, lengths)]
