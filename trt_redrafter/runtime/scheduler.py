@@ -108,7 +108,7 @@ class Scheduler:
         self.engine = engine
         self.max_queue_size = max_queue_size
         self.max_batch_size = engine.build.max_batch_size
-        self.max_num_tokens = max_num_tokens or engine.build.resolved_max_num_tokens(engine.redrafter)
+        self.max_num_tokens = max_num_tokens or engine.build.resolved_max_num_tokens(engine.tree)
         self._lock = threading.Condition()
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
@@ -131,7 +131,7 @@ class Scheduler:
             if n > self.max_num_tokens:
                 raise UserError(f"the prompt has {n} tokens but one step may hold at most "
                                 f"max_num_tokens={self.max_num_tokens}; shorten it or raise --max-num-tokens.")
-            worst = n + max_tokens + self.engine.redrafter.max_tree_tokens
+            worst = n + max_tokens + self.engine.tree.max_tree_tokens
             if not self.engine.cache.can_fit(worst):
                 raise UserError(f"a {n}-token prompt with max_tokens={max_tokens} needs more "
                                 f"KV cache than the engine has ({self.engine.cache.num_blocks} blocks of "
@@ -223,21 +223,19 @@ class Scheduler:
         if not batch:
             assert not self._waiting, "a waiting request cannot be admitted into an empty batch"
             return
-        seqs = self._reserve(batch)
+        running = self._reserve()
+        seqs = [r.seq for r in running]
         plan = StepPlan([PlannedRequest.of(s) for s in seqs], self.engine.decide(seqs))
         self.engine.dist.broadcast_object(("step", plan))
         events = self.engine.step(seqs, plan.decision)
         self._steps += 1
-        for req, ev in zip([self._req_of(s) for s in seqs], events):
+        for req, ev in zip(running, events):
             if req.on_tokens is not None:
                 req.on_tokens(req, ev.new_tokens, ev.finished)
             if ev.finished:
                 self._retire(req)
 
     # ---- internals (scheduler thread) --------------------------------------------------------------------
-    def _req_of(self, seq: Sequence) -> Request:
-        return next(r for r in self._running if r.seq is seq)
-
     def _any_cancelled(self) -> bool:
         return any(r.cancelled for r in self._by_id.values())
 
@@ -270,7 +268,7 @@ class Scheduler:
             need_tokens = self._step_tokens(req.seq)
             # the prompt, plus room for one draft tree so the request can take its first generation step
             need_blocks = cache.blocks_needed(req.seq.seq_id, self.engine.tokens_needed(req.seq)
-                                              + self.engine.redrafter.max_tree_tokens)
+                                              + self.engine.tree.max_tree_tokens)
             if need_tokens > budget or need_blocks > free:
                 break
             self._waiting.popleft()
@@ -280,14 +278,15 @@ class Scheduler:
             budget -= need_tokens
             free -= need_blocks
 
-    def _reserve(self, batch: list[Request]) -> list[Sequence]:
-        """Reserve KV for every running request's next step, preempting the newest ones if the cache is full."""
+    def _reserve(self) -> list[Request]:
+        """Reserve KV for every running request's next step, preempting the newest ones if the cache is full -> the
+        requests of this step."""
         while True:
             try:
                 for req in self._running:
                     self.engine.cache.reserve(req.seq.seq_id, self.engine.tokens_needed(req.seq))
                     req.kv_blocks = max(req.kv_blocks, len(self.engine.cache.blocks(req.seq.seq_id)))
-                return [r.seq for r in self._running]
+                return list(self._running)
             except KVCacheFull:
                 if len(self._running) == 1:
                     raise
