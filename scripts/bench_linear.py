@@ -49,7 +49,7 @@ def main() -> int:
     for path in args.engine:
         for impl in args.linear.split(","):
             t0 = time.perf_counter()
-            engine = Engine(path, Dist(0, 1, torch.device("cpu")), RuntimeConfig(device="cpu", compile="off",
+            engine = Engine.load(path, Dist(0, 1, torch.device("cpu")), RuntimeConfig(device="cpu", compile="off",
                                                                                linear=impl, threads=args.threads))
             load_s = time.perf_counter() - t0
             g = torch.Generator().manual_seed(0)

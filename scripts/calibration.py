@@ -58,7 +58,7 @@ def main() -> int:
     RuntimeConfig.add_cli_args(ap, only=("threads", "drafter_dtype", "linear", "kernels", "device"))
     args = ap.parse_args()
     runtime = RuntimeConfig.from_sources(None, args).replace(compile="off", speculate="full")
-    engine = Engine(args.engine, Dist(0, 1, torch.device("cpu" if runtime.device == "auto" else runtime.device)),
+    engine = Engine.load(args.engine, Dist(0, 1, torch.device("cpu" if runtime.device == "auto" else runtime.device)),
                     runtime)
     from transformers import AutoTokenizer
 
@@ -74,7 +74,7 @@ def main() -> int:
     depths = sorted({d for _, _, d, _ in engine.outcomes})
     by_depth = {d: reliability([(math.exp(s / SCORE_SCALE), a) for _, s, dd, a in engine.outcomes if dd == d])
                 for d in depths}
-    rd = engine.redrafter
+    rd = engine.tree
     print(f"{len(prompts)} prompts x {args.max_tokens} tokens, greedy, whole {rd.num_beams} x "
           f"{rd.draft_len_per_beam} trees, proposer {args.proposer}, drafter {engine.drafter.dtype if engine.drafter else '-'}: "
           f"{len(nodes)} verified nodes, {sum(a for _, a in nodes)} accepted")

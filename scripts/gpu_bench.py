@@ -203,7 +203,7 @@ def kernel_profile(pair: Pair, device: torch.device, prompt: list[int], kernels:
 
     if device.type != "cuda":
         return {}
-    engine = Engine.from_tensors(pair.cfg, pair.tensors, Dist(0, 1, device),
+    engine = Engine(pair.cfg, pair.tensors, Dist(0, 1, device),
                                  RuntimeConfig(device=device.type, compile="off", kernels=kernels, speculate="full"))
     out = {}
     for mode in ("ar", "redrafter"):
@@ -288,7 +288,7 @@ def oracle_main(args) -> int:
     for compile_mode in args.compile.split(","):
         for speculate in ("full", "auto"):
             t0 = time.perf_counter()
-            engine = Engine.from_tensors(pair.cfg, pair.tensors, Dist(0, 1, device),
+            engine = Engine(pair.cfg, pair.tensors, Dist(0, 1, device),
                                          RuntimeConfig(device=device.type, compile=compile_mode,
                                                        kernels=args.kernels.split(",")[0], speculate=speculate),
                                          proposer=oracle)
@@ -402,7 +402,7 @@ def main() -> int:
         runtime = RuntimeConfig(device=device.type, compile=compile_mode, kernels=kernels, speculate="full")
         t0 = time.perf_counter()
         cfg, tensors = quantized(pair, quant, calib_ids)
-        engine = Engine.from_tensors(cfg, tensors, Dist(0, 1, device), runtime)
+        engine = Engine(cfg, tensors, Dist(0, 1, device), runtime)
         del tensors
         warm = time.perf_counter() - t0
         for b in batches:

@@ -7,7 +7,7 @@ float model, for this project's quantized engines and llama.cpp's quantized file
 - The held-out text is every MT-Bench question (both turns, 160 texts; the evaluation set, which never enters a
   drafter's training), tokenized as plain text, scored in windows of `--window` tokens (each token's NLL given the
   window before it).
-- An engine's quantized model is read the way the engine reads it (`Engine(..., linear="torch")`: each layer holds
+- An engine's quantized model is read the way the engine reads it (`Engine.load(..., linear="torch")`: each layer holds
   q * s in float), put into the Hugging Face model in place of its float weights, and scored and decoded there; so
   every row is one computation (HF's), and only the weights differ.
 - Greedy agreement: MT-Bench first turns in the chat template, `--max-tokens` greedy tokens, against the float
@@ -44,7 +44,7 @@ def mt_bench_texts() -> tuple[list[str], list[str]]:
 def quantized_state(engine_dir: str, hf_model) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The engine's quantized base as HF-named float weights (TP 1): q * s from its layers, AWQ's input scale folded
     into the weight's columns; and, for FP8 layers, the e4m3 scale of each HF module's input."""
-    engine = Engine(engine_dir, Dist(0, 1, torch.device("cpu")),
+    engine = Engine.load(engine_dir, Dist(0, 1, torch.device("cpu")),
                     RuntimeConfig(linear="torch", compile="off", speculate="full"), warmup=False)
     model, cfg = engine.model, hf_model.config
     d = cfg.hidden_size // cfg.num_attention_heads

@@ -160,7 +160,7 @@ def offline_reference(engine_dir: Path, codec) -> tuple[dict, dict]:
     except (OSError, ValueError, KeyError):
         pass
     t0 = time.monotonic()
-    engine = Engine(engine_dir, Dist(0, 1, torch.device("cpu")), RuntimeConfig(device="cpu", compile="off"))
+    engine = Engine.load(engine_dir, Dist(0, 1, torch.device("cpu")), RuntimeConfig(device="cpu", compile="off"))
     res = generate(engine, [codec.encode(p) for p, _ in keys], [SamplingConfig(max_tokens=n) for _, n in keys],
                    mode="ar", stop_ids=(codec.end_id,))
     ref = {k: r.output_ids for k, r in zip(keys, res)}

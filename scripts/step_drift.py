@@ -32,7 +32,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--compile", default="auto")
     args = ap.parse_args()
-    engine = Engine(args.engine, init_dist(1, "cpu"), RuntimeConfig(compile=args.compile, threads=args.threads))
+    engine = Engine.load(args.engine, init_dist(1, "cpu"), RuntimeConfig(compile=args.compile, threads=args.threads))
     prompt = [100 + (7919 * i) % 30000 for i in range(args.prompt_len)]
     params = SamplingConfig(max_tokens=args.max_tokens)
     generate(engine, [prompt], params, "ar")  # warm-up

@@ -16,7 +16,8 @@ from trt_redrafter.cli import main as cli
 from trt_redrafter.config import RuntimeConfig, SamplingConfig
 from trt_redrafter.runtime.distributed import Dist
 from trt_redrafter.runtime.engine import Engine
-from trt_redrafter.runtime.proposer import Draft, Proposer
+from trt_redrafter.runtime.proposer import Proposer
+from trt_redrafter.runtime.sequence import Draft
 
 
 def run_cli(*args) -> None:
@@ -69,7 +70,7 @@ def load_engine(engine_dir: Path, proposer=None, device: str = "cpu", compile: s
     """An engine on one rank; eager by default (the compiled step has its own parity tests), verifying every tree
     whole by default (tests of the tree machinery; the speculation policy's tests ask for `speculate="auto"`)."""
     cfg = RuntimeConfig(device=device, compile=compile, speculate=speculate, **runtime)
-    return Engine(engine_dir, Dist(0, 1, torch.device(device)), cfg, proposer=proposer)
+    return Engine.load(engine_dir, Dist(0, 1, torch.device(device)), cfg, proposer=proposer)
 
 
 @functools.lru_cache(maxsize=None)

@@ -43,7 +43,7 @@ def _engine(drafter: Path, tmp: Path, name: str, tp_args=("--tp", "1"), dtype: s
                 *tp_args, "--dtype", dtype, "--num-beams", "4", "--draft-len-per-beam", "4"]) == 0
     assert cli(["build-engine", "--checkpoint", str(ck), "--output", str(en), "--tokenizer", str(SMALL / "base"),
                 "--max-batch-size", "2", "--max-input-len", "128", "--max-seq-len", "256"]) == 0
-    return Engine(en, Dist(0, 1, torch.device("cpu")), RuntimeConfig(device="cpu", compile="off", speculate="full", drafter_dtype="float32"))
+    return Engine.load(en, Dist(0, 1, torch.device("cpu")), RuntimeConfig(device="cpu", compile="off", speculate="full", drafter_dtype="float32"))
 
 
 def _prompt() -> list[int]:
@@ -100,7 +100,7 @@ def test_a_bfloat16_engine_keeps_the_draft_vocabulary_ids(tmp_path):
     assert rd.output_ids == ar.output_ids
     save_file({**stored, "drafter.draft_vocab": ids.bfloat16()}, str(rank0))  # what build-engine wrote before
     with pytest.raises(UserError, match="stored as torch.bfloat16.*Rebuild the engine"):
-        Engine(tmp_path / "bf16-en", Dist(0, 1, torch.device("cpu")), RuntimeConfig(device="cpu", compile="off"))
+        Engine.load(tmp_path / "bf16-en", Dist(0, 1, torch.device("cpu")), RuntimeConfig(device="cpu", compile="off"))
 
 
 @needs_small

@@ -42,7 +42,7 @@ def test_greedy_redrafter_equals_ar_with_its_own_drafter(tiny):
     engine = load_engine(tiny["engine_dir"])
     res = generate(engine, tiny["prompts"], greedy(MAX_NEW), mode="redrafter")
     assert [r.output_ids for r in res] == tiny["ar"]
-    assert all(r.steps > 0 and r.draft_tokens == r.steps * engine.redrafter.draft_len_per_beam for r in res)
+    assert all(r.steps > 0 and r.draft_tokens == r.steps * engine.tree.draft_len_per_beam for r in res)
     assert engine.cache.used_blocks == 0
 
 
@@ -55,7 +55,7 @@ def test_greedy_redrafter_equals_ar_when_drafts_are_accepted(tiny, corrupt_every
     assert [r.output_ids for r in res] == tiny["ar"]
     accepted = sum(r.accepted_draft_tokens for r in res)
     assert accepted > 0
-    if corrupt_every == 0 and engine.redrafter.draft_len_per_beam > 1:
+    if corrupt_every == 0 and engine.tree.draft_len_per_beam > 1:
         assert min(r.tokens_per_step for r in res) > 1.5  # the whole oracle beam is taken almost every step
 
 
@@ -102,5 +102,5 @@ def test_phase_profile_times_every_phase_and_changes_no_token(tiny):
     res = generate(engine, tiny["prompts"], greedy(MAX_NEW), mode="redrafter")
     assert [r.output_ids for r in res] == tiny["ar"]
     times = engine.timer.mean_ms()
-    assert engine.timer.steps == engine.step_times.steps["redrafter"] > 0  # every batched ReDrafter step
+    assert engine.timer.steps == engine.step_times.steps["tree"] > 0  # every batched ReDrafter step
     assert set(times) == set(PHASES) and all(t > 0 for t in times.values())

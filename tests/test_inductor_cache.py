@@ -1,4 +1,4 @@
-"""Where inductor's compiled kernels are kept (runtime/engine.py `_keep_inductor_cache`)."""
+"""Where inductor's compiled kernels are kept (runtime/loading.py `keep_inductor_cache`)."""
 
 from __future__ import annotations
 
@@ -6,22 +6,18 @@ from __future__ import annotations
 def test_tp_ranks_compile_into_their_own_inductor_caches(tmp_path, monkeypatch):
     """Ranks compile the same graphs at once: each gets its own directory under the engine's `.cache/inductor`, and a
     TORCHINDUCTOR_CACHE_DIR the user set at start-up wins over the engine directory."""
-    from types import SimpleNamespace
-
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    from trt_redrafter.runtime import engine as engine_mod
+    from trt_redrafter.runtime import loading
 
-    monkeypatch.setattr(engine_mod, "USER_INDUCTOR_CACHE", default_cache_dir())  # torch's own, written on first use
+    monkeypatch.setattr(loading, "USER_INDUCTOR_CACHE", default_cache_dir())  # torch's own, written on first use
     for rank, world, want in ((0, 1, tmp_path / "e" / ".cache" / "inductor"),
                               (1, 2, tmp_path / "e" / ".cache" / "inductor" / "rank1")):
-        fake = SimpleNamespace(engine_dir=tmp_path / "e", dist=SimpleNamespace(rank=rank, world_size=world))
-        engine_mod.Engine._keep_inductor_cache(fake)
-        assert engine_mod.os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(want) and want.is_dir()
-    monkeypatch.setattr(engine_mod, "USER_INDUCTOR_CACHE", str(tmp_path / "mine"))
-    engine_mod.Engine._keep_inductor_cache(SimpleNamespace(engine_dir=tmp_path / "e",
-                                                           dist=SimpleNamespace(rank=0, world_size=2)))
-    assert engine_mod.os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine" / "rank0")
+        loading.keep_inductor_cache(tmp_path / "e", rank, world)
+        assert loading.os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(want) and want.is_dir()
+    monkeypatch.setattr(loading, "USER_INDUCTOR_CACHE", str(tmp_path / "mine"))
+    loading.keep_inductor_cache(tmp_path / "e", 0, 2)
+    assert loading.os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine" / "rank0")
 
 
 def test_the_users_inductor_cache_is_not_torchs_default(tmp_path):
@@ -32,7 +28,7 @@ def test_the_users_inductor_cache_is_not_torchs_default(tmp_path):
     import subprocess
     import sys
 
-    code = "import trt_redrafter.runtime.engine as e; print(repr(e._users_inductor_cache()))"
+    code = "import trt_redrafter.runtime.engine, trt_redrafter.runtime.loading as e; print(repr(e._users_inductor_cache()))"
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "None", out.stdout

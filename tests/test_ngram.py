@@ -18,7 +18,7 @@ from trt_redrafter.errors import UserError
 from trt_redrafter.runtime.generate import generate
 from trt_redrafter.runtime.ngram import (CONTEXT_DECAY, MODEL_DECAY, MODEL_FIRST, NGRAMS_FILE, ContextNgrams,
                                          ModelNgrams, NgramProposer, fill_rows)
-from trt_redrafter.runtime.proposer import Draft
+from trt_redrafter.runtime.sequence import Draft
 from trt_redrafter.runtime.sequence import RequestSpec, Sequence
 from trt_redrafter.runtime.step import SCORE_PAD, SCORE_SCALE
 
@@ -96,7 +96,7 @@ def test_sync_indexes_prompt_then_output_once():
     assert prop.context_drafts(s, 3) == [[2, 3, 1]]
     s.output += [3, 9]
     assert prop.context_drafts(s, 3) == []  # "3 9" / "9" never occurred before
-    assert s.context_index.tokens == [1, 2, 3, 1, 2, 3, 9]
+    assert s.proposer_state.index.tokens == [1, 2, 3, 1, 2, 3, 9]
 
 
 # ---- drafts, padding and tree lengths ------------------------------------------------------------------------
@@ -155,7 +155,8 @@ def test_host_tree_nodes_equal_the_step_s():
         packed = pack_beams(torch.tensor([rows]), pad_to=1 + nb * dl)
         ordered, node = order_by_score(packed, node_scores(packed, torch.tensor([scores]), SCORE_PAD))
         n = int(packed.lengths[0])
-        got_scores, got_depths = Draft(rows, scores).nodes()
+        got = Draft(rows, scores).nodes()
+        got_scores, got_depths = got.scores, got.depths
         assert got_scores == node[0, :n].tolist() and got_depths == ordered.position_offsets[0, :n].tolist()
         assert ordered.tokens.gather(1, ordered.unpacker.flatten(1)).view(1, nb, dl + 1).tolist() == [rows]
 
@@ -240,7 +241,7 @@ def test_mixed_keeps_the_drafters_best_beams(pair):
     engine = load_engine(engine_dir)
     seen = {}  # the drafter's beams (best first) as the step read them back
     compose = engine._compose_on_host
-    engine._compose_on_host = lambda seqs, device: (seen.update(device), compose(seqs, device))
+    engine._compose_on_host = lambda work: (seen.update({s.seq_id: h.device for s, h in work}), compose(work))
     s = engine.new_sequence(RequestSpec(prompts[0], greedy(MAX_NEW), proposer="mixed"))
     ctx = []
     while not ctx and not s.finished:

@@ -60,7 +60,7 @@ def test_tp2_compiled_gives_the_tp1_tokens(engines, monkeypatch):
 def test_tp2_every_tree_width_and_the_policy_give_the_tp1_ar_tokens(engines):
     """Every width the speculation policy can choose (`--speculate N`) and the policy itself (`auto`: rank 0 decides
     and broadcasts), greedy and sampled, at TP=2: AR's tokens at TP=1."""
-    from trt_redrafter.runtime.policy import tree_buckets
+    from trt_redrafter.runtime.graphs import tree_buckets
 
     prompts = random_prompts(512, [4, 9, 6], seed=3)
     ref = run_json(engines[1], prompts, "ar")

@@ -282,7 +282,7 @@ def test_committed_small_pair_accepts_drafts_and_matches_ar(tmp_path):
     assert cli(["build-engine", "--checkpoint", str(ck), "--output", str(en), "--tokenizer", str(SMALL / "base"),
                 "--max-batch-size", "2", "--max-input-len", "128", "--max-seq-len", "256"]) == 0
     prompt = AutoTokenizer.from_pretrained(str(SMALL / "base"))(HELD_OUT_PROMPT)["input_ids"]
-    engine = Engine(en, Dist(0, 1, torch.device("cpu")), RuntimeConfig(device="cpu", compile="off", speculate="full"))
+    engine = Engine.load(en, Dist(0, 1, torch.device("cpu")), RuntimeConfig(device="cpu", compile="off", speculate="full"))
     params = SamplingConfig(max_tokens=64)
     (rd,) = generate(engine, [prompt], params, mode="redrafter")
     (ar,) = generate(engine, [prompt], params, mode="ar")

@@ -13,7 +13,7 @@ from trt_redrafter.runtime.sequence import RequestSpec
 
 engine_dir, prompt = sys.argv[1], [int(x) for x in sys.argv[2].split(",")]
 dist = init_dist(2, "cpu")
-engine = Engine(engine_dir, dist)
+engine = Engine.load(engine_dir, dist)
 if dist.is_driver:
     sched = Scheduler(engine).start()
     time.sleep(3 * COLLECTIVE_TIMEOUT_S)  # idle: only heartbeats reach the follower

@@ -44,7 +44,7 @@ COMPILE_MODES: tuple[str, ...] = get_args(CompileMode)
 KERNEL_CHOICES: tuple[str, ...] = get_args(KernelChoice)
 LINEAR_CHOICES: tuple[str, ...] = get_args(LinearChoice)
 PROPOSERS: tuple[str, ...] = get_args(ProposerName)
-NGRAM_WHEN = ("auto", "always", "matched", "adaptive")  # ProposerConfig.ngram_when
+NGRAM_WHEN = ("auto", "always", "matched")  # ProposerConfig.ngram_when
 
 
 def torch_dtype(name: str):
@@ -231,10 +231,6 @@ class ModelConfig(ConfigBase):
             from .rope import validate_rotary_scaling
             validate_rotary_scaling(self.rotary_scaling, f"{s}.rotary_scaling")
 
-    def vocab_size_padded(self, tp: int) -> int:
-        """TensorRT-LLM's `pad_vocab_size`: round V up to a multiple of tp."""
-        return -(-self.vocab_size // tp) * tp
-
 
 @dataclass
 class DrafterConfig(ConfigBase):
@@ -391,8 +387,7 @@ class ProposerConfig(ConfigBase):
     ngram_when: str = option("auto", help="what an N-gram request proposes: always (context matches, then the model's "
                                       "bigram drafts), matched (context matches only; with none, nothing: an AR "
                                       "step); auto: always on a GPU, where a few more verified tokens cost almost "
-                                      "nothing, matched on a CPU; adaptive: matched (the speculation policy, "
-                                      "--speculate, now decides what is verified for every proposer)",
+                                      "nothing, matched on a CPU",
                          choices=NGRAM_WHEN)
     mixed_min_match: int = option(3, help="shortest context match that may take a drafter beam's place in a mixed tree "
                                       "(short matches are right less often than a trained drafter)")

@@ -340,7 +340,7 @@ def run(args: argparse.Namespace) -> int:
     dist = init_dist(ecfg.tp_size, runtime.device)
     try:
         t0 = time.perf_counter()
-        engine = Engine(args.engine, dist, runtime)
+        engine = Engine.load(args.engine, dist, runtime)
         load_s = time.perf_counter() - t0
         if not dist.is_driver:
             follow(engine)  # rank 0's step plans, as a TP server's followers take them, until it releases us

@@ -65,8 +65,8 @@ def run_mode(engine: Engine, prompts: list[list[int]], params: SamplingConfig, m
     decoding, proposer = decoding_mode(mode)
     res = generate(engine, prompts, params, decoding, proposer=proposer, last=last)
     st = engine.step_times  # an N-gram request with nothing worth drafting takes an AR step
-    return ModeRun(mode, res, st.seconds["ar"] + st.seconds["redrafter"], st.steps["ar"] + st.steps["redrafter"],
-                   st.mean_ms(decoding), st.seconds["propose"], dict(st.widths))
+    return ModeRun(mode, res, st.seconds["ar"] + st.seconds["tree"], st.steps["ar"] + st.steps["tree"],
+                   st.mean_ms("ar" if decoding == "ar" else "tree"), st.seconds["propose"], dict(st.widths))
 
 
 def phase_profile(engine: Engine, prompts: list[list[int]], params: SamplingConfig, proposer: str = "redrafter",

@@ -15,7 +15,8 @@ from typing import Hashable, Mapping, Optional
 
 import torch
 
-from ..runtime.proposer import Draft, Proposer
+from ..runtime.proposer import Proposer
+from ..runtime.sequence import Draft
 from ..runtime.step import SCORE_FLOOR, quantize_scores
 
 POOL_TOKENS = 4096  # random tokens drawn once; a tree takes a window of them (cheap on the host at any batch)

@@ -187,3 +187,13 @@ def batch_buckets(max_batch_size: int) -> list[int]:
 
 def bucket_for(n: int, buckets: list[int]) -> int:
     return next(b for b in buckets if b >= n)
+
+
+def tree_buckets(max_tree_tokens: int) -> list[int]:
+    """Tree widths a step may verify: 1 (the root: a probe), 2, 3, 5, 9, 17, ... (1 + powers of two) and the whole
+    tree. Few, so that CUDA graphs capture each; spaced so that the next bucket roughly doubles the drafted nodes."""
+    out, k = [1], 1
+    while 1 + k < max_tree_tokens:
+        out.append(1 + k)
+        k *= 2
+    return out + [max_tree_tokens] if max_tree_tokens > 1 else out

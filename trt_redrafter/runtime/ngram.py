@@ -42,8 +42,8 @@ from safetensors.torch import load_file, save_file
 from ..config import ProposerConfig
 from ..errors import UserError
 from ..log import get_logger
-from .proposer import Draft, Proposer
-from .sequence import Sequence
+from .proposer import Proposer
+from .sequence import Draft, ProposerState, Sequence
 from .step import SCORE_FLOOR, quantize_scores
 
 logger = get_logger(__name__)
@@ -115,6 +115,13 @@ class ContextNgrams:
 
 
 @dataclass
+class NgramState(ProposerState):
+    """An N-gram request's own state: the index of its tokens, kept in step with them."""
+
+    index: ContextNgrams
+
+
+@dataclass
 class ModelNgrams:
     """The base model's bigram successors [V, K] and unigrams [K] (token ids), as host lists for O(1) lookups."""
 
@@ -170,6 +177,7 @@ class NgramProposer(Proposer):
 
     def __init__(self, num_beams: int, draft_len: int, cfg: ProposerConfig, table: Optional[ModelNgrams] = None,
                  when: str = "always"):
+        super().__init__()
         self.num_beams, self.draft_len = num_beams, draft_len
         self.kmin, self.kmax = cfg.ngram_min, cfg.ngram_max
         self.table = table
@@ -177,11 +185,12 @@ class NgramProposer(Proposer):
         self._chain = table.chains(draft_len) if table is not None else None
 
     def _index(self, seq: Sequence, min_k: int) -> ContextNgrams:
-        idx = seq.context_index
-        if idx is None:  # a request asks with one min_k all its life: shorter k-grams are never indexed
-            idx = seq.context_index = ContextNgrams(max(self.kmin, min(min_k, self.kmax)), self.kmax)
-        idx.sync(seq)
-        return idx
+        state = seq.proposer_state
+        if not isinstance(state, NgramState):
+            # a request asks with one min_k all its life: shorter k-grams are never indexed
+            state = seq.proposer_state = NgramState(ContextNgrams(max(self.kmin, min(min_k, self.kmax)), self.kmax))
+        state.index.sync(seq)
+        return state.index
 
     def context_drafts(self, seq: Sequence, limit: int, min_k: int = 0) -> list[list[int]]:
         """Up to `limit` drafts [true token, dl drafted tokens] from context matches (of >= min_k tokens) only."""

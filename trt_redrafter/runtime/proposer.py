@@ -5,107 +5,109 @@ goes through the one speculation policy (policy.py), which verifies as much of i
 beams of bl tokens (column 0 the request's true token) and, per beam, the scores of its prefixes (quantized
 log-probabilities, step.quantize_scores): the score of a node is the proposer's confidence in the whole path to it.
 
-    BeamDrafter        the recurrent drafter's beam search on the device, inside the compiled step (scores: the
-                       drafter's log-probabilities of the beam prefixes)
     Proposer           the interface the engine asks, one object per name in config.PROPOSERS:
         ReDrafterProposer  the device drafter's trees as they are
         NgramProposer      (ngram.py) trees composed on the host from the request's context and the base's bigrams
         MixedProposer      the device drafter's beams with context N-gram matches in place of its lowest-ranked ones
 Tests pass their own Proposer to the engine (oracles that know the continuation) and it drafts every request.
 
-A proposer says where its trees come from (`on_device`: the step drafts them; `on_host`: `compose` makes them between
-steps, packed at the start of the next step), and whether the `apple` acceptance rule can use them
-(`drafter_probabilities`).
+A proposer says where its trees come from (its `drafter`: the step drafts them with the device drafter, drafter.py;
+`on_host`: `compose` makes them between steps, packed at the start of the next step), and whether the `apple`
+acceptance rule can use them (`drafter_probabilities`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Optional, Protocol, runtime_checkable
+from typing import ClassVar, Iterable, Optional
 
-import torch
+from ..errors import UserError
+from .drafter import DeviceDrafter
+from .sequence import Draft, RequestSpec, Sequence, TreeNodes
+from .step import StepRow
 
-from ..decoding import beam_search
-from ..decoding.beam_search import BeamSearchResult, SelectFn
-from ..model.drafter import DrafterRank
-from .sequence import Sequence
+@dataclass(frozen=True)
+class HostCompose:
+    """A request's next tree is composed on the host after this step (`Proposer.compose`), from the device's beams
+    where the step drafted and returned them (`device`)."""
 
-APPLE_WARP_TOP_K = 50  # Apple's drafter keeps its 50 most likely tokens before the beam search
-
-
-@runtime_checkable
-class DeviceDrafter(Protocol):
-    num_beams: int
-    draft_len: int
-
-    def draft(self, h: torch.Tensor, true_token: torch.Tensor, keep_log_probs: bool) -> BeamSearchResult:
-        """h [bs, H] (final-norm hidden state at the last accepted position), true_token [bs] -> beams, scores."""
-
-
-class BeamDrafter:
-    """Apple's recurrent drafter: beam search over the drafter head, from the base model's hidden state."""
-
-    def __init__(self, drafter: DrafterRank, embed: Callable[[torch.Tensor], torch.Tensor], num_beams: int,
-                 draft_len: int, select: Optional[SelectFn] = None):
-        self.drafter, self.embed = drafter, embed
-        self.num_beams, self.draft_len = num_beams, draft_len
-        self.warp_top_k = APPLE_WARP_TOP_K if drafter.semantics == "apple" else None
-        self.select = select or beam_search.select_beams_topk
-
-    def draft(self, h: torch.Tensor, true_token: torch.Tensor, keep_log_probs: bool) -> BeamSearchResult:
-        return beam_search.beam_search(self.drafter, self.embed, h, true_token, self.num_beams, self.draft_len,
-                                       warp_top_k=self.warp_top_k, keep_log_probs=keep_log_probs,
-                                       select=self.select)
-
-
-@dataclass
-class Draft:
-    """A tree as nb beams: rows [nb][bl] (column 0 the true token) and scores [nb][dl] (quantized log-confidence of
-    each row's prefix up to each drafted token)."""
-
-    rows: list[list[int]]
-    scores: list[list[int]]
-
-    def nodes(self) -> tuple[list[int], list[int]]:
-        """(scores, depths) of the packed tree's nodes, best first as the step numbers them (root first): each
-        distinct prefix once, scored by its first row and never above its parent (`tree.node_scores`)."""
-        seen: dict[tuple[int, ...], int] = {}
-        for row, sc in zip(self.rows, self.scores):
-            parent = 0
-            for j in range(1, len(row)):
-                key = tuple(row[1:j + 1])
-                if key not in seen:
-                    seen[key] = min(sc[j - 1], parent)
-                parent = seen[key]
-        nodes = sorted(((s, len(k)) for k, s in seen.items()), key=lambda x: (-x[0], x[1]))
-        return [0] + [s for s, _ in nodes], [0] + [d for _, d in nodes]
-
-    @classmethod
-    def of_flat(cls, beams: list[int], scores: list[int], nb: int) -> "Draft":
-        bl, dl = len(beams) // nb, len(scores) // nb
-        return cls([beams[i * bl:(i + 1) * bl] for i in range(nb)], [scores[i * dl:(i + 1) * dl] for i in range(nb)])
+    device: Optional[Draft] = None
 
 
 class Proposer:
-    """What fills the trees of the requests that name it. Subclasses set the class attributes and, if they compose
-    on the host, `compose`."""
+    """What fills the trees of the requests that name it, and what it needs of each step. A proposer owns its device
+    drafter (`drafter`: the step drafts its requests' next trees with it; None: it drafts nothing on the device), its
+    host composition (`compose`, where `on_host`) and its per-request state (`state_of`). The engine asks it, after a
+    request's prompt step and each decode step, what comes next (`after_prompt`, `after_step`); adding a proposer is
+    a subclass and its registration in `registry`."""
 
     name: ClassVar[str] = ""
-    on_device: ClassVar[bool] = False  # the step drafts its next tree with the engine's device drafter
+    needs_drafter: ClassVar[bool] = False  # it cannot propose without a device drafter
     on_host: ClassVar[bool] = False  # `compose` makes its next tree on the host between steps
     wants_device_beams: ClassVar[bool] = False  # `compose` starts from the device's beams (read back with the step)
     drafter_probabilities: ClassVar[bool] = False  # its trees carry the drafter's distributions (`apple` rule)
+    drafter: Optional[DeviceDrafter] = None  # the device drafter that drafts its requests' next trees in the step
+
+    def __init__(self, drafter: Optional[DeviceDrafter] = None):
+        self.drafter = drafter if self.needs_drafter else None
+
+    def check(self, spec: RequestSpec) -> None:
+        """Refuse, in one sentence, a request this proposer cannot serve."""
+        if self.needs_drafter and self.drafter is None:
+            raise UserError(f"proposer {self.name!r} needs a drafter, and this engine was built without one; use "
+                            f"proposer 'ngram' (or rebuild with --drafter DIR).")
+        if spec.mode == "redrafter" and not self.drafter_probabilities and \
+                spec.params.resolved_acceptance == "apple":
+            raise UserError(f"acceptance 'apple' weighs each draft by the drafter's probabilities, which "
+                            f"{self.name!r} drafts do not have; use acceptance 'exact' (distribution-exact).")
+
+    def after_prompt(self, seq: Sequence, nodes: Optional[TreeNodes], device: Optional[Draft]
+                     ) -> Optional[HostCompose]:
+        """After `seq`'s prompt step: `nodes`, the first tree the device drafted and packed (None: it drafted none for
+        this request), and its beams where `wants_device_beams`."""
+        if nodes is not None:
+            seq.tree, seq.tree_fresh = nodes, True
+        return HostCompose(device) if self.on_host else None
+
+    def after_step(self, seq: Sequence, row: Optional[StepRow], composing: bool) -> Optional[HostCompose]:
+        """After a decode step: `row`, what a tree step returned for `seq` (None: an AR step); `composing`: the
+        policy wants host trees composed after an AR step (it does not while it rests from them)."""
+        if row is None:
+            return HostCompose() if self.on_host and composing else None
+        if row.scores and self.drafter is not None:
+            seq.tree, seq.tree_fresh = TreeNodes(row.scores, row.depths), True
+        return HostCompose(row.draft) if self.on_host else None
 
     def compose(self, seq: Sequence, device: Optional[Draft]) -> Optional[Draft]:
         """The next tree of `seq` (after its last step: seq.true_token is the root), from the device's draft where
-        `wants_device_beams` and the step drafted. None: keep the tree the step packed (on_device), or nothing to
-        verify (the policy then has no tree for this request)."""
+        `wants_device_beams` and the step drafted. None: keep the tree the step packed (a device drafter's), or
+        nothing to verify (the policy then has no tree for this request)."""
         return None
 
 
+    def host_tree_cases(self) -> tuple[bool, ...]:
+        """Whether a tree step over its requests packs trees the host composed: True, False, or either (the warm-up
+        compiles a variant for each)."""
+        if not self.on_host:
+            return (False,)
+        return (True, False) if self.drafter is not None else (True,)
+
+
+def drafts_on_device(proposers: Iterable[Proposer]) -> bool:
+    """Whether a step over requests with these proposers runs the device drafter."""
+    return any(p.drafter is not None for p in proposers)
+
+
+def returns_device_beams(proposers: Iterable[Proposer]) -> bool:
+    """Whether a step that drafts on the device returns the beams to the host too (a proposer composes from them)."""
+    return any(p.wants_device_beams for p in proposers)
+
+
 class ReDrafterProposer(Proposer):
+    """The device drafter's trees, as its beam search drafts them."""
+
     name = "redrafter"
-    on_device = True
+    needs_drafter = True
     drafter_probabilities = True
 
 
@@ -114,11 +116,12 @@ class MixedProposer(Proposer):
     (`ngram_beams` of them at most); without a match, the tree the step packed stays."""
 
     name = "mixed"
-    on_device = True
+    needs_drafter = True
     on_host = True
     wants_device_beams = True
 
-    def __init__(self, ngram, ngram_beams: int, min_match: int):
+    def __init__(self, drafter: Optional[DeviceDrafter], ngram, ngram_beams: int, min_match: int):
+        super().__init__(drafter)
         self.ngram, self.ngram_beams, self.min_match = ngram, ngram_beams, min_match
 
     def compose(self, seq: Sequence, device: Optional[Draft]) -> Optional[Draft]:

@@ -62,6 +62,44 @@ class TreeNodes:
 
 
 @dataclass
+class Draft:
+    """A tree as nb beams: rows [nb][bl] (column 0 the true token) and scores [nb][dl] (quantized log-confidence of
+    each row's prefix up to each drafted token)."""
+
+    rows: list[list[int]]
+    scores: list[list[int]]
+
+    def nodes(self) -> TreeNodes:
+        """The packed tree's nodes, best first as the step numbers them (root first): each distinct prefix once,
+        scored by its first row and never above its parent (`tree.node_scores`)."""
+        seen: dict[tuple[int, ...], int] = {}
+        for row, sc in zip(self.rows, self.scores):
+            parent = 0
+            for j in range(1, len(row)):
+                key = tuple(row[1:j + 1])
+                if key not in seen:
+                    seen[key] = min(sc[j - 1], parent)
+                parent = seen[key]
+        nodes = sorted(((s, len(k)) for k, s in seen.items()), key=lambda x: (-x[0], x[1]))
+        return TreeNodes([0] + [s for s, _ in nodes], [0] + [d for _, d in nodes])
+
+    @classmethod
+    def of_flat(cls, beams: list[int], scores: list[int], nb: int) -> "Draft":
+        bl, dl = len(beams) // nb, len(scores) // nb
+        return cls([beams[i * bl:(i + 1) * bl] for i in range(nb)], [scores[i * dl:(i + 1) * dl] for i in range(nb)])
+
+    @classmethod
+    def empty(cls, nb: int, bl: int) -> "Draft":
+        """nb rows of zeros: the placeholder of a row without a host tree (never packed: its mask is off)."""
+        return cls([[0] * bl for _ in range(nb)], [[0] * (bl - 1) for _ in range(nb)])
+
+
+class ProposerState:
+    """A proposer's own state for one request (`Sequence.proposer_state`), subclassed by the proposer that keeps
+    one (ngram.NgramState: the index of the request's N-grams)."""
+
+
+@dataclass
 class Sequence:
     """A request admitted by the engine (`Engine.new_sequence`): its `spec` and the state of its decoding."""
 
@@ -75,8 +113,8 @@ class Sequence:
     proposer: str = "redrafter"  # what drafts its trees (config.PROPOSERS; the spec's, resolved), when speculative
     tree: Optional[TreeNodes] = None  # its next draft tree as the policy sees it (or its last one, if not fresh)
     tree_fresh: bool = False  # `tree` was drafted after its last step (else a step since made it stale)
-    pending: Optional[object] = None  # next tree's drafts composed on the host (proposer.Draft), packed by the next step
-    context_index: Optional[object] = None  # the N-gram proposer's index of its tokens (ngram.ContextNgrams)
+    pending: Optional[Draft] = None  # the next tree as the host composed it, packed by the next step
+    proposer_state: Optional[ProposerState] = None  # its proposer's own (`Proposer.state_of`)
     finished: bool = False
     finish_reason: Optional[str] = None  # "stop" | "length" | "cancelled" | "stopped" (a stop request: early stopping)
     stats: SeqStats = field(default_factory=SeqStats)

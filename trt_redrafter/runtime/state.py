@@ -17,7 +17,7 @@ Shapes (S = max_batch_size + 1 slots, P = max_tree_tokens = 1 + nb*dl):
     unpacker [S, nb, bl]   packed index of every beam position
     draft_logp [S, nb, dl, V]  drafter log-probs of the beams (only for `apple` acceptance; allocated on first use)
     hidden [S, H]          final-norm hidden state of the token each slot's last prompt or AR step verified (only
-                           when the engine records them: a drafter's distillation corpus, `Engine(record_hidden=True)`)
+                           when the engine records them: a drafter's distillation corpus, `Engine.load(record_hidden=True)`)
     seed, temperature, top_k, top_p, apple [S]  sampling parameters and the per-request rule
 """
 

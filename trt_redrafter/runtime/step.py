@@ -42,7 +42,8 @@ from ..model.attention import AttentionMeta
 from ..model.llama import LlamaRank
 from ..model.tp import Dist
 from .kv_cache import PagedKVCache
-from .proposer import DeviceDrafter
+from .drafter import DeviceDrafter
+from .sequence import Draft
 from .state import SlotState, put_rows
 
 
@@ -104,8 +105,9 @@ class RowLayout:
         depths = row[at + self.P:at + self.P + tree_len] if self.draft else []
         at += 2 * self.P if self.draft else 0
         nbeam = self.beams
+        draft = Draft.of_flat(row[at:at + nbeam], row[at + nbeam:], nbeam // bl) if nbeam else None
         return StepRow(tokens=row[:count], tree_len=tree_len, path=row[bl + 2:bl + 2 + count], scores=scores,
-                       depths=depths, beams=row[at:at + nbeam] or None, beam_scores=row[at + nbeam:] or None)
+                       depths=depths, draft=draft)
 
 
 @dataclass
@@ -115,8 +117,7 @@ class StepRow:
     path: list[int]  # tree indices of the accepted path: root, then one per accepted draft
     scores: list[int]  # the next tree's node scores, best first (empty: the device drafted none)
     depths: list[int]
-    beams: Optional[list[int]] = None
-    beam_scores: Optional[list[int]] = None
+    draft: Optional[Draft] = None  # the device's beams of the next tree (when the layout returns them)
 
 
 for _cls in (Verified, Accepted):

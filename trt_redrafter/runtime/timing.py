@@ -1,4 +1,4 @@
-"""Per-phase step timing (the way Apple's reference times generate_candidates / verify_candidates /
+"""Step timing: `StepTimes`, every decode step's wall time by kind; and per-phase step timing (the way Apple's reference times generate_candidates / verify_candidates /
 accept_candidate_tokens): wall time around each phase, with the device synchronized at both ends so a phase is
 charged for its own kernels only. Enabled by `RuntimeConfig.profile_phases`; then each phase runs as its own
 compiled unit or CUDA graph (engine.py), so the breakdown describes the same kernels a fused step runs, plus one
@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import defaultdict
+from dataclasses import dataclass, field
 
 import torch
 
@@ -42,3 +43,25 @@ class PhaseTimer:
     def reset(self) -> None:
         self.seconds.clear()
         self.steps = 0
+
+
+@dataclass
+class StepTimes:
+    """Wall time of decode steps by kind ("ar", "tree"; launch to read-back, host bookkeeping excluded), for cost
+    ratios; and under "propose" the host's drafting between steps (N-gram proposer, mixed trees)."""
+
+    seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    steps: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    widths: dict[int, int] = field(default_factory=lambda: defaultdict(int))  # decode steps by verified width (0: AR)
+
+    def add(self, kind: str, seconds: float) -> None:
+        self.seconds[kind] += seconds
+        self.steps[kind] += 1
+
+    def mean_ms(self, kind: str) -> float:
+        return 1e3 * self.seconds[kind] / self.steps[kind] if self.steps[kind] else 0.0
+
+    def reset(self) -> None:
+        self.seconds.clear()
+        self.steps.clear()
+        self.widths.clear()

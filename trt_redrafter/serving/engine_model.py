@@ -359,7 +359,7 @@ class EngineModel:
             port = free_port()
             self.followers = launch_followers(engine_dir, tp_size, port, runtime)
         self.dist = init_dist_tcp(0, tp_size, port if tp_size > 1 else 0, runtime.device)
-        self.engine = Engine(engine_dir, self.dist, runtime)
+        self.engine = Engine.load(engine_dir, self.dist, runtime)
         self.decoupled, self.exclude_input_in_output = decoupled, exclude_input_in_output
         self.scheduler = Scheduler(self.engine, max_queue_size=max_queue_size).start()
         self.metrics = None
@@ -367,7 +367,7 @@ class EngineModel:
             from .metrics import ServingMetrics
 
             self.metrics = ServingMetrics(metrics_family, {"model": model_name},
-                                          self.engine.redrafter.draft_len_per_beam + 1)
+                                          self.engine.tree.draft_len_per_beam + 1)
         self._lock = threading.Lock()
         self._open: dict[int, _Open] = {}  # the request's key -> its state
         self._ids = itertools.count()

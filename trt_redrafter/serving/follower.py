@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     assert 0 < rank < a.world_size, (rank, a.world_size)
     dist = init_dist_tcp(rank, a.world_size, a.port, runtime.device)
     try:
-        follow(Engine(a.engine, dist, runtime))
+        follow(Engine.load(a.engine, dist, runtime))
     finally:
         shutdown_dist()
     return 0

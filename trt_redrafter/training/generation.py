@@ -89,7 +89,7 @@ class EngineGenerator:
                                             proposer=ProposerConfig(model_ngrams="off"))
             shutil.rmtree(ckpt)
             # AR steps only: no tree step to compile, no cost model to measure
-            self.engine = Engine(engine_dir, Dist(0, 1, device),
+            self.engine = Engine.load(engine_dir, Dist(0, 1, device),
                                  RuntimeConfig(device=device.type, threads=threads, compile=compile, speculate="full"),
                                  warmup=False, record_hidden=True)
             if self.engine.compiler.mode != "off":

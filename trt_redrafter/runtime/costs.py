@@ -1,0 +1,295 @@
+"""The step cost model the speculation policy decides by: step time by batch size and verified tree nodes, measured
+on this machine for this engine, cached beside it.
+
+    CostModel      ms per AR step and per tree step (T verified nodes, the next trees drafted), by batch bucket, at
+                   two context lengths; lookups interpolate
+    fingerprint    what a measurement depends on (device, dtype, kernels, linear layers, compile mode, threads, TP, the
+                   kernels' sources): the cache key
+    load / save    the cache file beside the engine (or the user's cache, where the engine dir is read-only)
+    measure        time the engine's own decode steps on free batch slots with throw-away KV
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterable, Optional
+
+from ..log import get_logger
+
+if TYPE_CHECKING:
+    from .launch import StepLauncher
+
+logger = get_logger(__name__)
+
+COST_MODEL_FILE = "cost_model.json"
+COST_MODEL_VERSION = 1
+COST_CONTEXTS = (32, 1024)  # context lengths the cost model is measured at (the longer one capped by max_seq_len)
+COST_REPEATS = (3, 9)  # timed calls per measured point (after one untimed): fewest, and most for the fastest ones
+COST_POINT_S = 0.25  # ... so that each point takes about this long
+
+
+@dataclass
+class CostModel:
+    """Measured step times (ms): `ar[b]` and `tree[b][T]` at context lengths `contexts` (two), for the batch sizes
+    `batches` (the engine's buckets). Lookups interpolate linearly between measured batch sizes and contexts (and
+    extrapolate past the longer context)."""
+
+    batches: list[int]
+    widths: list[int]
+    contexts: list[int]
+    ar: list[list[float]]  # [context][batch]
+    tree: list[list[list[float]]]  # [context][batch][width]
+    key: dict = field(default_factory=dict)  # what it was measured for (`fingerprint`)
+
+    def ar_ms(self, batch: int, context: float) -> float:
+        return self._lookup([row for row in self.ar], batch, context)
+
+    def tree_ms(self, batch: int, width: int, context: float) -> float:
+        w = self.widths.index(width)
+        return self._lookup([[per_b[w] for per_b in row] for row in self.tree], batch, context)
+
+    def _lookup(self, table: list[list[float]], batch: int, context: float) -> float:
+        at_ctx = [_interp(self.batches, row, batch) for row in table]
+        (c0, c1), (v0, v1) = self.contexts, at_ctx
+        return max(v0 + (v1 - v0) * (context - c0) / (c1 - c0), min(v0, v1) * 0.5)
+
+    def to_dict(self) -> dict:
+        return {"batches": self.batches, "widths": self.widths, "contexts": self.contexts, "ar": self.ar,
+                "tree": self.tree, "key": self.key}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CostModel":
+        return cls(d["batches"], d["widths"], d["contexts"], d["ar"], d["tree"], d.get("key", {}))
+
+    def table(self) -> str:
+        """The measurement as a markdown table: ms per step by batch and width, at each context."""
+        lines = []
+        for c, ctx in enumerate(self.contexts):
+            lines.append(f"step ms at context {ctx}: | batch | AR | " + " | ".join(f"T={w}" for w in self.widths) +
+                         " |")
+            for b, bs in enumerate(self.batches):
+                lines.append(f"| {bs} | {self.ar[c][b]:.2f} | " +
+                             " | ".join(f"{x:.2f}" for x in self.tree[c][b]) + " |")
+        return "\n".join(lines)
+
+
+def _interp(xs: list[int], ys: list[float], x: float) -> float:
+    if x <= xs[0]:
+        return ys[0]
+    if x >= xs[-1]:
+        return ys[-1] * x / xs[-1]  # past the largest measured batch: proportional (compute-bound)
+    i = bisect.bisect_left(xs, x)
+    if xs[i] == x:
+        return ys[i]
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+def fingerprint(**parts) -> dict:
+    """What a cost model depends on besides the engine's weights: the machine, how the engine runs, and the sources
+    of the step's own kernels (a changed kernel changes the step's costs)."""
+    import torch
+
+    device = parts.pop("device")
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = _cpu_name()
+    return {"version": COST_MODEL_VERSION, "device": name, "torch": torch.__version__,
+            "kernel_sources": kernel_sources_digest(), **parts}
+
+
+def kernel_sources_digest(roots: Optional[Iterable[Path]] = None) -> str:
+    """A digest of the step kernels' sources: the CPU kernels (cpu/*.cpp, *.h), the Triton kernels (plugins/*.py)
+    and the compile options (runtime/graphs.py) of this installed copy."""
+    pkg = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    files = [] if roots else [Path(__file__).with_name("graphs.py")]
+    for root in roots or (pkg / "cpu", pkg / "plugins"):
+        files += sorted(p for ext in ("*.cpp", "*.h", "*.py") for p in Path(root).glob(ext))
+    for f in files:
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip() + f" x{os.cpu_count()}"
+    except OSError:
+        pass
+    return f"{platform.processor() or platform.machine()} x{os.cpu_count()}"
+
+
+def cost_cache_paths(engine_dir: Optional[Path]) -> list[Path]:
+    """Where a cost model is looked up and written: beside the engine, else the user's cache (an engine directory
+    may be read-only, e.g. mounted into a container)."""
+    home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "trt-redrafter" / "cost-models"
+    out = []
+    if engine_dir is not None:
+        out.append(engine_dir / COST_MODEL_FILE)
+        ident = hashlib.sha256(str(engine_dir.resolve()).encode()).hexdigest()[:16]
+        out.append(home / f"{ident}.json")
+    return out
+
+
+def _key_id(key: dict) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def load_cost_model(paths: Iterable[Path], key: dict) -> Optional[CostModel]:
+    kid = _key_id(key)
+    for path in paths:
+        try:
+            entries = json.loads(path.read_text()).get("entries", {})
+        except (OSError, ValueError, AttributeError):
+            continue
+        if kid in entries:
+            try:
+                return CostModel.from_dict(entries[kid])
+            except (KeyError, TypeError):
+                continue
+    return None
+
+
+def save_cost_model(paths: Iterable[Path], model: CostModel) -> Optional[Path]:
+    """Add `model` to the first writable cache file (written under a temporary name, then renamed)."""
+    kid = _key_id(model.key)
+    for path in paths:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                doc = json.loads(path.read_text())
+                if not isinstance(doc.get("entries"), dict):
+                    raise ValueError
+            except (OSError, ValueError, AttributeError):
+                doc = {"entries": {}}
+            doc["entries"][kid] = model.to_dict()
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(doc, indent=1))
+            tmp.replace(path)
+            return path
+        except OSError:
+            continue
+    return None
+
+
+
+# ---- measuring ----------------------------------------------------------------------------------------------------
+
+def load_or_measure(launcher: "StepLauncher", dist, engine_dir: Optional[Path], key: dict, free: list[int],
+                    max_seq_len: int, draft: bool) -> CostModel:
+    """The cost model for `key`: from the cache beside the engine (or the user's cache) when one was measured for this
+    machine and these settings, else measured now (every rank takes part: the steps are collective) and saved."""
+    paths = cost_cache_paths(engine_dir)
+    model = load_cost_model(paths, key) if dist.is_driver else None
+    if dist.broadcast_object(model is not None):
+        return model
+    model = measure(launcher, dist, free, max_seq_len, draft)
+    model.key = key
+    if dist.is_driver:
+        where = save_cost_model(paths, model)
+        logger.info("step cost model measured and saved to %s", where or "(nowhere writable)")
+    return model
+
+
+def measure(launcher: "StepLauncher", dist, free_slots: list[int], max_seq_len: int, draft: bool) -> CostModel:
+    """Time the decode steps on this machine: an AR step, and a tree step (verifying T nodes, drafting the next trees
+    where `draft`) at every tree width, for every batch bucket that fits the free slots, at two context lengths
+    (COST_CONTEXTS). Runs on free batch slots with throw-away KV; a width that could not pay even if every node were
+    accepted (its step costs more than 1 + dl AR steps) ends the widths of that batch size (the rest are
+    extrapolated, proportionally). The calls of one point are timed in interleaved rounds, so that the machine's
+    slow phases do not bias the ratios between them. Under TP every rank takes part (the steps are collective) and
+    rank 0's timings decide how many steps run."""
+    import torch
+    from tqdm import tqdm
+
+    from .state import put_rows
+
+    t0 = time.perf_counter()
+    tree, cache, state = launcher.tree_shape, launcher.cache, launcher.state
+    P, dl = tree.max_tree_tokens, tree.draft_len_per_beam
+    hi = max(COST_CONTEXTS[0] + 1, min(COST_CONTEXTS[1], max_seq_len - P - 1))
+    contexts = [min(COST_CONTEXTS[0], hi - 1), hi]
+    batches = [b for b in launcher.buckets if b <= len(free_slots)]
+    free = sorted(free_slots)[:batches[-1]]
+    ids = [-1 - i for i in range(len(free))]  # throw-away sequences (real ones count from 0)
+    for sid, slot in zip(ids, free):
+        cache.reserve(sid, hi + P)
+        cache.bind(sid, slot)
+    cache.sync()
+    from .launch import StepVariant
+
+    variant = StepVariant(True, "greedy", draft)
+
+    def once(call, slots: list[int], ctx: int) -> float:
+        idx = torch.tensor(slots, device=launcher.device)
+        put_rows(state.ctx_len, idx, torch.full_like(idx, ctx))
+        t = time.perf_counter()
+        call().cpu()
+        return time.perf_counter() - t
+
+    def timed(calls: list, slots: list[int], ctx: int) -> list[float]:
+        """Median ms of each call, timed in rounds of one call each: a slow phase of the machine (they last seconds
+        here) then slows every call of a point alike, and the ratios the policy decides by stay put. One untimed
+        round first; rank 0's timings set the number of rounds (every step is collective)."""
+        times: list[list[float]] = [[] for _ in calls]
+        rounds, r = COST_REPEATS[0], 0
+        while r < rounds + 1:
+            for i, call in enumerate(calls):
+                times[i].append(once(call, slots, ctx))
+            if r == 1:
+                per_round = sum(t[1] for t in times)
+                rounds = dist.broadcast_object(
+                    max(COST_REPEATS[0], min(COST_REPEATS[1], int(COST_POINT_S * len(calls) / per_round))))
+            r += 1
+        return [1e3 * statistics.median(t[1:]) for t in times]
+
+    # untimed first: the first steps after loading fault the weights in and build lazily made things
+    for _ in range(3):
+        launcher.ar(free[:1], contexts[0] + 1, "greedy").cpu()
+        launcher.tree(free[:1], P, [P], contexts[0], variant).cpu()
+
+    widths = launcher.widths
+    ar = [[0.0] * len(batches) for _ in contexts]
+    trees = [[[0.0] * len(widths) for _ in batches] for _ in contexts]
+    grid = [(c, b) for c in range(len(contexts)) for b in range(len(batches))]
+    for c, b in tqdm(grid, desc="measuring step costs", unit="point", disable=not dist.is_driver or None,
+                     leave=False):
+        ctx, bs = contexts[c], batches[b]
+        slots = free[:bs]
+        calls = [lambda: launcher.ar(slots, ctx + 1, "greedy")]
+
+        def probe(call) -> float:  # the second of two calls (the first may still build things)
+            return [once(call, slots, ctx) for _ in range(2)][1]
+
+        # widths in order, probed, until one could not pay even if all its nodes were accepted; the rounds below time
+        # the AR step and the widths up to that one
+        ar_probe = probe(calls[0])
+        for T in widths:
+            calls.append(lambda T=T: launcher.tree(slots, T, [T] * bs, ctx, variant))
+            if dist.broadcast_object(probe(calls[-1]) > (1 + dl) * ar_probe):
+                break
+        ms = timed(calls, slots, ctx)
+        ar[c][b] = ms[0]
+        n = len(ms) - 1
+        for w, T in enumerate(widths):  # the widths past the cut-off extrapolated, proportionally
+            trees[c][b][w] = ms[1 + w] if w < n else ms[n] * T / widths[n - 1]
+    for sid in ids:
+        cache.free(sid)
+    idx = torch.tensor(free, device=launcher.device)
+    put_rows(state.ctx_len, idx, torch.zeros_like(idx))
+    model = CostModel(batches, list(widths), contexts, ar, trees)
+    logger.info("step costs measured in %.1fs (%d batch sizes x %d tree widths x %d contexts)",
+                time.perf_counter() - t0, len(batches), len(widths), len(contexts))
+    return model

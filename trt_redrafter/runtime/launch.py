@@ -1,0 +1,190 @@
+"""Launching decode steps: which compiled unit runs a step (`StepVariant`), its inputs at the shapes the compile mode
+wants, and compiling every variant the engine can launch before the first request (warm-up).
+
+The engine decides what a step does (the policy's `StepDecision`, each request's proposer); `StepLauncher` runs it:
+one `graphs.Unit` per step kind, compiled (inductor) or captured (CUDA graphs, per batch bucket and tree width) on
+first use. `variant_for` is the one place that turns a step's facts into a variant: the engine calls it for every
+launch and the warm-up for every case a proposer can produce, so a variant that can be launched is one that was
+compiled.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional
+
+import torch
+
+from ..config import ReDrafterConfig
+from ..log import get_logger
+from .graphs import Compiler, batch_buckets, bucket_for, tree_buckets
+from .kv_cache import PagedKVCache
+from .proposer import Proposer, drafts_on_device, returns_device_beams
+from .sequence import Draft
+from .state import SlotState
+from .step import DecodeStep
+from .timing import PhaseTimer
+
+logger = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class StepVariant:
+    """What selects a decode step's compiled graph besides its shapes: an AR step or a tree step, the batch's
+    acceptance rule (greedy | sample | apple), and for a tree step whether the device drafter drafts the next trees
+    (`draft`), whether its beams come back to the host too (`return_beams`: mixed trees are composed from them) and
+    whether trees composed on the host are packed first (`host_trees`)."""
+
+    tree: bool
+    rule: str = "greedy"
+    draft: bool = False
+    return_beams: bool = False
+    host_trees: bool = False
+
+
+def variant_for(tree: bool, rule: str, proposers: Iterable[Proposer], may_draft: bool, host_trees: bool
+                ) -> StepVariant:
+    """The variant of a step over requests with these proposers (the speculative ones'): the device drafter runs
+    where the decision lets it (`may_draft`) and some proposer drafts on the device."""
+    if not tree:
+        return StepVariant(False, rule)
+    props = list(proposers)
+    draft = may_draft and drafts_on_device(props)
+    return StepVariant(True, rule, draft, draft and returns_device_beams(props), host_trees)
+
+
+def warmup_variants(proposer: Proposer, rule: str = "greedy") -> list[StepVariant]:
+    """Every tree-step variant a batch of `proposer`'s requests can launch: with host-composed trees where it composes
+    them, and without where its trees may come from the device (or from nowhere, for a step that only drafts)."""
+    return [variant_for(True, rule, [proposer], True, h) for h in proposer.host_tree_cases()]
+
+
+class StepLauncher:
+    """Runs the decode steps of `DecodeStep` for batches of slots: the AR step and the tree step, each through one
+    compiled / captured unit per variant."""
+
+    def __init__(self, steps: DecodeStep, compiler: Compiler, cache: PagedKVCache, state: SlotState,
+                 tree: ReDrafterConfig, max_batch_size: int, vocab_size: int, timer: PhaseTimer, trims_key_blocks: bool):
+        self.steps, self.compiler, self.cache, self.state = steps, compiler, cache, state
+        self.tree_shape = tree
+        self.vocab_size, self.timer = vocab_size, timer
+        self.device = cache.device
+        self.buckets = batch_buckets(max_batch_size)
+        self.widths = tree_buckets(tree.max_tree_tokens)
+        # whether steps pass only the KV blocks the longest request needs: the torch attention reads every block it
+        # is given; the Triton and CPU kernels stop at each request's length, and CUDA graphs want static shapes
+        self.trims_key_blocks = trims_key_blocks and not compiler.uses_graphs
+        self._units: dict[object, Callable] = {}
+
+    # ---- the two step kinds ------------------------------------------------------------------------------------
+    def ar(self, slots: list[int], longest: int, rule: str) -> torch.Tensor:
+        """An AR step for these slots -> their output rows (on the device, maybe still running)."""
+        args = self._inputs(slots, 1, longest)
+        return self._unit(False)(*args[:2], rule)[:len(slots)]
+
+    def tree(self, slots: list[int], width: int, keep: list[int], longest: int, variant: StepVariant,
+             pending: Optional[list[Optional[Draft]]] = None) -> torch.Tensor:
+        """A tree step: the first `width` nodes of each slot's tree (each counting keep[i] of them), over contexts up
+        to `longest` committed positions; `pending`: the trees the host composed, per slot (None: the stored one)."""
+        if variant.rule == "apple":
+            self.state.ensure_draft_logp(self.vocab_size)
+        T = self.verify_width(width, max(keep))
+        args = self._inputs(slots, T, longest + T, keep)
+        host = self._host_inputs(pending, args[0].shape[0]) if variant.host_trees else (None, None, None)
+        call = (*args, variant.rule, variant.draft, variant.return_beams, *host)
+        if self.timer.enabled:  # each phase its own unit, timed
+            out = self.steps.redrafter_step(*call, run=self._timed_phase)
+            self.timer.end_step()
+        else:
+            out = self._unit(True)(*call)
+        return out[:len(slots)]
+
+    def verify_width(self, width: int, kept: int) -> int:
+        """Tree nodes a step verifies: the bucket's width under CUDA graphs (captured shapes), else just the nodes
+        some request keeps, at least 2: inductor compiles one graph for every width >= 2 (a width of 1 would
+        specialize, and cost a compilation of its own for what one more node costs)."""
+        return width if self.compiler.uses_graphs else max(2, kept)
+
+    # ---- warm-up -----------------------------------------------------------------------------------------------
+    def warmup(self, variants: list[StepVariant], trees: bool = True, show: bool = True) -> None:
+        """Compile / capture the AR step and (`trees`) every given tree-step variant before the first request, on
+        padding-slot batches: at every tree width the policy may choose and every batch bucket under CUDA graphs; at
+        two batch sizes (one, and more: inductor specializes size 1) otherwise."""
+        from tqdm import tqdm
+
+        t0 = time.perf_counter()
+        sizes = self.buckets if self.compiler.uses_graphs else sorted({1, min(2, self.buckets[-1])})
+        widths = self.widths if self.compiler.uses_graphs else [self.verify_width(0, self.tree_shape.max_tree_tokens)]
+        work = [(bs, None, 0) for bs in sorted(sizes, reverse=True)]
+        if trees:
+            work += [(bs, v, T) for bs in sorted(sizes, reverse=True) for T in widths for v in variants]
+        pad = self.state.padding_slot
+        with torch.inference_mode():  # largest batches first: later captures reuse their pool memory
+            for bs, variant, T in tqdm(work, desc=f"compiling decode steps ({self.compiler.mode})", unit="graph",
+                                       disable=not show or None, leave=False):
+                if variant is None:
+                    self.ar([pad] * bs, 1, "greedy").cpu()
+                else:
+                    pending = [Draft.empty(self.tree_shape.num_beams, self.tree_shape.beam_length)] * bs
+                    self.tree([pad] * bs, T, [T] * bs, 0, variant, pending).cpu()
+        logger.info("engine warm-up (%s, buckets %s, tree widths %s) took %.1fs", self.compiler.mode, sizes,
+                    widths if trees else "none: AR steps only", time.perf_counter() - t0)
+
+    # ---- inputs and units --------------------------------------------------------------------------------------
+    def _inputs(self, slots: list[int], T: int, longest: int, keep: Optional[list[int]] = None
+                ) -> tuple[torch.Tensor, ...]:
+        """(slots, key_blocks, tree_width, keep) of a decode step: slots padded to a batch bucket under CUDA graphs
+        (padding rows keep their root), and every varying size marked dynamic for inductor."""
+        pad = bucket_for(len(slots), self.buckets) - len(slots) if self.compiler.uses_graphs else 0
+        keep = (keep or [1] * len(slots)) + [1] * pad
+        dev = self.device
+        args = (torch.tensor(slots + [self.state.padding_slot] * pad, dtype=torch.long, device=dev),
+                self._key_blocks(longest), torch.arange(T, device=dev), torch.tensor(keep, dtype=torch.long, device=dev))
+        # key_blocks varies only where the attention reads every block it is given
+        self.compiler.mark_dynamic(*(args if self.trims_key_blocks else (args[0], args[2], args[3])))
+        return args
+
+    def _key_blocks(self, longest: int) -> torch.Tensor:
+        """[nblk]: how many KV blocks per request the attention is given. All of them where the kernels stop at each
+        request's length or shapes are static; else enough for `longest` positions, at least 2 so that inductor's
+        one dynamic graph covers every length (size 1 would specialize)."""
+        n = self.cache.max_blocks_per_seq
+        if self.trims_key_blocks:
+            n = min(max(2, -(-longest // self.cache.block_size)), n)
+        return torch.arange(n, device=self.device)
+
+    def _host_inputs(self, pending: Optional[list[Optional[Draft]]], n: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(host_beams [n, nb, bl], host_scores [n, nb, dl], host_mask [n]) of the trees composed on the host; rows
+        without one (and padding rows) pack their stored beams."""
+        nb, bl = self.tree_shape.num_beams, self.tree_shape.beam_length
+        empty = Draft.empty(nb, bl)
+        drafts = [p if p is not None else empty for p in pending or []]
+        drafts += [empty] * (n - len(drafts))
+        mask = [p is not None for p in pending or []] + [False] * (n - len(pending or []))
+        beams = torch.tensor([d.rows for d in drafts], dtype=torch.long).to(self.device)
+        scores = torch.tensor([d.scores for d in drafts], dtype=torch.long).to(self.device)
+        mask_t = torch.tensor(mask).to(self.device)
+        self.compiler.mark_dynamic(beams, scores, mask_t)
+        return beams, scores, mask_t
+
+    def _unit(self, tree: bool) -> Callable:
+        unit = self._units.get(tree)
+        if unit is None:
+            fn = self.steps.redrafter_step if tree else self.steps.ar_step
+            unit = self._units[tree] = self.compiler.unit(fn, f"{'tree' if tree else 'ar'}-step", self._on_padding)
+        return unit
+
+    def _timed_phase(self, name: str, phase, *args):
+        """One phase of a profiled step, run as its own unit (compiled / captured) and timed."""
+        key = (name, phase.__name__)  # "pack" is the device's beams, or the host's (pack_host)
+        unit = self._units.get(key)
+        if unit is None:  # drafting writes no state: its capture needs no padding-slot arguments
+            unit = self._units[key] = self.compiler.unit(phase, name, None if name == "draft" else self._on_padding)
+        with self.timer.phase(name):
+            return unit(*args)
+
+    def _on_padding(self, slots: torch.Tensor, *rest):
+        """The same call on padding slots only (what a CUDA-graph capture may run for real)."""
+        return (torch.full_like(slots, self.state.padding_slot), *rest)
