@@ -13,6 +13,8 @@ The engine alone (`trt-redrafter bench-engine`, scripts/gpu_bench.py):
     measure.py       one mode's timed run, the phase profile, the round schedule, a ratio's spread over rounds
     baselines.py     HF `generate` and llama.cpp on the same token ids, each in a process of its own
     oracle.py        a proposer that drafts the known continuation at a set acceptance (benchmarks, tests)
+The docs (`scripts/render_docs.py`):
+    docs_tables.py   the tables of docs/perf.md and docs/models.md, rendered from the committed JSON results
 
 Nothing here imports tritonclient, matplotlib or the serving stack at module level: the metrics and the gate
 are plain arithmetic on recorded JSON, testable anywhere.
