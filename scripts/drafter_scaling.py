@@ -34,8 +34,8 @@ from trt_redrafter.bench import schedule
 from trt_redrafter.errors import UserError
 
 # the recipe of models/smollm2-drafter-fr (docs/models.md), the corpus written by the engine in bfloat16; 4 shards held
-# in memory, as the curve was measured (the default now holds the whole corpus: docs/models.md, "Batches from the
-# whole corpus")
+# in memory, as the committed curve's points were trained, so that a new point compares with them (train-drafter's
+# default holds the whole corpus)
 RECIPE = ["--magpie", "--eval-sequences", "32", "--seq-len", "256", "--gen-batch-size", "64",
           "--generate-dtype", "bfloat16", "--draft-vocab", "8192", "--num-layers", "2", "--exit-dim", "512",
           "--draft-len", "4", "--batch-size", "512", "--lr", "2e-3", "--seed", "0", "--device", "cpu",
