@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Rewrite the generated tables of docs/perf.md and docs/models.md from the committed JSON in docs/perf/.
+"""Rewrite the generated tables of docs/perf.md, docs/models.md and docs/serving.md from the JSON in docs/perf/.
 
     python scripts/render_docs.py            # rewrite the tables between their markers; prints the docs it changed
     python scripts/render_docs.py --check    # exit 1 if a doc's tables differ from what its JSON renders

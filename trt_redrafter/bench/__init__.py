@@ -14,7 +14,7 @@ The engine alone (`trt-redrafter bench-engine`, scripts/gpu_bench.py):
     baselines.py     HF `generate` and llama.cpp on the same token ids, each in a process of its own
     oracle.py        a proposer that drafts the known continuation at a set acceptance (benchmarks, tests)
 The docs (`scripts/render_docs.py`):
-    docs_tables.py   the tables of docs/perf.md and docs/models.md, rendered from the committed JSON results
+    docs_tables.py   the tables of docs/perf.md, models.md and serving.md, rendered from the committed JSON results
 
 Nothing here imports tritonclient, matplotlib or the serving stack at module level: the metrics and the gate
 are plain arithmetic on recorded JSON, testable anywhere.

@@ -288,6 +288,28 @@ def _corpus(docs: list[dict], names: tuple[str, ...]) -> list[str]:
     return out
 
 
+# ---- serving (scripts/soak.py's final JSON line) ----------------------------------------------------------------
+
+def _soak(docs: list[dict], names: tuple[str, ...]) -> list[str]:
+    out = _head("run", "requests sent / answered", "ok (== offline AR)", "expected errors", "cancelled",
+                "failed by a fault", "lost", "unexpected", "ok latency p50 / p99 s", "peak waiting",
+                "KV blocks used at the end", "stubs killed / restarts (ready again: median / max s)", "passed", "JSON")
+    for name, d in zip(names, docs):
+        o, faults = d["outcomes"], d.get("faults")
+        kind = f"{d['rate']:g} req/s, {d['duration_s'] / 60:.0f} min" + (
+            f", a stub killed every {faults['every_s']:g} s" if faults else "")
+        peak = max(q["peak_waiting"] for q in d["queue"].values())
+        kv = max(i["kv_blocks_used"] for i in d["idle_at_end"].values())
+        healed = "-" if not faults else (f"{len(faults['kills'])} / {faults['restarts']} ("
+                                         f"{_f(faults['recovery_s_median'], 1)} / {_f(faults['recovery_s_max'], 1)})")
+        verdict = "yes" if d["passed"] else "no: " + "; ".join(d["failures"])
+        out.append(_row([kind, f"{d['run']['sent']} / {d.get('answered', d['requests'])}", o["ok"],
+                         o["expected_error"], o["cancelled"], o.get("fault", 0), o["lost"], o["unexpected"],
+                         f"{_f(d['ok_latency_s_p50'])} / {_f(d['ok_latency_s_p99'])}", f"{peak:g}", f"{kv:g}", healed,
+                         verdict, _link(name)]))
+    return out
+
+
 # ---- the registry: one current table per topic -------------------------------------------------------------------
 
 _SMOLLM2 = (("policy-smollm2-b1-float32-categories-attention-2026-11-28", 1, ""),
@@ -321,6 +343,7 @@ TABLES = {t.name: t for t in (
     Table("drafter-categories", "docs/models.md", ("drafter-mt-bench-80", "drafter-mt-bench-80-256-tokens",
                                                    "drafter-mt-bench-80-1024-tokens"), _drafter_categories),
     Table("corpus-throughput", "docs/models.md", ("corpus-throughput",), _corpus),
+    Table("soak", "docs/serving.md", ("soak-cpu-small-20min", "soak-cpu-small-20min-faults"), _soak),
 )}
 
 
