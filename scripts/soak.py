@@ -36,17 +36,12 @@ bounded (it does not grow for the whole step) and nothing is lost. `--find-rate`
 for --find-step seconds at each rate of --find-rates (one pair of servers), stops at the first rate whose waiting
 queue grows or that loses a request, and prints the highest rate that held; soak at that rate (or a bit below).
 
-Measured on the 2-core CPU machine (models/small, max_batch_size 8, both servers and the client on the same cores,
-30 s steps): 2, 4, 6 and 8 req/s of the default mix all held (peak waiting <= 1, nothing lost). The 20-minute soak
-at 4 req/s (docs/serving.md, docs/perf/soak-cpu-small-20min.json): 4841 requests, 0 lost, 0 unexpected, no crash.
+The latest runs' figures are in docs/serving.md ("Soak"), generated from their JSON in docs/perf/.
 
-The stub crash once seen in the kernel log, found with this script: at every shutdown, when tritonserver unloaded
-`tensorrt_llm`, its Python-backend stub segfaulted ("triton_python_b[PID]: segfault at 60 ... in
-triton_python_backend_stub" in dmesg, nothing in the server log, exit status 0). The faulting address was
-Metric::SaveToSharedMemory (file offset 0xb4260 of the bundled stub), python_backend PR #429's crash: MetricFamily
-objects still alive in ~Stub unregister through the gone Stub. The engine model now destroys its metrics and
-families in finalize() (serving.metrics.ServingMetrics.release); tests/test_serving.py checks the kernel log at
-shutdown. The soak still fails on any crash line of its stubs, with the stub's model and phase.
+Why the kernel log is read: a Python-backend stub can crash without a word in the server's log or its exit status
+(python_backend PR #429's crash at shutdown, in Metric::SaveToSharedMemory, which the engine model avoids by releasing
+its metrics in finalize(), serving.metrics.ServingMetrics.release); dmesg is where it shows. The soak fails on any
+crash line of its stubs, with the stub's model and phase.
 
     nice -n 19 python scripts/soak.py --rate 4 --duration 1200                 # the 20-minute soak
     nice -n 19 python scripts/soak.py --rate 1 --duration 180                  # a 3-minute check

@@ -107,7 +107,7 @@ def build_torch_engine(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     return out_dir
 
 
-CPU_TABLE_FLOPS = 40e12  # `--model-ngrams auto` on a CPU: about 5 minutes on 2 cores (SmolLM2-135M: 13 TFLOP, 2 min)
+CPU_TABLE_FLOPS = 40e12  # `--model-ngrams auto` builds on a CPU only up to minutes of work (SmolLM2-135M: 13 TFLOP)
 
 
 def write_model_ngrams(engine_dir: Path, info, force: bool = False) -> None:

@@ -2,13 +2,12 @@
 prepacked weight, or `F.linear`.
 
 Why prepack: a decode step multiplies a few rows (M = bs for AR, bs * tree tokens to verify a tree) by every
-weight, so it is bound by reading the weights. `F.linear` on the CPU reads them in fp32 through MKL at 4-12 GB/s at
-small M. oneDNN over a weight reordered once into its blocked layout (`torch.ops.mkldnn._reorder_linear_weight`,
-the op inductor's own freezing pass inserts) reads them at 19-30 GB/s, depending on M. `avx512`
-(cpu/linear.cpp, built at first use) streams weights packed in 16-column panels at the machine's read
-bandwidth for M up to about 4, and stays ahead of oneDNN up to M of about 32 (SmolLM2-135M's GEMMs of one step, 2
-threads, `scripts/bench_linear.py --gemms`: fp32 M = 1 / 4 / 5 / 9: avx512 14.8 / 14.6 / 17.1 / 22.3 ms,
-oneDNN 21.1 (padded to 4) / 21.1 / 20.4 / 24.8 ms; a plain 538 MB read takes 15 ms).
+weight, so it is bound by reading the weights. `F.linear` on the CPU reads them in fp32 through MKL far below the
+machine's read bandwidth at small M. oneDNN over a weight reordered once into its blocked layout
+(`torch.ops.mkldnn._reorder_linear_weight`, the op inductor's own freezing pass inserts) reads them faster, by how
+much depending on M. `avx512` (cpu/linear.cpp, built at first use) streams weights packed in 16-column panels, in
+the order it reads them, at the machine's read bandwidth for M up to a few rows, and stays ahead of oneDNN up to M
+of a few dozen (`scripts/bench_linear.py --gemms` times the three on an engine's GEMMs).
 
 Why M-invariant matters: greedy ReDrafter equals greedy AR only if a token's logits do not depend on how many
 other rows share its GEMM (an AR step has M = bs, a tree step M = bs * T). `avx512` reduces every output in one
@@ -17,7 +16,7 @@ row the same bits for any M >= 2, on 1 and 2 threads, at every M up to 256 teste
 batch; at M = 1 it takes another kernel, which reduces K in another order once K is about 1k or more (SmolLM2's
 MLP down-projection, K = 1536: every fp32 row differs in the last bits, 6% of bf16 rows round differently).
 So oneDNN's inputs are padded to `MIN_ROWS` rows: 4, not 2, because oneDNN's kernel for 2 rows reads the
-weights ~25% slower than its kernel for 4-6 (fp32 and bf16, 1 and 2 threads). (fp32 `F.linear` through MKL is
+weights more slowly than its kernel for 4-6 (fp32 and bf16, 1 and 2 threads). (fp32 `F.linear` through MKL is
 not M-invariant: rows of M = 1, 2, 3 differ from larger M, and at 2 threads the bits depend on the row's place in
 the batch.)
 

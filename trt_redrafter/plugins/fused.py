@@ -1,12 +1,12 @@
 """Fused elementwise kernels for the decoder layer on CUDA: one launch where PyTorch runs five to twelve.
 
 At batch 1 a 7B step is 4 weight-streaming GEMMs per layer plus dozens of tiny elementwise kernels (RMSNorm is
-~7, RoPE ~12, the SiLU gate 3); each costs a launch slot of a few microseconds even inside a CUDA graph, which
-measured here as ~2 ms of an 8 ms step on an H100. These kernels do the same arithmetic in one pass, rounding to
-the model dtype at the same points as the PyTorch ops (Hugging Face's order, round to nearest even, done on the
-bits for bf16 so no cast can round differently). Products and sums are exact IEEE float32 on both sides, so RoPE
-and the residual add match PyTorch bit for bit; the normalization's reduction order and SiLU's exp may differ in
-the last float32 bit, hence one bf16 ulp at most (the tests' tolerances).
+~7, RoPE ~12, the SiLU gate 3); each costs a launch slot of a few microseconds even inside a CUDA graph, and with
+the GEMMs weight-bound and short at batch 1 those slots are a real share of the step. These kernels do the same
+arithmetic in one pass, rounding to the model dtype at the same points as the PyTorch ops (Hugging Face's order,
+round to nearest even, done on the bits for bf16 so no cast can round differently). Products and sums are exact
+IEEE float32 on both sides, so RoPE and the residual add match PyTorch bit for bit; the normalization's reduction
+order and SiLU's exp may differ in the last float32 bit, hence one bf16 ulp at most (the tests' tolerances).
 
 Oracles: `model.llama.TorchLayerOps` (add_rms_norm, rope_write_kv, silu_mul).
 """
@@ -23,8 +23,8 @@ def _round(x, DT: tl.constexpr):
     """Round float32 `x` to the model dtype and back, as PyTorch rounds an op's result (round to nearest even).
 
     bf16 is rounded with integer arithmetic on the bits: the value is then exact in bf16, so the final store's
-    conversion cannot round it again differently (Triton's interpreter truncates; an H100 showed 1-ulp differences
-    with a plain cast). NaN/inf are not special-cased (none reach here).
+    conversion cannot round it again differently (Triton's interpreter truncates where a GPU rounds, so a plain cast
+    can differ by one ulp between them). NaN/inf are not special-cased (none reach here).
     """
     if DT == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)

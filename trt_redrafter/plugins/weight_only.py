@@ -45,8 +45,9 @@ class Tiles(NamedTuple):
     num_stages: int
 
 
-# (bits, per_channel) -> tiles, for every M: the best of 32 candidates each on an H200 (scripts/wo_gemm_tune.py,
-# docs/perf.md "The weight-only GEMM, retuned"); int8 in groups was not searched and takes int8's
+# (bits, per_channel) -> tiles, for every M: the search's best on a Hopper GPU (scripts/wo_gemm_tune.py, docs/perf.md
+# "The weight-only GEMM"; another architecture may want others: run the search there); int8 in groups was not
+# searched and takes int8's
 TILES = {
     (8, True): Tiles(32, 256, 2, 3),
     (8, False): Tiles(32, 256, 2, 3),

@@ -194,7 +194,7 @@ def shards_in_memory(cfg: DrafterTrainConfig, corpus: corpus_mod.ShardedCorpus, 
     quarter of the machine's memory (shared by the processes of one machine), else as many as do. A batch is drawn
     from the positions of the shards held, and neighbouring positions of one conversation predict nearly the same
     tokens: with few shards held the drafter fits those few conversations for a hundred steps, then the next ones
-    (its training loss falls 4x within a group and jumps back at the next), instead of learning from all of them
+    (its training loss falls within a group and jumps back at the next), instead of learning from all of them
     at once."""
     if cfg.shards_in_memory:
         return min(cfg.shards_in_memory, corpus.num_shards)
