@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from engine_utils import HostDrafts, OracleProposer, build_tiny_engines, greedy, load_engine, random_prompts
-from trt_redrafter.config import RuntimeConfig, SamplingConfig
+from trt_redrafter.config import RuntimeConfig, SamplingConfig, Speculation
 from trt_redrafter.errors import UserError
 from trt_redrafter.runtime import calibration, costs
 from trt_redrafter.runtime import policy as pol
@@ -140,7 +140,7 @@ def flat_costs(ar=10.0, per_node=0.2, batches=(1, 2, 4, 8)) -> CostModel:
 
 
 def test_confident_trees_are_verified_as_far_as_they_pay():
-    policy = Policy("auto", 13, flat_costs())
+    policy = Policy(Speculation.parse("auto"), 13, flat_costs())
     chain = [0] + [q(0.95 ** d) for d in range(1, 5)] + [q(0.01)] * 8  # a sure chain of 4, then noise
     d = policy.decide(cands(2, chain, Calibration()), can_draft=True)
     assert d.is_tree and d.width == 5 and d.draft and d.keep == {0: 5, 1: 5}
@@ -148,7 +148,7 @@ def test_confident_trees_are_verified_as_far_as_they_pay():
 
 
 def test_a_weak_tree_among_good_ones_is_not_verified_but_drafting_goes_on():
-    policy = Policy("auto", 13, flat_costs())
+    policy = Policy(Speculation.parse("auto"), 13, flat_costs())
     good, weak = [0, q(0.9), q(0.8), q(0.7)], [0, q(0.01)]
     d = policy.decide(cands(1, good, Calibration()), True)
     assert d.width == 5 and d.keep == {0: 4}  # the whole 4-node tree: the bucket of 5 nodes
@@ -165,7 +165,7 @@ def test_the_cost_model_follows_the_steps_as_they_run():
     memory phase), and stops paying once tree steps are seen to take 2x theirs."""
     widths = tree_buckets(5)
     costs = CostModel([1], widths, [100, 1100], [[10.0], [10.0]], [[[13.0, 13.5, 14.0, 15.0]]] * 2)
-    policy = Policy("auto", 5, costs)
+    policy = Policy(Speculation.parse("auto"), 5, costs)
     tree = [0, q(0.3)]
     assert not policy.decide(cands(1, tree, Calibration()), True).is_tree  # 1.3 tokens for 1.35 AR steps
     for _ in range(30):
@@ -178,7 +178,7 @@ def test_the_cost_model_follows_the_steps_as_they_run():
     assert policy.step_scale[1] == pytest.approx(2.0, rel=0.05)
     # drafting's gain and cost are running means: the verdict turns within a few steps
     assert [policy.decide(cands(1, tree, Calibration()), True).is_tree for _ in range(8)][-1] is False
-    fixed = Policy("full", 5, costs)
+    fixed = Policy(Speculation.parse("full"), 5, costs)
     fixed.observe_step(pol.AR_STEP, 1, 100, 30.0)
     assert fixed.step_scale == [1.0, 1.0]  # fixed widths decide by no cost model
 
@@ -188,7 +188,7 @@ def test_a_step_after_a_step_of_the_other_kind_does_not_scale_the_cost_model():
     time is not what a run of such steps costs, so only steps that follow one of their own kind are observed."""
     widths = tree_buckets(5)
     costs = CostModel([1], widths, [100, 1100], [[10.0], [10.0]], [[[13.0, 13.5, 14.0, 15.0]]] * 2)
-    policy = Policy("auto", 5, costs)
+    policy = Policy(Speculation.parse("auto"), 5, costs)
     tree = pol.StepDecision(width=2, keep={0: 2}, draft=True)
     for _ in range(10):
         policy.observe_step(pol.AR_STEP, 1, 100, 10.0)
@@ -224,7 +224,7 @@ def rest_kinds(policy, stale, steps) -> list[int]:
 
 
 def test_a_drafter_that_is_never_right_is_probed_rarely():
-    policy = Policy("auto", 13, flat_costs())
+    policy = Policy(Speculation.parse("auto"), 13, flat_costs())
     weak = [0, q(0.9), q(0.5), q(0.2)]
     assert not policy.decide(cands(1, weak, never_right()), True).is_tree  # its tree is not verified: rest
     kinds = rest_kinds(policy, cands(1, weak, never_right(), fresh=False), 3 * PROBE_MAX)
@@ -235,7 +235,7 @@ def test_a_drafter_that_is_never_right_is_probed_rarely():
 def test_probes_back_off_while_they_find_nothing():
     """Requests whose last trees would pay (if drafted again) are probed after PROBE_MIN steps, then after twice as
     many each time the probe's tree does not pay."""
-    policy = Policy("auto", 13, flat_costs())
+    policy = Policy(Speculation.parse("auto"), 13, flat_costs())
     policy.decide(cands(1, [0, q(0.01)], never_right()), True)  # not worth it: rest
     hopeful = cands(1, [0, q(0.9), q(0.8)], Calibration(), fresh=False)
     kinds = rest_kinds(policy, hopeful, 1 + PROBE_MIN + 2 * PROBE_MIN + 4 * PROBE_MIN + 3)
@@ -249,7 +249,7 @@ def test_a_drafter_wrong_on_a_hard_stretch_is_verified_again_after_a_probe():
     """A hard start (confident trees, all rejected) stops drafting; the probe's tree is then verified on the drafter's
     own claims, whatever the calibration learned, so that its outcomes can revive it: once the drafter is right
     again, the policy goes back to verifying every step."""
-    policy = Policy("auto", 13, flat_costs())
+    policy = Policy(Speculation.parse("auto"), 13, flat_costs())
     cal = Calibration()
     sure = [0, q(0.9), q(0.8), q(0.7)]
     for _ in range(30):  # the hard stretch: every verified node rejected
@@ -277,7 +277,7 @@ def test_a_drafter_wrong_on_a_hard_stretch_is_verified_again_after_a_probe():
 def test_large_batches_on_a_compute_bound_machine_take_ar_steps():
     """Where a verified node costs what an AR token does (a CPU at batch 8), even a good drafter does not pay."""
     costs = flat_costs(per_node=10.0 / 8)
-    policy = Policy("auto", 13, costs)
+    policy = Policy(Speculation.parse("auto"), 13, costs)
     good = [0, q(0.8), q(0.6), q(0.45), q(0.3)]
     assert policy.decide(cands(1, good, Calibration()), True).is_tree
     assert not policy.decide(cands(8, good, Calibration()), True).is_tree
@@ -289,7 +289,7 @@ def test_host_trees_pay_for_their_composing_too():
     nothing), composes again to probe after PROBE_MIN AR steps, then twice as long each time the probe finds nothing,
     and goes back to composing and verifying every step once the trees pay."""
     good = [0, q(0.6), q(0.35)]
-    policy = Policy("auto", 13, flat_costs())
+    policy = Policy(Speculation.parse("auto"), 13, flat_costs())
     d = policy.decide(cands(1, good, Calibration()), can_draft=False)
     assert d.is_tree and d.compose
     policy.observe_host(20.0)  # composing a tree costs two AR steps: no tree of this batch pays for that
@@ -315,16 +315,16 @@ def test_host_trees_pay_for_their_composing_too():
 def test_fixed_modes_and_apple_verify_what_they_say():
     costs = flat_costs()
     weak = [0, q(0.01), q(0.001)]
-    d = Policy("full", 13, costs).decide(cands(2, weak, Calibration()), True)
+    d = Policy(Speculation.parse("full"), 13, costs).decide(cands(2, weak, Calibration()), True)
     assert d.width == 13 and d.keep == {0: 3, 1: 3}  # a 3-node tree keeps its 3
-    d = Policy("5", 13, costs).decide(cands(1, [0] * 13, Calibration()), True)
+    d = Policy(Speculation.parse("5"), 13, costs).decide(cands(1, [0] * 13, Calibration()), True)
     assert d.width == 5 and d.keep == {0: 5}
-    assert Policy("40", 13, costs).fixed_width() == 13
+    assert Policy(Speculation.parse("40"), 13, costs).fixed_width() == 13
     apple = cands(1, weak, Calibration())
     apple[0].whole_tree = True
-    d = Policy("auto", 13, costs).decide(apple + [Candidate(9, False, None)], True)
+    d = Policy(Speculation.parse("auto"), 13, costs).decide(apple + [Candidate(9, False, None)], True)
     assert d.width == 13 and d.keep == {0: 3, 9: 1}  # an AR request in the batch keeps its root
-    assert not Policy("auto", 13, costs).decide([Candidate(9, False, None)], True).is_tree
+    assert not Policy(Speculation.parse("auto"), 13, costs).decide([Candidate(9, False, None)], True).is_tree
 
 
 def test_speculate_setting_is_validated():
@@ -373,7 +373,7 @@ def widths_chosen(engine) -> list[int]:
 def check_every_width(engine, tiny) -> None:
     P = engine.tree.max_tree_tokens
     for w in tree_buckets(P):
-        engine.policy.mode = str(w)
+        engine.policy.speculation = Speculation.parse(str(w))
         seen = widths_chosen(engine)
         got = [r.output_ids for r in generate(engine, tiny["prompts"], greedy(MAX_NEW))]
         assert got == tiny["greedy_ar"], f"greedy, {w} nodes"

@@ -526,8 +526,37 @@ class RuntimeConfig(ConfigBase):
             raise bad_value(s, "kv_cache_tokens", "0 (the engine's) or a positive integer", self.kv_cache_tokens)
         if self.threads < 0:
             raise bad_value(s, "threads", "0 (torch's default) or a positive integer", self.threads)
-        if self.speculate not in ("auto", "full") and not (self.speculate.isdigit() and int(self.speculate) >= 1):
+        if Speculation.parse(self.speculate) is None:
             raise bad_value(s, "speculate", "auto, full or a positive number of tree nodes", self.speculate)
+
+    @property
+    def speculation(self) -> "Speculation":
+        return Speculation.parse(self.speculate)
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """`--speculate`, parsed once: the policy decides by the cost model (`auto`), or every step verifies a fixed number
+    of each tree's best nodes (`nodes`; None: every tree whole, `full`)."""
+
+    auto: bool
+    nodes: Optional[int] = None
+
+    @classmethod
+    def parse(cls, text: str) -> Optional["Speculation"]:
+        """auto | full | N (N >= 1) -> the spec; None for anything else (RuntimeConfig.validate names it)."""
+        if text in ("auto", "full"):
+            return cls(text == "auto")
+        return cls(False, int(text)) if text.isdigit() and int(text) >= 1 else None
+
+    def fixed_width(self, max_tree_tokens: int) -> Optional[int]:
+        """The nodes every step verifies (None: the policy decides)."""
+        if self.auto:
+            return None
+        return max_tree_tokens if self.nodes is None else min(self.nodes, max_tree_tokens)
+
+    def __str__(self) -> str:
+        return "auto" if self.auto else "full" if self.nodes is None else str(self.nodes)
 
 
 def load_recipe(path: str | Path) -> dict:

@@ -261,7 +261,7 @@ def peer_baselines(args: argparse.Namespace, kinds: list[str], m: Measured, thre
 def summary_doc(args: argparse.Namespace, ecfg: EngineConfig, engine: Engine, runtime: RuntimeConfig, m: Measured,
                 peers: list[BaselineRow], load_s: float, roofline: Optional[dict], device: str) -> dict:
     """The run as one JSON document: the engine and how it ran, every row, the baselines, the machine."""
-    costs = engine.policy.costs if engine.policy.mode == "auto" else None
+    costs = engine.policy.costs if engine.policy.speculation.auto else None
     return {
         "engine": str(args.engine), "tp": ecfg.tp_size, "dtype": str(engine.dtype).removeprefix("torch."),
         "num_beams": ecfg.tree.num_beams, "draft_len_per_beam": ecfg.tree.draft_len_per_beam,
@@ -269,7 +269,7 @@ def summary_doc(args: argparse.Namespace, ecfg: EngineConfig, engine: Engine, ru
         "max_tokens": m.max_tokens, "chat_template": m.chat_template, "repeats": args.repeats,
         "rows": [dataclasses.asdict(r) for r in m.rows], "hf": {r.name: r.to_dict() for r in peers},
         "phases_ms": m.phases, "runtime": runtime.to_dict(), "compile": engine.compiler.mode,
-        "kernels": engine.kernels, "engine_load_s": load_s, "speculate": engine.policy.mode,
+        "kernels": engine.kernels, "engine_load_s": load_s, "speculate": str(engine.policy.speculation),
         "cost_model": costs.to_dict() if costs else None,
         "step_scale": dict(zip(("ar", "tree"), engine.policy.step_scale)), "roofline": roofline,
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),

@@ -121,8 +121,8 @@ class Engine:
         self.outcomes: Optional[list[tuple[str, int, int, bool]]] = None  # a list: record verified nodes (tools)
         if warmup and self.compiler.mode != "off":
             self.warmup()
-        self.policy = Policy(runtime.speculate, tree.max_tree_tokens,
-                             self._cost_model() if runtime.speculate == "auto" else None)
+        spec = runtime.speculation
+        self.policy = Policy(spec, tree.max_tree_tokens, self._cost_model() if spec.auto else None)
 
     @classmethod
     def load(cls, engine_dir: str | Path, dist: Dist, runtime: RuntimeConfig | None = None,
@@ -399,8 +399,9 @@ class Engine:
         self.policy.observe_host(1e3 * took / len(work))
 
     def _rule(self, group: list[Sequence]) -> str:
-        """The batch's acceptance variant: apple (some speculative request asks for it), greedy (every request is
-        greedy) or sample (counter-based draws per node; greedy rows take their argmax through them)."""
+        """The batch's acceptance rule, in the requests' vocabulary (config.ACCEPTANCE_RULES): apple (some speculative
+        request asks for it), greedy (every request is greedy) or exact (counter-based draws per node; greedy rows take
+        their argmax through them)."""
         if any(s.apple for s in group):
             return "apple"
-        return "greedy" if all(s.sampling.greedy for s in group) else "sample"
+        return "greedy" if all(s.sampling.greedy for s in group) else "exact"

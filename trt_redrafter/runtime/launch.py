@@ -32,7 +32,7 @@ logger = get_logger(__name__)
 @dataclass(frozen=True)
 class StepVariant:
     """What selects a decode step's compiled graph besides its shapes: an AR step or a tree step, the batch's
-    acceptance rule (greedy | sample | apple), and for a tree step whether the device drafter drafts the next trees
+    acceptance rule (greedy | exact | apple), and for a tree step whether the device drafter drafts the next trees
     (`draft`), whether its beams come back to the host too (`return_beams`: mixed trees are composed from them) and
     whether trees composed on the host are packed first (`host_trees`)."""
 

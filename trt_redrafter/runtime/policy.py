@@ -44,6 +44,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Hashable, Optional
 
+from ..config import Speculation
 from .calibration import Calibration
 from .costs import CostModel
 from .graphs import tree_buckets
@@ -94,11 +95,11 @@ AR_REST = StepDecision(0, {}, False, compose=False)  # resting from host trees: 
 
 
 class Policy:
-    """Chooses each step's StepDecision. `mode`: auto (the cost model), full (every tree whole, every step: what
-    TensorRT-LLM does) or an integer T (the T best nodes of every tree, every step)."""
+    """Chooses each step's StepDecision, as `speculation` says: auto (by the cost model), full (every tree whole,
+    every step: what TensorRT-LLM does) or an integer T (the T best nodes of every tree, every step)."""
 
-    def __init__(self, mode: str, max_tree_tokens: int, costs: Optional[CostModel] = None):
-        self.mode = mode
+    def __init__(self, speculation: Speculation, max_tree_tokens: int, costs: Optional[CostModel] = None):
+        self.speculation = speculation
         self.P = max_tree_tokens
         self.widths = tree_buckets(max_tree_tokens)
         self.costs = costs  # what `auto` decides by (the engine measures or loads it)
@@ -113,7 +114,7 @@ class Policy:
         """A decode step's measured time (launch to read-back, as the cost model times it), by the engine after each
         step: the running ratio of measured to modelled time of its kind. Only where the policy decides by the cost
         model and the step is one it models (an AR step, or a tree step that drafted)."""
-        if self.mode != "auto" or self.costs is None:
+        if not self.speculation.auto or self.costs is None:
             return
         if decision.is_tree and not decision.draft:
             return
@@ -148,9 +149,7 @@ class Policy:
         return cal
 
     def fixed_width(self) -> Optional[int]:
-        if self.mode == "auto":
-            return None
-        return self.P if self.mode == "full" else min(int(self.mode), self.P)
+        return self.speculation.fixed_width(self.P)
 
     def decide(self, cands: list[Candidate], can_draft: bool) -> StepDecision:
         """The step for these decoding requests. `can_draft`: some request's next tree is drafted on the device (a
