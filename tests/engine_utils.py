@@ -54,6 +54,11 @@ def build_tiny_engines(root: Path, *, seed: int, num_beams: int, draft_len: int,
 def run_json(engine_dir, prompts: list[list[int]], mode: str, extra=(), max_new: int = 20) -> list[list[int]]:
     """`trt-redrafter run --json` in a fresh process (TP > 1 relaunches itself under mpirun): each prompt's output
     ids, greedy, eos ignored; rank 0 alone prints."""
+    return [d["output_ids"] for d in run_json_docs(engine_dir, prompts, mode, extra, max_new)]
+
+
+def run_json_docs(engine_dir, prompts: list[list[int]], mode: str, extra=(), max_new: int = 20) -> list[dict]:
+    """As `run_json`, each prompt's whole JSON line (output ids, steps, accepted and drafted tokens, ...)."""
     cmd = [sys.executable, "-m", "trt_redrafter", "run", "--engine", str(engine_dir), "--mode", mode, "--json",
            "--max-tokens", str(max_new), "--ignore-eos", "--prompt-ids", *[",".join(map(str, p)) for p in prompts],
            *extra]
@@ -62,7 +67,7 @@ def run_json(engine_dir, prompts: list[list[int]], mode: str, extra=(), max_new:
     assert proc.returncode == 0, proc.stderr[-3000:]
     docs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(docs) == len(prompts), proc.stdout
-    return [d["output_ids"] for d in docs]
+    return docs
 
 
 def load_engine(engine_dir: Path, proposer=None, device: str = "cpu", compile: str = "off", speculate: str = "full",

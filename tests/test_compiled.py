@@ -33,7 +33,9 @@ def compiled(tiny):
 def test_compiled_greedy_redrafter_and_ar_equal_eager_ar_and_hf(tiny, compiled):
     base, _, prompts, ar = tiny
     assert compiled.compiler.mode == "inductor"
-    assert [r.output_ids for r in generate(compiled, prompts, greedy(40), "redrafter")] == ar
+    res = generate(compiled, prompts, greedy(40), "redrafter")
+    assert [r.output_ids for r in res] == ar
+    assert all(r.draft_tokens > 0 for r in res)  # trees were drafted and verified (the random drafter is rarely right)
     assert [r.output_ids for r in generate(compiled, prompts, greedy(40), "ar")] == ar
     assert ar[:2] == [hf_greedy(base, p, 40) for p in prompts[:2]]
 
@@ -42,7 +44,10 @@ def test_compiled_ngram_and_mixed_trees_equal_ar(tiny, compiled):
     """Trees composed on the host are packed at the start of the compiled step (its other variants)."""
     _, _, prompts, ar = tiny
     for proposer in ("ngram", "mixed"):
-        assert [r.output_ids for r in generate(compiled, prompts, greedy(40), proposer=proposer)] == ar, proposer
+        res = generate(compiled, prompts, greedy(40), proposer=proposer)
+        assert [r.output_ids for r in res] == ar, proposer
+        # the tiny model falls into loops: its own context has matches, drafted and accepted through the host trees
+        assert sum(r.accepted_draft_tokens for r in res) >= 10, (proposer, [r.accepted_draft_tokens for r in res])
 
 
 def test_sampled_redrafter_equals_sampled_ar_eager_and_compiled(tiny, compiled):

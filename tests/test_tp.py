@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_utils import build_tiny_engines, random_prompts, run_json
+from engine_utils import build_tiny_engines, random_prompts, run_json, run_json_docs
 
 pytestmark = [pytest.mark.mpi, pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI's mpirun is not installed")]
 
@@ -39,7 +39,9 @@ def test_tp2_ngram_and_mixed_trees_give_the_tp1_tokens(engines, proposer):
     prompts = random_prompts(512, [4, 9, 6], seed=3)
     prompts[0] = (prompts[0] * 4)[:14]  # repeated text: context matches, long acceptances
     ref = run_json(engines[1], prompts, "ar")
-    assert run_json(engines[2], prompts, "redrafter", ["--proposer", proposer]) == ref
+    docs = run_json_docs(engines[2], prompts, "redrafter", ["--proposer", proposer])
+    assert [d["output_ids"] for d in docs] == ref
+    assert docs[0]["accepted_draft_tokens"] > 0, docs[0]  # the repeated prompt's matches were drafted and accepted
 
 
 @pytest.mark.slow
