@@ -90,6 +90,19 @@ def test_cost_cache_falls_back_to_the_user_cache_for_a_read_only_engine(tmp_path
 # ---- calibration -------------------------------------------------------------------------------------------------
 
 
+def test_the_cost_models_overheads_are_the_width1_step_over_ar_and_the_slope_per_node():
+    """What speculating costs, read off a model: a width-1 step over an AR step (fixed) and the least-squares slope of
+    step time over the widths from 2 up (per node); a model whose tree steps cost AR + 3 + 0.5 per node says so."""
+    widths = tree_buckets(17)
+    ar = [[10.0, 20.0], [12.0, 24.0]]
+    tree = [[[a + 3.0 + 0.5 * w for w in widths] for a in row] for row in ar]
+    rows = CostModel([1, 8], widths, [32, 1024], ar, tree).overheads()
+    assert [(o["context"], o["batch"]) for o in rows] == [(32, 1), (32, 8), (1024, 1), (1024, 8)]
+    for o, a in zip(rows, [10.0, 20.0, 12.0, 24.0]):
+        assert o["fixed"] == pytest.approx((a + 3.5) / a) and o["per_node_ms"] == pytest.approx(0.5)
+        assert o["per_node"] == pytest.approx(0.5 / a)
+
+
 def test_a_cost_model_is_measured_again_when_a_step_kernel_changes(tmp_path):
     """The cached cost model's key holds a digest of the step kernels' sources: editing a kernel (a CPU .cpp, a
     Triton module) changes it, so the step is timed again instead of trusting costs of the old kernel."""

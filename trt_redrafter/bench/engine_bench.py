@@ -39,6 +39,7 @@ from ..checkpoint.engine_config import EngineConfig, load_engine_config
 from ..config import PROPOSERS, RuntimeConfig, SamplingConfig
 from ..errors import UserError
 from ..runtime.distributed import init_dist, shutdown_dist
+from ..runtime.costs import CostModel
 from ..runtime.engine import PHASES, Engine
 from ..runtime.generate import release_followers
 from ..runtime.scheduler import follow
@@ -259,9 +260,9 @@ def peer_baselines(args: argparse.Namespace, kinds: list[str], m: Measured, thre
 
 
 def summary_doc(args: argparse.Namespace, ecfg: EngineConfig, engine: Engine, runtime: RuntimeConfig, m: Measured,
-                peers: list[BaselineRow], load_s: float, roofline: Optional[dict], device: str) -> dict:
+                peers: list[BaselineRow], load_s: float, roofline: Optional[dict], device: str,
+                costs: CostModel) -> dict:
     """The run as one JSON document: the engine and how it ran, every row, the baselines, the machine."""
-    costs = engine.policy.costs if engine.policy.speculation.auto else None
     return {
         "engine": str(args.engine), "tp": ecfg.tp_size, "dtype": str(engine.dtype).removeprefix("torch."),
         "num_beams": ecfg.tree.num_beams, "draft_len_per_beam": ecfg.tree.draft_len_per_beam,
@@ -270,7 +271,7 @@ def summary_doc(args: argparse.Namespace, ecfg: EngineConfig, engine: Engine, ru
         "rows": [dataclasses.asdict(r) for r in m.rows], "hf": {r.name: r.to_dict() for r in peers},
         "phases_ms": m.phases, "runtime": runtime.to_dict(), "compile": engine.compiler.mode,
         "kernels": engine.kernels, "engine_load_s": load_s, "speculate": str(engine.policy.speculation),
-        "cost_model": costs.to_dict() if costs else None,
+        "cost_model": costs.to_dict(), "speculation_overheads": costs.overheads(),
         "step_scale": dict(zip(("ar", "tree"), engine.policy.step_scale)), "roofline": roofline,
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                     "torch_threads": torch.get_num_threads(), "loadavg": os.getloadavg(), "device": device},
@@ -283,14 +284,18 @@ def print_header(doc: dict, engine: Engine) -> None:
           f"load average {os.getloadavg()[0]:.2f}; {doc['prompts']} prompts ({doc['prompt_order']} order) x "
           f"{doc['max_tokens']} tokens, greedy; medians of {doc['repeats']} rounds, the modes alternating per "
           f"prompt group")
-    if doc["cost_model"] is not None:
+    costs = CostModel.from_dict(doc["cost_model"])
+    if engine.policy.speculation.auto:
         print(f"speculation policy: auto; the step cost model (ms) it decides with, measured at load or cached beside "
-              f"the engine:\n{engine.policy.costs.table()}")
+              f"the engine:\n{costs.table()}")
         ar_scale, tree_scale = engine.policy.step_scale
         print(f"the steps as they ran against that model (the policy's running ratio of measured to modelled time, "
               f"at the end of the run): AR steps {ar_scale:.2f}x, tree steps {tree_scale:.2f}x")
     else:
-        print(f"speculation policy: {doc['speculate']} (fixed tree width)")
+        print(f"speculation policy: {doc['speculate']} (fixed tree width); the step cost model (ms) of this engine "
+              f"here:\n{costs.table()}")
+    print(f"what speculating costs (from that model): the fixed cost of a tree step before any node is verified, and "
+          f"each verified node's\n{costs.overhead_table()}")
 
 
 def print_table(rows: list[ModeRow], peers: list[BaselineRow]) -> None:
@@ -342,6 +347,9 @@ def run(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         engine = Engine.load(args.engine, dist, runtime)
         load_s = time.perf_counter() - t0
+        # what speculating costs (cost model), measured even where the policy does not decide by it; every rank
+        # takes part, as the measurement's steps are collective
+        costs = engine.policy.costs or engine.cost_model()
         if not dist.is_driver:
             follow(engine)  # rank 0's step plans, as a TP server's followers take them, until it releases us
             return 0
@@ -353,7 +361,7 @@ def run(args: argparse.Namespace) -> int:
         shutdown_dist()
     peers = peer_baselines(args, kinds, measured, torch.get_num_threads()) if ecfg.tp_size == 1 else []
     doc = summary_doc(args, ecfg, engine, runtime, measured, peers, load_s, memory_roofline(engine, dist.device),
-                      str(dist.device))
+                      str(dist.device), costs)
     print_header(doc, engine)
     print_table(measured.rows, peers)
     print_footer(doc)

@@ -69,6 +69,33 @@ class CostModel:
     def from_dict(cls, d: dict) -> "CostModel":
         return cls(d["batches"], d["widths"], d["contexts"], d["ar"], d["tree"], d.get("key", {}))
 
+    def overheads(self) -> list[dict]:
+        """What speculating costs, per context and batch: `fixed`, a width-1 tree step (it verifies the root only and
+        drafts the next trees) over an AR step, the price of speculating before a single draft is verified; and
+        `per_node_ms`, what each further verified node adds (the least-squares slope of step time over the widths
+        from 2 up), also in AR steps (`per_node`)."""
+        out = []
+        for c, ctx in enumerate(self.contexts):
+            for b, bs in enumerate(self.batches):
+                ar, tree = self.ar[c][b], self.tree[c][b]
+                pts = [(w, t) for w, t in zip(self.widths, tree) if w >= 2]
+                slope = 0.0
+                if len(pts) >= 2:
+                    mw = sum(w for w, _ in pts) / len(pts)
+                    mt = sum(t for _, t in pts) / len(pts)
+                    slope = sum((w - mw) * (t - mt) for w, t in pts) / sum((w - mw) ** 2 for w, _ in pts)
+                out.append({"context": ctx, "batch": bs, "ar_ms": ar, "width1_ms": tree[0], "fixed": tree[0] / ar,
+                            "per_node_ms": slope, "per_node": slope / ar})
+        return out
+
+    def overhead_table(self) -> str:
+        lines = ["| context | batch | AR step ms | width-1 tree step ms | fixed cost (width 1 / AR) | per verified node "
+                 "ms | per node / AR |", "|---|---|---|---|---|---|---|"]
+        for o in self.overheads():
+            lines.append(f"| {o['context']} | {o['batch']} | {o['ar_ms']:.2f} | {o['width1_ms']:.2f} | "
+                         f"{o['fixed']:.2f} | {o['per_node_ms']:.3f} | {o['per_node']:.3f} |")
+        return "\n".join(lines)
+
     def table(self) -> str:
         """The measurement as a markdown table: ms per step by batch and width, at each context."""
         lines = []

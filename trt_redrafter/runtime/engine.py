@@ -122,7 +122,7 @@ class Engine:
         if warmup and self.compiler.mode != "off":
             self.warmup()
         spec = runtime.speculation
-        self.policy = Policy(spec, tree.max_tree_tokens, self._cost_model() if spec.auto else None)
+        self.policy = Policy(spec, tree.max_tree_tokens, self.cost_model() if spec.auto else None)
 
     @classmethod
     def load(cls, engine_dir: str | Path, dist: Dist, runtime: RuntimeConfig | None = None,
@@ -166,7 +166,9 @@ class Engine:
         asked for)."""
         self.launcher.warmup(warmup_variants(self.default_proposer), trees, show=self.dist.is_driver)
 
-    def _cost_model(self) -> costs.CostModel:
+    def cost_model(self) -> costs.CostModel:
+        """The step cost model of this engine on this machine: cached beside it, or measured now (every rank calls
+        it: the measurement's steps are collective)."""
         key = costs.fingerprint(device=self.dist.device, engine=self._identity(), dtype=str(self.dtype),
                                 drafter_dtype=str(self.drafter.dtype) if self.drafter is not None else None,
                                 kernels=self.kernels, linear=self.linear, compile=self.compiler.mode,
