@@ -96,7 +96,7 @@ def _last_logits(engine, seq):
 
 def test_phase_profile_times_every_phase_and_changes_no_token(tiny):
     """--profile-phases runs verify/accept/rewind/draft/pack as separate units: same tokens, every phase timed."""
-    from trt_redrafter.runtime.engine import PHASES
+    from trt_redrafter.runtime.step import PHASES
 
     engine = load_engine(tiny["engine_dir"], profile_phases=True)
     res = generate(engine, tiny["prompts"], greedy(MAX_NEW), mode="redrafter")

@@ -40,9 +40,10 @@ from ..config import PROPOSERS, RuntimeConfig, SamplingConfig
 from ..errors import UserError
 from ..runtime.distributed import init_dist, shutdown_dist
 from ..runtime.costs import CostModel
-from ..runtime.engine import PHASES, Engine
+from ..runtime.engine import Engine
 from ..runtime.generate import release_followers
 from ..runtime.scheduler import follow
+from ..runtime.step import PHASES
 from . import schedule
 from .baselines import LLAMA_CPP_TYPES, BaselineJob, BaselineRow, hf_baseline, llama_cpp_baseline, run_baselines
 from .measure import ModeRun, RatioSummary, phase_profile, round_schedule, run_mode

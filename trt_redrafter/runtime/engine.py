@@ -48,24 +48,12 @@ from .loading import (keep_inductor_cache, load_drafter, make_kv_cache, make_pro
                       resolve_kernels)
 from .policy import AR_STEP, Candidate, Policy, StepDecision
 from .proposer import HostCompose, Proposer, drafts_on_device, returns_device_beams
-from .sequence import Draft, RequestSpec, Sequence, TreeNodes
+from .sequence import Draft, RequestSpec, Sequence, StepEvent, TreeNodes
 from .state import SlotState
 from .step import DecodeStep, RowLayout
 from .timing import PhaseTimer, StepTimes
 
 logger = get_logger(__name__)
-
-PHASES = ("verify", "accept", "rewind", "draft", "pack")
-
-
-@dataclass
-class StepEvent:
-    """What one step did for one request (streamed to clients)."""
-
-    seq_id: Hashable  # the request's id (Request.request_id), or the engine's own count
-    new_tokens: list[int]
-    finished: bool
-
 
 @dataclass
 class Emitted:

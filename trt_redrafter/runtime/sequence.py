@@ -31,6 +31,15 @@ class RequestSpec:
 
 
 @dataclass
+class StepEvent:
+    """What one step did for one request (streamed to clients)."""
+
+    seq_id: Hashable  # the request's id (Request.request_id), or the engine's own count
+    new_tokens: list[int]
+    finished: bool
+
+
+@dataclass
 class SeqStats:
     arrival: float = field(default_factory=time.perf_counter)
     first_token_time: Optional[float] = None

@@ -60,6 +60,7 @@ class Accepted:
     emitted: torch.Tensor  # [bs, bl + 1] long: emitted tokens (bl columns) and their count (last column)
 
 
+PHASES = ("verify", "accept", "rewind", "draft", "pack")  # in order; a profiled step times each
 SCORE_SCALE = 1024  # node scores (log-probabilities) travel as integers: round(score * SCORE_SCALE)
 SCORE_FLOOR = -64 * SCORE_SCALE  # and no lower (e^-64: nothing), so LOG_ZERO beams stay comparable
 SCORE_PAD = SCORE_FLOOR - 1  # the score of a padding node: below every real one
