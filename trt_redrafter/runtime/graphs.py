@@ -38,8 +38,8 @@ def uses_graphs(mode: str) -> bool:
 
 def resolve_compile_mode(mode: str, device: torch.device, world_size: int = 1) -> str:
     """`auto`: CUDA graphs on CUDA; inductor on a one-rank CPU engine; eager for TP > 1 on the CPU, where every step
-    waits on gloo collectives that compilation cannot remove (measured on the small pair, TP2: AR 13.5 ms/token
-    eager vs 15.9 compiled, plus 80 s of warm-up)."""
+    waits on gloo collectives that compilation cannot remove, so compiling costs minutes of warm-up and its steps
+    are no faster (docs/perf-history.md has the measurement)."""
     if mode == "auto":
         if device.type == "cuda":
             return "cudagraphs"
@@ -106,9 +106,8 @@ class Unit:
                 options["emulate_precision_casts"] = True
             # no runtime checks of each external kernel's output size, stride and alignment in the generated wrapper:
             # a tree step calls hundreds of them (a 30-layer model's linears and attentions), a Python call each,
-            # which on a CPU cost about as much as the small model's whole step gains from them (models/small: AR
-            # step 0.36 -> 0.30 ms, tree step 0.83 -> 0.69). The custom ops' fake functions they would check are
-            # tested by the compiled == eager parity tests.
+            # which on a CPU is a sizeable share of a small model's whole step. The custom ops' fake functions they
+            # would check are tested by the compiled == eager parity tests.
             options.update(size_asserts=False, alignment_asserts=False, scalar_asserts=False)
             self.compiled = torch.compile(_own_code(fn), dynamic=None, fullgraph=False, options=options)
         self.pool = pool

@@ -123,8 +123,8 @@ class Policy:
         if switched:
             # the first step of a kind after the other kind (a probe among AR steps, an AR step after trees) finds
             # its graph's code and weights out of cache: a cost that a run of such steps, which the cost model
-            # times and the policy weighs, does not pay (models/small: probes took 1.6x a run's tree steps and
-            # kept the policy from trees that paid)
+            # times and the policy weighs, does not pay; observed, it would make lone probes look dear and keep
+            # the policy from trees that pay
             return
         model = self.costs.tree_ms(batch, decision.width, context) if decision.is_tree else \
             self.costs.ar_ms(batch, context)
