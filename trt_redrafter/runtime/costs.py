@@ -268,8 +268,9 @@ def measure(launcher: "StepLauncher", dist, free_slots: list[int], max_seq_len: 
 
     def timed(calls: list, slots: list[int], ctx: int) -> list[float]:
         """Median ms of each call, timed in rounds of one call each: a slow phase of the machine (a shared host's
-        bandwidth moves for seconds at a time) then slows every call of a point alike, and the ratios the policy decides by stay put. One untimed
-        round first; rank 0's timings set the number of rounds (every step is collective)."""
+        bandwidth moves for seconds at a time) then slows every call of a point alike, and the ratios the policy
+        decides by stay put. One untimed round first; rank 0's timings set the number of rounds (every step is
+        collective)."""
         times: list[list[float]] = [[] for _ in calls]
         rounds, r = COST_REPEATS[0], 0
         while r < rounds + 1:
