@@ -89,8 +89,8 @@ class CostModel:
         return out
 
     def overhead_table(self) -> str:
-        lines = ["| context | batch | AR step ms | width-1 tree step ms | fixed cost (width 1 / AR) | per verified node "
-                 "ms | per node / AR |", "|---|---|---|---|---|---|---|"]
+        lines = ["| context | batch | AR step ms | width-1 tree step ms | fixed cost (width 1 / AR) | "
+                 "per verified node ms | per node / AR |", "|---|---|---|---|---|---|---|"]
         for o in self.overheads():
             lines.append(f"| {o['context']} | {o['batch']} | {o['ar_ms']:.2f} | {o['width1_ms']:.2f} | "
                          f"{o['fixed']:.2f} | {o['per_node_ms']:.3f} | {o['per_node']:.3f} |")

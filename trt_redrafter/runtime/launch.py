@@ -65,7 +65,8 @@ class StepLauncher:
     compiled / captured unit per variant."""
 
     def __init__(self, steps: DecodeStep, compiler: Compiler, cache: PagedKVCache, state: SlotState,
-                 tree: ReDrafterConfig, max_batch_size: int, vocab_size: int, timer: PhaseTimer, trims_key_blocks: bool):
+                 tree: ReDrafterConfig, max_batch_size: int, vocab_size: int, timer: PhaseTimer,
+                 trims_key_blocks: bool):
         self.steps, self.compiler, self.cache, self.state = steps, compiler, cache, state
         self.tree_shape = tree
         self.vocab_size, self.timer = vocab_size, timer
@@ -140,7 +141,8 @@ class StepLauncher:
         keep = (keep or [1] * len(slots)) + [1] * pad
         dev = self.device
         args = (torch.tensor(slots + [self.state.padding_slot] * pad, dtype=torch.long, device=dev),
-                self._key_blocks(longest), torch.arange(T, device=dev), torch.tensor(keep, dtype=torch.long, device=dev))
+                self._key_blocks(longest), torch.arange(T, device=dev),
+                torch.tensor(keep, dtype=torch.long, device=dev))
         # key_blocks varies only where the attention reads every block it is given
         self.compiler.mark_dynamic(*(args if self.trims_key_blocks else (args[0], args[2], args[3])))
         return args

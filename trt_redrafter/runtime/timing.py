@@ -1,8 +1,8 @@
-"""Step timing: `StepTimes`, every decode step's wall time by kind; and per-phase step timing (the way Apple's reference times generate_candidates / verify_candidates /
-accept_candidate_tokens): wall time around each phase, with the device synchronized at both ends so a phase is
-charged for its own kernels only. Enabled by `RuntimeConfig.profile_phases`; then each phase runs as its own
-compiled unit or CUDA graph (engine.py), so the breakdown describes the same kernels a fused step runs, plus one
-launch and one sync per phase.
+"""Step timing: `StepTimes`, every decode step's wall time by kind; and per-phase step timing (the way Apple's reference
+times generate_candidates / verify_candidates / accept_candidate_tokens): wall time around each phase, with the
+device synchronized at both ends so a phase is charged for its own kernels only. Enabled by
+`RuntimeConfig.profile_phases`; then each phase runs as its own compiled unit or CUDA graph (launch.py), so the
+breakdown describes the same kernels a fused step runs, plus one launch and one sync per phase.
 """
 
 from __future__ import annotations
