@@ -70,6 +70,26 @@ def run_json_docs(engine_dir, prompts: list[list[int]], mode: str, extra=(), max
     return docs
 
 
+def decode_tp(engine_dir: Path, runs: dict[str, dict], tp: int, tmp: Path) -> dict[str, dict]:
+    """Each named run (tp_driver.py) on the engine, eager, in one engine load: TP 1 in this process, else under real
+    mpirun, one launch for them all -> name: {output_ids, accepted_draft_tokens, draft_tokens} per prompt."""
+    if tp == 1:
+        from tp_driver import decode_runs
+
+        return dict(zip(runs, decode_runs(load_engine(engine_dir, speculate="auto"), list(runs.values()))))
+    from trt_redrafter.runtime.distributed import mpirun_prefix
+
+    spec = tmp / f"runs-{engine_dir.name}.json"
+    spec.write_text(json.dumps(list(runs.values())))
+    cmd = mpirun_prefix(tp, "the test") + [sys.executable, str(Path(__file__).with_name("tp_driver.py")),
+                                           str(engine_dir), str(spec)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    docs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(docs) == len(runs), proc.stdout[-3000:]
+    return dict(zip(runs, docs))
+
+
 def load_engine(engine_dir: Path, proposer=None, device: str = "cpu", compile: str = "off", speculate: str = "full",
                 **runtime) -> Engine:
     """An engine on one rank; eager by default (the compiled step has its own parity tests), verifying every tree

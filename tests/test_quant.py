@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine_utils import (OracleProposer, build_tiny_engines, greedy, load_engine, random_prompts, run_cli,
-                          run_json)
+from engine_utils import (OracleProposer, build_tiny_engines, decode_tp, greedy, load_engine, random_prompts,
+                          run_cli)
 from trt_redrafter import cpu
 from trt_redrafter.checkpoint import quantization as qz
 from trt_redrafter.errors import UserError
@@ -291,9 +291,12 @@ def test_tp2_quantized_engine_gives_the_tp1_tokens(tmp_path, mode):
                                     convert_args=("--quantize", mode, "--calib-prompts",
                                                   _calib_file(tmp_path / "calib.jsonl")))
     prompts = random_prompts(512, [4, 9, 6], seed=3)
-    for mode in ("ar", "redrafter"):
-        ref = run_json(engines[1], prompts, mode)
-        assert run_json(engines[2], prompts, mode) == ref, mode
+    runs = {"ar": {"prompts": prompts, "mode": "ar"}, "redrafter": {"prompts": prompts}}
+    ref, tp2 = decode_tp(engines[1], runs, 1, tmp_path), decode_tp(engines[2], runs, 2, tmp_path)
+    for mode in runs:
+        assert tp2[mode]["output_ids"] == ref[mode]["output_ids"], mode
+    assert ref["redrafter"]["output_ids"] == ref["ar"]["output_ids"]
+    assert all(n > 0 for n in tp2["redrafter"]["draft_tokens"])  # trees were drafted and verified on both ranks
 
 
 def test_int4_rows_pack_two_output_channels_per_byte_and_unpack():

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from engine_utils import build_tiny_engines, random_prompts, run_json, run_json_docs
+from engine_utils import build_tiny_engines, decode_tp, random_prompts, run_json
+from trt_redrafter.runtime.graphs import tree_buckets
 
 pytestmark = [pytest.mark.mpi, pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI's mpirun is not installed")]
 
@@ -26,22 +27,48 @@ def engines(tmp_path_factory):
     return engines
 
 
+PROMPTS = random_prompts(512, [4, 9, 6], seed=3)
+REPEATED = [(PROMPTS[0] * 4)[:14], *PROMPTS[1:]]  # repeated text: context matches, long acceptances
+SAMPLED = {"temperature": 0.8, "top_k": 50, "seed": 123}
+WIDTHS = [*map(str, tree_buckets(1 + 4 * 3)), "auto"]
+# what each TP size decodes, in one engine load per size (tp_driver.py): name -> run
+RUNS = {
+    "redrafter": {"prompts": PROMPTS},
+    "ar": {"prompts": PROMPTS, "mode": "ar"},
+    "ngram": {"prompts": REPEATED, "proposer": "ngram"},
+    "mixed": {"prompts": REPEATED, "proposer": "mixed"},
+    "ar-repeated": {"prompts": REPEATED, "mode": "ar"},
+    **{f"width-{w}": {"prompts": PROMPTS, "speculate": w} for w in WIDTHS},
+    "ar-sampled": {"prompts": PROMPTS, "mode": "ar", "sampling": SAMPLED},
+    **{f"sampled-width-{w}": {"prompts": PROMPTS, "speculate": w, "sampling": SAMPLED} for w in ("2", "auto")},
+    "redrafter-sampled": {"prompts": random_prompts(512, [5, 7], seed=4), "sampling": SAMPLED},
+}
+TP4_RUNS = ("redrafter", "ar")
+
+
+@pytest.fixture(scope="module")
+def decoded(engines, tmp_path_factory):
+    """Every run at TP 1 and 2, and the TP4_RUNS at TP 4: three engine loads, two mpirun launches."""
+    tmp = tmp_path_factory.mktemp("runs")
+    return {1: decode_tp(engines[1], RUNS, 1, tmp), 2: decode_tp(engines[2], RUNS, 2, tmp),
+            4: decode_tp(engines[4], {n: RUNS[n] for n in TP4_RUNS}, 4, tmp)}
+
+
 @pytest.mark.parametrize("mode", ["redrafter", "ar"])
-def test_tp_ranks_give_the_tp1_tokens(engines, mode):
-    prompts = random_prompts(512, [4, 9, 6], seed=3)
-    ref = run_json(engines[1], prompts, mode)
+def test_tp_ranks_give_the_tp1_tokens(decoded, mode):
     for tp in (2, 4):
-        assert run_json(engines[tp], prompts, mode) == ref, f"tp={tp} {mode} differs from tp=1"
+        assert decoded[tp][mode]["output_ids"] == decoded[1][mode]["output_ids"], f"tp={tp} {mode} differs from tp=1"
+    assert decoded[1]["redrafter"]["output_ids"] == decoded[1]["ar"]["output_ids"]
+    if mode == "redrafter":  # trees were drafted and verified on every rank
+        assert all(n > 0 for tp in (2, 4) for n in decoded[tp][mode]["draft_tokens"])
 
 
 @pytest.mark.parametrize("proposer", ["ngram", "mixed"])
-def test_tp2_ngram_and_mixed_trees_give_the_tp1_tokens(engines, proposer):
-    prompts = random_prompts(512, [4, 9, 6], seed=3)
-    prompts[0] = (prompts[0] * 4)[:14]  # repeated text: context matches, long acceptances
-    ref = run_json(engines[1], prompts, "ar")
-    docs = run_json_docs(engines[2], prompts, "redrafter", ["--proposer", proposer])
-    assert [d["output_ids"] for d in docs] == ref
-    assert docs[0]["accepted_draft_tokens"] > 0, docs[0]  # the repeated prompt's matches were drafted and accepted
+def test_tp2_ngram_and_mixed_trees_give_the_tp1_tokens(decoded, proposer):
+    tp2 = decoded[2][proposer]
+    assert tp2["output_ids"] == decoded[1]["ar-repeated"]["output_ids"]
+    assert tp2["accepted_draft_tokens"][0] > 0, tp2  # the repeated prompt's matches were drafted and accepted
+    assert tp2 == decoded[1][proposer]  # and the same ones as at TP 1
 
 
 @pytest.mark.slow
@@ -51,7 +78,10 @@ def test_tp2_compiled_gives_the_tp1_tokens(engines, monkeypatch):
     so none of the kernels inductor wrote beside the engine, one directory per rank, calls a functional collective."""
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)  # the engine's own cache: the user set none
     prompts = random_prompts(512, [4, 9], seed=8)
-    ref = run_json(engines[1], prompts, "redrafter")
+    from engine_utils import greedy, load_engine
+    from trt_redrafter.runtime.generate import generate
+
+    ref = [r.output_ids for r in generate(load_engine(engines[1]), prompts, greedy(20))]  # eager, TP=1
     assert run_json(engines[2], prompts, "redrafter", ["--compile", "inductor"]) == ref
     for rank in range(2):
         code = [f.read_text() for f in (engines[2] / ".cache" / "inductor" / f"rank{rank}").rglob("*.py")]
@@ -59,25 +89,18 @@ def test_tp2_compiled_gives_the_tp1_tokens(engines, monkeypatch):
         assert not [c for c in code if "_c10d_functional" in c], f"rank {rank}: a collective traced into a graph"
 
 
-def test_tp2_every_tree_width_and_the_policy_give_the_tp1_ar_tokens(engines):
+def test_tp2_every_tree_width_and_the_policy_give_the_tp1_ar_tokens(decoded):
     """Every width the speculation policy can choose (`--speculate N`) and the policy itself (`auto`: rank 0 decides
     and broadcasts), greedy and sampled, at TP=2: AR's tokens at TP=1."""
-    from trt_redrafter.runtime.graphs import tree_buckets
-
-    prompts = random_prompts(512, [4, 9, 6], seed=3)
-    ref = run_json(engines[1], prompts, "ar")
-    for width in [*map(str, tree_buckets(1 + 4 * 3)), "auto"]:
-        assert run_json(engines[2], prompts, "redrafter", ["--speculate", width]) == ref, width
-    sampled = ["--temperature", "0.8", "--top-k", "50", "--seed", "123"]
-    ref = run_json(engines[1], prompts, "ar", sampled)
+    for width in WIDTHS:
+        assert decoded[2][f"width-{width}"]["output_ids"] == decoded[1]["ar"]["output_ids"], width
     for width in ("2", "auto"):
-        assert run_json(engines[2], prompts, "redrafter", [*sampled, "--speculate", width]) == ref, width
+        assert decoded[2][f"sampled-width-{width}"]["output_ids"] == decoded[1]["ar-sampled"]["output_ids"], width
+    assert len({tuple(o) for o in decoded[1]["ar-sampled"]["output_ids"]}) > 1  # really sampled
 
 
-def test_tp_sampled_output_is_reproducible_across_tp(engines):
-    prompts = random_prompts(512, [5, 7], seed=4)
-    extra = ["--temperature", "0.8", "--top-k", "50", "--seed", "123"]
-    assert run_json(engines[2], prompts, "redrafter", extra) == run_json(engines[1], prompts, "redrafter", extra)
+def test_tp_sampled_output_is_reproducible_across_tp(decoded):
+    assert decoded[2]["redrafter-sampled"] == decoded[1]["redrafter-sampled"]
 
 
 def test_an_idle_tp_server_keeps_its_ranks_past_the_collective_timeout(engines):
@@ -91,7 +114,10 @@ def test_an_idle_tp_server_keeps_its_ranks_past_the_collective_timeout(engines):
     env = {**os.environ, "TRT_REDRAFTER_COLLECTIVE_TIMEOUT": "4"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    expected = run_json(engines[1], [prompt], "redrafter")[0][:12]
+    from engine_utils import greedy, load_engine
+    from trt_redrafter.runtime.generate import generate
+
+    expected = generate(load_engine(engines[1]), [prompt], greedy(12))[0].output_ids
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == expected
 
 
