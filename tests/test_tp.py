@@ -54,6 +54,7 @@ def decoded(engines, tmp_path_factory):
             4: decode_tp(engines[4], {n: RUNS[n] for n in TP4_RUNS}, 4, tmp)}
 
 
+@pytest.mark.core  # one engine load per TP size for all of them (the `decoded` fixture)
 @pytest.mark.parametrize("mode", ["redrafter", "ar"])
 def test_tp_ranks_give_the_tp1_tokens(decoded, mode):
     for tp in (2, 4):
@@ -63,6 +64,7 @@ def test_tp_ranks_give_the_tp1_tokens(decoded, mode):
         assert all(n > 0 for tp in (2, 4) for n in decoded[tp][mode]["draft_tokens"])
 
 
+@pytest.mark.core  # one engine load per TP size for all of them (the `decoded` fixture)
 @pytest.mark.parametrize("proposer", ["ngram", "mixed"])
 def test_tp2_ngram_and_mixed_trees_give_the_tp1_tokens(decoded, proposer):
     tp2 = decoded[2][proposer]
@@ -89,6 +91,7 @@ def test_tp2_compiled_gives_the_tp1_tokens(engines, monkeypatch):
         assert not [c for c in code if "_c10d_functional" in c], f"rank {rank}: a collective traced into a graph"
 
 
+@pytest.mark.core  # one engine load per TP size for all of them (the `decoded` fixture)
 def test_tp2_every_tree_width_and_the_policy_give_the_tp1_ar_tokens(decoded):
     """Every width the speculation policy can choose (`--speculate N`) and the policy itself (`auto`: rank 0 decides
     and broadcasts), greedy and sampled, at TP=2: AR's tokens at TP=1."""
@@ -99,6 +102,7 @@ def test_tp2_every_tree_width_and_the_policy_give_the_tp1_ar_tokens(decoded):
     assert len({tuple(o) for o in decoded[1]["ar-sampled"]["output_ids"]}) > 1  # really sampled
 
 
+@pytest.mark.core  # one engine load per TP size for all of them (the `decoded` fixture)
 def test_tp_sampled_output_is_reproducible_across_tp(decoded):
     assert decoded[2]["redrafter-sampled"] == decoded[1]["redrafter-sampled"]
 
@@ -167,22 +171,18 @@ def test_tp2_draft_vocabulary_drafter_gives_the_tp1_tokens_and_steps(tmp_path):
     from trt_redrafter.cli import main as cli
 
     drafter = _with_draft_vocab(tmp_path / "d", torch.randperm(2048, generator=torch.Generator().manual_seed(0))[:1024])
-    docs = {}
+    engines = {}
     for tp in (1, 2):
         ck, en = tmp_path / f"ck{tp}", tmp_path / f"en{tp}"
         assert cli(["convert", "--base-model", str(SMALL / "base"), "--drafter", str(drafter), "--output", str(ck),
                     "--tp", str(tp), "--dtype", "float32", "--num-beams", "2", "--draft-len-per-beam", "3"]) == 0
         assert cli(["build-engine", "--checkpoint", str(ck), "--output", str(en), "--max-batch-size", "2",
                     "--max-input-len", "64", "--max-seq-len", "128"]) == 0
-        cmd = [sys.executable, "-m", "trt_redrafter", "run", "--engine", str(en), "--json", "--max-tokens", "40",
-               "--ignore-eos", "--speculate", "full", "--prompt-ids", "1,400,401,402,403,404,405",
-               "10,11,12,13,14,15,16,17"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        docs[tp] = [{k: d[k] for k in ("output_ids", "tokens_per_step")}
-                    for d in map(json.loads, filter(lambda s: s.startswith("{"), proc.stdout.splitlines()))]
-    assert len(docs[1]) == 2 and docs[2] == docs[1]
-    assert max(d["tokens_per_step"] for d in docs[1]) > 1.0
+        engines[tp] = en
+    runs = {"full": {"prompts": [[1, 400, 401, 402, 403, 404, 405], [10, 11, 12, 13, 14, 15, 16, 17]], "max_new": 40}}
+    docs = {tp: decode_tp(engines[tp], runs, tp, tmp_path)["full"] for tp in (1, 2)}
+    assert docs[2] == docs[1]  # the same tokens, and the same drafts accepted
+    assert sum(docs[1]["accepted_draft_tokens"]) > 0
 
 
 def test_tp2_replicated_drafter_gives_the_tp1_tokens_and_steps(tmp_path):
@@ -207,17 +207,9 @@ def test_tp2_replicated_drafter_gives_the_tp1_tokens_and_steps(tmp_path):
     for name in [n for n in whole if n.startswith("drafter.")]:
         assert r0[name].equal(whole[name]) and r1[name].equal(whole[name]), name
     assert r0["transformer.layers.0.mlp.fc.weight"].shape[0] * 2 == whole["transformer.layers.0.mlp.fc.weight"].shape[0]
-    prompts = random_prompts(511, [4, 9], seed=2)
-    extra = ["--speculate", "full"]
-    docs = {}
-    for tp in (1, 2):
-        cmd = [sys.executable, "-m", "trt_redrafter", "run", "--engine", str(engines[tp]), "--json", "--max-tokens",
-               "24", "--ignore-eos", *extra, "--prompt-ids", *[",".join(map(str, p)) for p in prompts]]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        docs[tp] = [{k: d[k] for k in ("output_ids", "tokens_per_step")}
-                    for d in map(json.loads, filter(lambda s: s.startswith("{"), proc.stdout.splitlines()))]
-    assert len(docs[1]) == 2 and docs[2] == docs[1]
+    runs = {"full": {"prompts": random_prompts(511, [4, 9], seed=2), "max_new": 24}}
+    docs = {tp: decode_tp(engines[tp], runs, tp, tmp_path)["full"] for tp in (1, 2)}
+    assert docs[2] == docs[1] and all(n > 0 for n in docs[2]["draft_tokens"])
     info = parse_checkpoint_config(config, "ckpt-tp2")
     assert info.drafter.replicated
     with pytest.raises(UserError, match="whole drafter"):
