@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # CI lane: the code paths NVIDIA's TensorRT-LLM 1.0-1.2 containers use (convert, build-engine, the trtllm backend's
-# CPU tests, tokenizer loading, make-repo and the Triton text models through a real tritonserver), under the oldest
-# transformers the project supports (pyproject.toml: 4.53), in a second virtualenv that sees the main environment's
-# packages but its own transformers (and the tokenizers / huggingface-hub that one needs). The stub of the Python
+# CPU tests, tokenizer loading, make-repo and the Triton text models through a real tritonserver: these files' fast
+# tier, whose tritonserver test is marked core), under the oldest transformers the project supports (pyproject.toml:
+# 4.53), in a second virtualenv that sees the main environment's packages but its own transformers (and the
+# tokenizers / huggingface-hub that one needs). The stub of the Python
 # backend finds its packages through `python3` on PATH, which the launcher points at this venv, so the Triton text
 # models load their tokenizers with 4.53 too.
 set -euo pipefail

@@ -1,4 +1,10 @@
-"""Shared fixtures: tiny random Llama + drafter pairs written by `make-tiny`'s library function.
+"""The test tiers, and shared fixtures: tiny random Llama + drafter pairs written by `make-tiny`'s library function.
+
+Tiers: `python3 -m pytest` runs the fast tier, every module's core behaviour in a few minutes; `--tier integration`
+runs the rest of what starts real servers, mpirun ranks, inductor compilations or training (tests marked slow, server
+or mpi, except those also marked core: the fast tier's one real tritonserver, OpenAI frontend and mpirun run each);
+`--tier all` both. CI runs the two tiers one after the other (.ci/run). Every test has a timeout (pyproject.toml;
+`@pytest.mark.timeout(S)` where one needs longer).
 
 `tiny_pair` is the default-size pair (DIR with base/ and drafter/); `make_tiny_pair(**sizes)` makes (and caches
 for the session) a pair with other `TinyConfig` sizes, e.g. `make_tiny_pair(num_kv_heads=1, exit_dim=96)`.
@@ -14,6 +20,37 @@ from typing import Callable
 import pytest
 
 from trt_redrafter.checkpoint.tiny import TinyConfig, make_tiny
+
+INTEGRATION_MARKERS = ("slow", "server", "mpi")
+TIERS = ("fast", "integration", "all")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--tier", choices=TIERS, default="fast",
+                     help="fast (default): every module's core behaviour; integration: tests marked "
+                          f"{' / '.join(INTEGRATION_MARKERS)} (real tritonserver, mpirun ranks, inductor, training); "
+                          "all: both")
+
+
+def _integration(item) -> bool:
+    return item.get_closest_marker("core") is None and \
+        any(item.get_closest_marker(m) is not None for m in INTEGRATION_MARKERS)
+
+
+def pytest_collection_modifyitems(config, items):
+    tier = config.getoption("--tier")
+    if tier == "all":
+        return
+    keep = [i for i in items if _integration(i) == (tier == "integration")]
+    if len(keep) < len(items):
+        config.hook.pytest_deselected(items=[i for i in items if i not in keep])
+        items[:] = keep
+
+
+def pytest_report_header(config):
+    tier = config.getoption("--tier")
+    other = {"fast": "--tier integration or --tier all", "integration": "--tier fast or --tier all"}.get(tier)
+    return f"test tier: {tier}" + (f" (the rest: {other})" if other else "")
 
 
 @pytest.fixture(scope="session")

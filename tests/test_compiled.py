@@ -10,7 +10,9 @@ from engine_utils import build_tiny_engines, greedy, hf_greedy, load_engine, ran
 from trt_redrafter.config import SamplingConfig
 from trt_redrafter.runtime.generate import generate
 
-pytestmark = pytest.mark.slow  # inductor compiles C++ on first use (seconds to a minute on 2 cores)
+# inductor compiles C++ on first use (a minute on 2 cores); core: the CPU default (`--compile auto` at TP 1) is
+# inductor, so the fast tier runs its parity
+pytestmark = [pytest.mark.slow, pytest.mark.core]
 
 PROMPT_LENS = [5, 11, 3, 8, 14]  # more prompts than max_batch_size=4: batches of 4 and 1
 

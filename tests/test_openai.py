@@ -301,6 +301,7 @@ def test_models_and_health(served, client, engine):
 
 
 @pytest.mark.server
+@pytest.mark.core
 def test_completions_greedy_match_the_offline_engine(client, offline, codec):
     prompt_ids = [codec.encode(p) for p in PROMPTS]
     for prompt, ids, (ar, rd) in zip(PROMPTS, prompt_ids, offline(prompt_ids, MAX_TOKENS, (codec.end_id,))):
@@ -318,6 +319,7 @@ def test_completions_greedy_match_the_offline_engine(client, offline, codec):
 
 
 @pytest.mark.server
+@pytest.mark.core
 def test_chat_uses_the_models_template_and_matches_offline(client, offline, codec, engine):
     tok = load_tokenizer(engine[2])
     messages = [{"role": "user", "content": "Name three primes."}]

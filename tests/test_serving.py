@@ -173,6 +173,7 @@ def _gen(srv, prompt, max_tokens, **kw):
 
 
 @pytest.mark.server
+@pytest.mark.core
 def test_stream_matches_offline_generation(server, offline, codec):
     want = offline(PROMPTS[:2], [40, 40])
     for prompt, ids in zip(PROMPTS[:2], want):
@@ -278,6 +279,7 @@ def test_cancellation_frees_the_request(server, codec, offline):
 
 
 @pytest.mark.server
+@pytest.mark.core
 def test_malformed_requests_get_clear_errors(server, offline):
     import tritonclient.grpc as grpcclient
 

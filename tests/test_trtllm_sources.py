@@ -263,6 +263,7 @@ def test_serving_a_tensorrtllm_repository_without_its_backend_is_one_clear_error
 
 
 @pytest.mark.server
+@pytest.mark.core
 def test_text_models_run_from_the_repository_alone_in_a_real_tritonserver(tp2_repo, tmp_path):
     """The pre/postprocessing models carry their own code (a stock NGC container has no trt-redrafter): they load
     with no PYTHONPATH, from the files beside their model.py, and preprocessing asks the engine for the acceptance
