@@ -12,7 +12,7 @@ from trt_redrafter.runtime.generate import generate
 
 # inductor compiles C++ on first use (a minute on 2 cores); core: the CPU default (`--compile auto` at TP 1) is
 # inductor, so the fast tier runs its parity
-pytestmark = [pytest.mark.slow, pytest.mark.core]
+pytestmark = [pytest.mark.slow, pytest.mark.core, pytest.mark.timeout(600)]
 
 PROMPT_LENS = [5, 11, 3, 8, 14]  # more prompts than max_batch_size=4: batches of 4 and 1
 

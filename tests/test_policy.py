@@ -401,6 +401,7 @@ def test_every_tree_width_gives_ar_tokens_greedy_and_sampled(tiny):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # inductor: the greedy and sampled graphs compile here
 def test_every_tree_width_gives_ar_tokens_compiled(tiny):
     engine = load_engine(tiny["engine_dir"], compile="inductor")
     assert engine.compiler.mode == "inductor"
