@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 import json
 import math
 import types
@@ -29,16 +30,39 @@ from .errors import UserError
 
 DTYPES = ("float16", "bfloat16", "float32")
 
+
+class DecodingMode(str, enum.Enum):
+    """How a request is decoded: with draft trees (TREE; "redrafter" on the wire, TensorRT-LLM's name), or one token
+    per step (AR). Requests arrive with the wire names; the engine parses them into these (`DecodingMode(name)`)."""
+
+    TREE = "redrafter"
+    AR = "ar"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class AcceptanceRule(str, enum.Enum):
+    """How drafted tokens are accepted (decoding/acceptance.py): a request asks for one (SamplingConfig.acceptance),
+    and a batch's step runs one (apple where any request asks for it, greedy where every request is greedy, else
+    exact, whose counter-based draws give greedy rows their argmax)."""
+
+    GREEDY = "greedy"
+    EXACT = "exact"
+    APPLE = "apple"
+
+    def __str__(self) -> str:
+        return self.value
+
+
 # The vocabularies of mode strings, named once.
-DecodingMode = Literal["redrafter", "ar"]  # how a request is decoded: speculatively, or one token per step
-AcceptanceRule = Literal["greedy", "exact", "apple"]  # see decoding/acceptance.py
 DrafterSemantics = Literal["apple", "trtllm-0.13"]  # see model/drafter.py
 CompileMode = Literal["auto", "off", "inductor", "cudagraphs", "inductor+cudagraphs"]
 KernelChoice = Literal["auto", "triton", "cpu", "torch"]
 LinearChoice = Literal["auto", "torch", "onednn", "avx512"]  # see model/linear.py
 ProposerName = Literal["redrafter", "ngram", "mixed"]  # what fills a speculative request's draft tree
-DECODING_MODES: tuple[str, ...] = get_args(DecodingMode)
-ACCEPTANCE_RULES: tuple[str, ...] = get_args(AcceptanceRule)
+DECODING_MODES: tuple[str, ...] = tuple(m.value for m in DecodingMode)
+ACCEPTANCE_RULES: tuple[str, ...] = tuple(r.value for r in AcceptanceRule)
 DRAFTER_SEMANTICS: tuple[str, ...] = get_args(DrafterSemantics)
 COMPILE_MODES: tuple[str, ...] = get_args(CompileMode)
 KERNEL_CHOICES: tuple[str, ...] = get_args(KernelChoice)
@@ -464,8 +488,10 @@ class SamplingConfig(ConfigBase):
         return self.temperature == 0.0
 
     @property
-    def resolved_acceptance(self) -> str:
-        return self.acceptance or ("greedy" if self.greedy else "exact")
+    def resolved_acceptance(self) -> AcceptanceRule:
+        if self.acceptance:
+            return AcceptanceRule(self.acceptance)
+        return AcceptanceRule.GREEDY if self.greedy else AcceptanceRule.EXACT
 
 
 @dataclass

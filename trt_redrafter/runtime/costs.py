@@ -255,9 +255,10 @@ def measure(launcher: "StepLauncher", dist, free_slots: list[int], max_seq_len: 
         cache.reserve(sid, hi + P)
         cache.bind(sid, slot)
     cache.sync()
+    from ..config import AcceptanceRule
     from .launch import StepVariant
 
-    variant = StepVariant(True, "greedy", draft)
+    variant = StepVariant(True, AcceptanceRule.GREEDY, draft)
 
     def once(call, slots: list[int], ctx: int) -> float:
         idx = torch.tensor(slots, device=launcher.device)
@@ -285,7 +286,7 @@ def measure(launcher: "StepLauncher", dist, free_slots: list[int], max_seq_len: 
 
     # untimed first: the first steps after loading fault the weights in and build lazily made things
     for _ in range(3):
-        launcher.ar(free[:1], contexts[0] + 1, "greedy").cpu()
+        launcher.ar(free[:1], contexts[0] + 1, AcceptanceRule.GREEDY).cpu()
         launcher.tree(free[:1], P, [P], contexts[0], variant).cpu()
 
     widths = launcher.widths
@@ -296,7 +297,7 @@ def measure(launcher: "StepLauncher", dist, free_slots: list[int], max_seq_len: 
                      leave=False):
         ctx, bs = contexts[c], batches[b]
         slots = free[:bs]
-        calls = [lambda: launcher.ar(slots, ctx + 1, "greedy")]
+        calls = [lambda: launcher.ar(slots, ctx + 1, AcceptanceRule.GREEDY)]
 
         def probe(call) -> float:  # the second of two calls (the first may still build things)
             return [once(call, slots, ctx) for _ in range(2)][1]

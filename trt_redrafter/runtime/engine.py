@@ -33,7 +33,7 @@ from typing import Hashable, Optional
 import torch
 from safetensors.torch import load_file
 
-from ..config import DECODING_MODES, PROPOSERS, BuildConfig, RuntimeConfig, torch_dtype
+from ..config import DECODING_MODES, PROPOSERS, AcceptanceRule, BuildConfig, DecodingMode, RuntimeConfig, torch_dtype
 from ..errors import UserError
 from ..log import get_logger
 from ..model.linear import resolve_linear
@@ -185,13 +185,13 @@ class Engine:
         name = spec.proposer or self.cfg.proposer.proposer
         if name not in self.proposers:
             raise UserError(f"proposer must be one of {', '.join(PROPOSERS)}, got {name!r}.")
+        spec = dataclasses.replace(spec, mode=DecodingMode(spec.mode), prompt=list(spec.prompt),
+                                   stop_sequences=tuple(tuple(q) for q in spec.stop_sequences if q))
         self.proposers[name].check(spec)
         self.build.check_request(spec.prompt, spec.params.max_tokens, self.vocab_size)
         sid = next(self._ids) if seq_id is None else seq_id
         if self.cache.has(sid):  # two live sequences under one id would share KV blocks
             raise ValueError(f"sequence id {sid!r} already holds KV blocks on this engine; release it first")
-        spec = dataclasses.replace(spec, prompt=list(spec.prompt),
-                                   stop_sequences=tuple(tuple(q) for q in spec.stop_sequences if q))
         return Sequence(sid, spec, self.build.max_seq_len, proposer=name)
 
     def hidden_states(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -334,7 +334,7 @@ class Engine:
         return {s.seq_id: Emitted([tok], self.proposer_of(s).after_prompt(s, nodes.get(i), beams.get(i))
                                   if s.speculative else None) for i, (s, tok) in enumerate(zip(seqs, first))}
 
-    def _first_trees(self, seqs: list[Sequence], slots: torch.Tensor, h: torch.Tensor, rule: str
+    def _first_trees(self, seqs: list[Sequence], slots: torch.Tensor, h: torch.Tensor, rule: AcceptanceRule
                      ) -> tuple[dict[int, TreeNodes], dict[int, Draft]]:
         """The device drafter's first trees for the prompt step's requests that draft on the device -> per row index:
         the packed tree's nodes, and its beams where the proposer composes from them."""
@@ -342,10 +342,11 @@ class Engine:
         if not rows:
             return {}, {}
         P, dev = self.tree.max_tree_tokens, self.dist.device
-        if rule == "apple":
+        apple = rule is AcceptanceRule.APPLE
+        if apple:
             self.state.ensure_draft_logp(self.vocab_size)
         idx = torch.tensor(rows, device=dev)
-        packed = self.steps.draft_from_prompt(slots[idx], h[idx], rule == "apple").tolist()
+        packed = self.steps.draft_from_prompt(slots[idx], h[idx], apple).tolist()
         nodes = {i: TreeNodes(row[1:1 + row[0]], row[1 + P:1 + P + row[0]]) for i, row in zip(rows, packed)}
         want = [i for i in rows if returns_device_beams([self.proposer_of(seqs[i])])]
         if not want:
@@ -388,10 +389,10 @@ class Engine:
         self.step_times.add("propose", took)
         self.policy.observe_host(1e3 * took / len(work))
 
-    def _rule(self, group: list[Sequence]) -> str:
+    def _rule(self, group: list[Sequence]) -> AcceptanceRule:
         """The batch's acceptance rule, in the requests' vocabulary (config.ACCEPTANCE_RULES): apple (some speculative
         request asks for it), greedy (every request is greedy) or exact (counter-based draws per node; greedy rows take
         their argmax through them)."""
         if any(s.apple for s in group):
-            return "apple"
-        return "greedy" if all(s.sampling.greedy for s in group) else "exact"
+            return AcceptanceRule.APPLE
+        return AcceptanceRule.GREEDY if all(s.sampling.greedy for s in group) else AcceptanceRule.EXACT

@@ -16,7 +16,7 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-from ..config import ReDrafterConfig
+from ..config import AcceptanceRule, ReDrafterConfig
 from ..log import get_logger
 from .graphs import Compiler, batch_buckets, bucket_for, tree_buckets
 from .kv_cache import PagedKVCache
@@ -37,13 +37,13 @@ class StepVariant:
     whether trees composed on the host are packed first (`host_trees`)."""
 
     tree: bool
-    rule: str = "greedy"
+    rule: AcceptanceRule = AcceptanceRule.GREEDY
     draft: bool = False
     return_beams: bool = False
     host_trees: bool = False
 
 
-def variant_for(tree: bool, rule: str, proposers: Iterable[Proposer], may_draft: bool, host_trees: bool
+def variant_for(tree: bool, rule: AcceptanceRule, proposers: Iterable[Proposer], may_draft: bool, host_trees: bool
                 ) -> StepVariant:
     """The variant of a step over requests with these proposers (the speculative ones'): the device drafter runs
     where the decision lets it (`may_draft`) and some proposer drafts on the device."""
@@ -54,7 +54,7 @@ def variant_for(tree: bool, rule: str, proposers: Iterable[Proposer], may_draft:
     return StepVariant(True, rule, draft, draft and returns_device_beams(props), host_trees)
 
 
-def warmup_variants(proposer: Proposer, rule: str = "greedy") -> list[StepVariant]:
+def warmup_variants(proposer: Proposer, rule: AcceptanceRule = AcceptanceRule.GREEDY) -> list[StepVariant]:
     """Every tree-step variant a batch of `proposer`'s requests can launch: with host-composed trees where it composes
     them, and without where its trees may come from the device (or from nowhere, for a step that only drafts)."""
     return [variant_for(True, rule, [proposer], True, h) for h in proposer.host_tree_cases()]
@@ -79,7 +79,7 @@ class StepLauncher:
         self._units: dict[object, Callable] = {}
 
     # ---- the two step kinds ------------------------------------------------------------------------------------
-    def ar(self, slots: list[int], longest: int, rule: str) -> torch.Tensor:
+    def ar(self, slots: list[int], longest: int, rule: AcceptanceRule) -> torch.Tensor:
         """An AR step for these slots -> their output rows (on the device, maybe still running)."""
         args = self._inputs(slots, 1, longest)
         return self._unit(False)(*args[:2], rule)[:len(slots)]
@@ -88,7 +88,7 @@ class StepLauncher:
              pending: Optional[list[Optional[Draft]]] = None) -> torch.Tensor:
         """A tree step: the first `width` nodes of each slot's tree (each counting keep[i] of them), over contexts up
         to `longest` committed positions; `pending`: the trees the host composed, per slot (None: the stored one)."""
-        if variant.rule == "apple":
+        if variant.rule is AcceptanceRule.APPLE:
             self.state.ensure_draft_logp(self.vocab_size)
         T = self.verify_width(width, max(keep))
         args = self._inputs(slots, T, longest + T, keep)
@@ -125,7 +125,7 @@ class StepLauncher:
             for bs, variant, T in tqdm(work, desc=f"compiling decode steps ({self.compiler.mode})", unit="graph",
                                        disable=not show or None, leave=False):
                 if variant is None:
-                    self.ar([pad] * bs, 1, "greedy").cpu()
+                    self.ar([pad] * bs, 1, AcceptanceRule.GREEDY).cpu()
                 else:
                     pending = [Draft.empty(self.tree_shape.num_beams, self.tree_shape.beam_length)] * bs
                     self.tree([pad] * bs, T, [T] * bs, 0, variant, pending).cpu()

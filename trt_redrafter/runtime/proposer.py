@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Iterable, Optional
 
+from ..config import AcceptanceRule, DecodingMode
 from ..errors import UserError
 from .drafter import DeviceDrafter
 from .sequence import Draft, RequestSpec, Sequence, TreeNodes
@@ -56,8 +57,8 @@ class Proposer:
         if self.needs_drafter and self.drafter is None:
             raise UserError(f"proposer {self.name!r} needs a drafter, and this engine was built without one; use "
                             f"proposer 'ngram' (or rebuild with --drafter DIR).")
-        if spec.mode == "redrafter" and not self.drafter_probabilities and \
-                spec.params.resolved_acceptance == "apple":
+        if spec.mode is DecodingMode.TREE and not self.drafter_probabilities and \
+                spec.params.resolved_acceptance is AcceptanceRule.APPLE:
             raise UserError(f"acceptance 'apple' weighs each draft by the drafter's probabilities, which "
                             f"{self.name!r} drafts do not have; use acceptance 'exact' (distribution-exact).")
 

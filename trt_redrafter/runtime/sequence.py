@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Hashable, Optional
 
-from ..config import DecodingMode, SamplingConfig
+from ..config import AcceptanceRule, DecodingMode, SamplingConfig
 
 
 @dataclass
@@ -24,7 +24,7 @@ class RequestSpec:
 
     prompt: list[int]
     params: SamplingConfig
-    mode: DecodingMode = "redrafter"  # "ar": one token per step
+    mode: DecodingMode = DecodingMode.TREE  # AR: one token per step (the wire names parse: DecodingMode("ar"))
     proposer: Optional[str] = None  # redrafter | ngram | mixed (config.PROPOSERS); None: the engine's default
     stop_ids: tuple[int, ...] = ()
     stop_sequences: tuple[tuple[int, ...], ...] = ()  # multi-token stop words (TensorRT-LLM `stop_words`)
@@ -156,12 +156,12 @@ class Sequence:
     @property
     def speculative(self) -> bool:
         """Decoded with draft trees (mode redrafter, whatever its proposer), not one token per step."""
-        return self.mode == "redrafter"
+        return self.mode is DecodingMode.TREE
 
     @property
     def apple(self) -> bool:
         """A speculative request under the `apple` rule: its whole tree is verified every step (policy.py)."""
-        return self.speculative and self.sampling.resolved_acceptance == "apple"
+        return self.speculative and self.sampling.resolved_acceptance is AcceptanceRule.APPLE
 
     @property
     def in_prompt_phase(self) -> bool:

@@ -36,6 +36,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ..config import AcceptanceRule
 from ..decoding import acceptance, sampling, tree
 from ..decoding.acceptance import Acceptance
 from ..model.attention import AttentionMeta
@@ -201,14 +202,14 @@ class DecodeStep:
         return self.verify(slots, key_blocks, tokens, st.tree_offsets[slots].index_select(1, w),
                            st.tree_mask[slots].index_select(1, w).index_select(2, w))
 
-    def targets(self, slots: torch.Tensor, logits: torch.Tensor, offsets: torch.Tensor, rule: str
+    def targets(self, slots: torch.Tensor, logits: torch.Tensor, offsets: torch.Tensor, rule: AcceptanceRule
                 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """The target's token after each of the [bs, T] nodes -> (tokens [bs, T], probs [bs, T, V] or None).
 
         greedy: argmax. Any other rule: process the logits with each request's parameters and draw with the noise
         of the drawn token's position, ctx_len + depth + 1 (greedy rows get their argmax through a one-hot).
         """
-        if rule == "greedy":
+        if rule is AcceptanceRule.GREEDY:
             return logits.argmax(dim=-1), None
         st = self.state
         bs, T, V = logits.shape
@@ -218,7 +219,7 @@ class DecodeStep:
         tokens = self.kernels.draw(probs, rep(st.seed), position).view(bs, T)
         return tokens, probs.view(bs, T, V)
 
-    def accept(self, slots: torch.Tensor, logits: torch.Tensor, rule: str, keep: torch.Tensor) -> Accepted:
+    def accept(self, slots: torch.Tensor, logits: torch.Tensor, rule: AcceptanceRule, keep: torch.Tensor) -> Accepted:
         """Choose beam, accepted count and next token for every request among its first keep [bs] (<= T) tree nodes;
         pack the emitted tokens. A node past `keep` is never accepted: its drafted token is replaced by -1, which no
         target token equals (`apple` rows verify whole trees: the policy gives them keep = T = P)."""
@@ -230,7 +231,7 @@ class DecodeStep:
         beams = torch.where(unpacker < keep[:, None, None], beams, -1)
         unpacker = unpacker.clamp(max=P - 1)  # pruned positions read some verified node's value: never used
         acc = self.kernels.accept_tokens(beams, tree.unpack(unpacker, node_tok))  # tokens in beam layout
-        if rule == "apple":
+        if rule is AcceptanceRule.APPLE:
             target_logp = tree.unpack(unpacker, probs).log()  # [bs, nb, bl, V]
             apple = acceptance.accept_apple(beams, target_logp, st.draft_logp[slots], st.seed[slots], st.ctx_len[slots])
             use = st.apple[slots]
@@ -299,7 +300,7 @@ class DecodeStep:
 
     # ---- whole steps -----------------------------------------------------------------------------------
     def redrafter_step(self, slots: torch.Tensor, key_blocks: torch.Tensor, tree_width: torch.Tensor,
-                       keep: torch.Tensor, rule: str, draft: bool, return_beams: bool = False,
+                       keep: torch.Tensor, rule: AcceptanceRule, draft: bool, return_beams: bool = False,
                        host_beams: Optional[torch.Tensor] = None, host_scores: Optional[torch.Tensor] = None,
                        host_mask: Optional[torch.Tensor] = None, run: Optional[Callable] = None) -> torch.Tensor:
         """One speculative step for [bs] slots over the first T = len(tree_width) nodes of their trees, of which each
@@ -319,7 +320,8 @@ class DecodeStep:
         path = run("rewind", self.rewind, slots, a.decision)
         out = [a.emitted, torch.zeros_like(slots)[:, None], path]
         if draft:
-            beams, scores, log_probs = run("draft", self.draft, v.hidden, path, a.decision, rule == "apple")
+            apple = rule is AcceptanceRule.APPLE
+            beams, scores, log_probs = run("draft", self.draft, v.hidden, path, a.decision, apple)
             packed = run("pack", self.pack, slots, beams, scores, log_probs)  # [bs, 1 + 2P]
             out[1] = packed[:, :1]
             out.append(packed[:, 1:])
@@ -327,7 +329,7 @@ class DecodeStep:
                 out += [beams.flatten(1), scores.flatten(1)]
         return torch.cat(out, dim=1)
 
-    def ar_step(self, slots: torch.Tensor, key_blocks: torch.Tensor, rule: str) -> torch.Tensor:
+    def ar_step(self, slots: torch.Tensor, key_blocks: torch.Tensor, rule: AcceptanceRule) -> torch.Tensor:
         """One auto-regressive step for [bs] slots -> [bs, 3]: the next token, 1 (tokens emitted), 0 (no tree)."""
         st = self.state
         bs = slots.shape[0]
@@ -342,7 +344,7 @@ class DecodeStep:
         st.advance(slots, st.ctx_len[slots] + 1, nxt[:, 0])
         return torch.cat([nxt, torch.ones_like(nxt), zeros], dim=1)
 
-    def prefill(self, slots: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor, rule: str,
+    def prefill(self, slots: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor, rule: AcceptanceRule,
                 prompt_len: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Prompt step for [bs] new requests: ids [bs, T] right-padded, lengths [bs] -> hidden of the last prompt
         token [bs, H]; sets ctx_len and the first true token (drawn at position `lengths`).
