@@ -19,6 +19,8 @@ from trt_redrafter.runtime.engine import Engine
 from trt_redrafter.runtime.proposer import Proposer
 from trt_redrafter.runtime.sequence import Draft
 
+SMALL = Path(__file__).resolve().parents[1] / "models" / "small"  # the trained pair (scripts/train_small_pair.sh)
+
 
 def run_cli(*args) -> None:
     rc = cli([str(a) for a in args])
@@ -51,14 +53,23 @@ def build_tiny_engines(root: Path, *, seed: int, num_beams: int, draft_len: int,
     return tiny / "base", engines
 
 
+def build_small_engine(root: Path, *, num_beams: int, draft_len: int, max_batch_size: int, max_input_len: int,
+                       max_seq_len: int, drafter: Path = SMALL / "drafter", tp: int = 1, dtype: str = "float32",
+                       tokenizer: bool = True) -> Path:
+    """models/small's base (the trained pair, or another drafter for it) -> convert (--tp, --dtype) -> build-engine
+    under `root`: the engine directory."""
+    ck, en = root / "ck", root / "en"
+    run_cli("convert", "--base-model", SMALL / "base", "--drafter", drafter, "--output", ck, "--tp", tp,
+            "--dtype", dtype, "--num-beams", num_beams, "--draft-len-per-beam", draft_len)
+    run_cli("build-engine", "--checkpoint", ck, "--output", en, "--max-batch-size", max_batch_size,
+            "--max-input-len", max_input_len, "--max-seq-len", max_seq_len,
+            *(["--tokenizer", SMALL / "base"] if tokenizer else []))
+    return en
+
+
 def run_json(engine_dir, prompts: list[list[int]], mode: str, extra=(), max_new: int = 20) -> list[list[int]]:
     """`trt-redrafter run --json` in a fresh process (TP > 1 relaunches itself under mpirun): each prompt's output
     ids, greedy, eos ignored; rank 0 alone prints."""
-    return [d["output_ids"] for d in run_json_docs(engine_dir, prompts, mode, extra, max_new)]
-
-
-def run_json_docs(engine_dir, prompts: list[list[int]], mode: str, extra=(), max_new: int = 20) -> list[dict]:
-    """As `run_json`, each prompt's whole JSON line (output ids, steps, accepted and drafted tokens, ...)."""
     cmd = [sys.executable, "-m", "trt_redrafter", "run", "--engine", str(engine_dir), "--mode", mode, "--json",
            "--max-tokens", str(max_new), "--ignore-eos", "--prompt-ids", *[",".join(map(str, p)) for p in prompts],
            *extra]
@@ -67,7 +78,7 @@ def run_json_docs(engine_dir, prompts: list[list[int]], mode: str, extra=(), max
     assert proc.returncode == 0, proc.stderr[-3000:]
     docs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(docs) == len(prompts), proc.stdout
-    return docs
+    return [d["output_ids"] for d in docs]
 
 
 def decode_tp(engine_dir: Path, runs: dict[str, dict], tp: int, tmp: Path) -> dict[str, dict]:

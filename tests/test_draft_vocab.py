@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from engine_utils import SMALL, build_small_engine
 from trt_redrafter.cli import main as cli
 from trt_redrafter.config import RuntimeConfig, SamplingConfig
 from trt_redrafter.errors import UserError
@@ -18,8 +19,6 @@ from trt_redrafter.runtime.distributed import Dist
 from trt_redrafter.runtime.engine import Engine
 from trt_redrafter.runtime.generate import generate
 
-REPO = Path(__file__).resolve().parents[1]
-SMALL = REPO / "models" / "small"
 PROMPT = "def dedent(text):\n    \"\"\"Remove any common leading whitespace from every line in `text`.\n"
 needs_small = pytest.mark.skipif(not (SMALL / "drafter" / "model.safetensors").is_file(),
                                  reason="models/small not trained")
@@ -37,12 +36,9 @@ def _with_draft_vocab(out: Path, ids: torch.Tensor) -> Path:
     return out
 
 
-def _engine(drafter: Path, tmp: Path, name: str, tp_args=("--tp", "1"), dtype: str = "float32") -> Engine:
-    ck, en = tmp / f"{name}-ck", tmp / f"{name}-en"
-    assert cli(["convert", "--base-model", str(SMALL / "base"), "--drafter", str(drafter), "--output", str(ck),
-                *tp_args, "--dtype", dtype, "--num-beams", "4", "--draft-len-per-beam", "4"]) == 0
-    assert cli(["build-engine", "--checkpoint", str(ck), "--output", str(en), "--tokenizer", str(SMALL / "base"),
-                "--max-batch-size", "2", "--max-input-len", "128", "--max-seq-len", "256"]) == 0
+def _engine(drafter: Path, tmp: Path, name: str, dtype: str = "float32") -> Engine:
+    en = build_small_engine(tmp / name, num_beams=4, draft_len=4, max_batch_size=2, max_input_len=128, max_seq_len=256,
+                            drafter=drafter, dtype=dtype)
     return Engine.load(en, Dist(0, 1, torch.device("cpu")), RuntimeConfig(device="cpu", compile="off", speculate="full", drafter_dtype="float32"))
 
 
@@ -89,7 +85,7 @@ def test_a_bfloat16_engine_keeps_the_draft_vocabulary_ids(tmp_path):
     only to a spacing (8 between 1024 and 2048), so a cast id table repeats ids. Such an engine is refused."""
     ids = torch.arange(1, 2048, 3)
     engine = _engine(_with_draft_vocab(tmp_path / "sub", ids), tmp_path, "bf16", dtype="bfloat16")
-    rank0 = tmp_path / "bf16-en" / "rank0.safetensors"
+    rank0 = engine.engine_dir / "rank0.safetensors"
     stored = load_file(str(rank0))
     assert stored["drafter.draft_vocab"].dtype == torch.int64 and torch.equal(stored["drafter.draft_vocab"], ids)
     assert stored["drafter.lm_head.weight"].dtype == torch.bfloat16
@@ -100,7 +96,7 @@ def test_a_bfloat16_engine_keeps_the_draft_vocabulary_ids(tmp_path):
     assert rd.output_ids == ar.output_ids
     save_file({**stored, "drafter.draft_vocab": ids.bfloat16()}, str(rank0))  # what build-engine wrote before
     with pytest.raises(UserError, match="stored as torch.bfloat16.*Rebuild the engine"):
-        Engine.load(tmp_path / "bf16-en", Dist(0, 1, torch.device("cpu")), RuntimeConfig(device="cpu", compile="off"))
+        Engine.load(engine.engine_dir, Dist(0, 1, torch.device("cpu")), RuntimeConfig(device="cpu", compile="off"))
 
 
 @needs_small
@@ -201,11 +197,8 @@ def test_sampled_exact_acceptance_with_a_draft_subset_follows_the_ar_distributio
     from test_engine_sampling import N, _pvalue, _target
 
     drafter = _with_draft_vocab(tmp_path / "half", torch.arange(0, 2048, 2))
-    ck, en = tmp_path / "ck", tmp_path / "en"
-    assert cli(["convert", "--base-model", str(SMALL / "base"), "--drafter", str(drafter), "--output", str(ck),
-                "--tp", "1", "--dtype", "float32", "--num-beams", "3", "--draft-len-per-beam", "2"]) == 0
-    assert cli(["build-engine", "--checkpoint", str(ck), "--output", str(en), "--max-batch-size", "32",
-                "--max-input-len", "64", "--max-seq-len", "160"]) == 0
+    en = build_small_engine(tmp_path, num_beams=3, draft_len=2, max_batch_size=32, max_input_len=64, max_seq_len=160,
+                            drafter=drafter, tokenizer=False)
     prompt = [1, 321, 530, 265, 11]  # "def main(" in models/small's tokenizer
     probs, joint = _target(SMALL / "base", prompt)
     p, accepted = _pvalue(en, probs, joint, proposer="redrafter", prompt=prompt)

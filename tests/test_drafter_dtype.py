@@ -10,14 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_utils import load_engine
-from trt_redrafter.cli import main as cli
+from engine_utils import SMALL, build_small_engine, load_engine
 from trt_redrafter.config import RuntimeConfig, SamplingConfig
 from trt_redrafter.errors import UserError
 from trt_redrafter.runtime.generate import generate
 
-REPO = Path(__file__).resolve().parents[1]
-SMALL = REPO / "models" / "small"
 needs_small = pytest.mark.skipif(not (SMALL / "drafter" / "model.safetensors").is_file(),
                                  reason="models/small not trained")
 PROMPTS = ["def dedent(text):\n    \"\"\"Remove any common leading whitespace from every line in `text`.\n",
@@ -26,13 +23,8 @@ PROMPTS = ["def dedent(text):\n    \"\"\"Remove any common leading whitespace fr
 
 @pytest.fixture(scope="module")
 def small_engine(tmp_path_factory) -> Path:
-    tmp = tmp_path_factory.mktemp("drafter-dtype")
-    ck, en = tmp / "ck", tmp / "en"
-    assert cli(["convert", "--base-model", str(SMALL / "base"), "--drafter", str(SMALL / "drafter"), "--output",
-                str(ck), "--tp", "1", "--dtype", "float32", "--num-beams", "4", "--draft-len-per-beam", "4"]) == 0
-    assert cli(["build-engine", "--checkpoint", str(ck), "--output", str(en), "--tokenizer", str(SMALL / "base"),
-                "--max-batch-size", "32", "--max-input-len", "128", "--max-seq-len", "256"]) == 0
-    return en
+    return build_small_engine(tmp_path_factory.mktemp("drafter-dtype"), num_beams=4, draft_len=4, max_batch_size=32,
+                              max_input_len=128, max_seq_len=256)
 
 
 def _prompts() -> list[list[int]]:

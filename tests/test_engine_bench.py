@@ -9,12 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from engine_utils import SMALL, build_small_engine
 from trt_redrafter.bench.baselines import Baseline, BaselineJob, run_baselines
 from trt_redrafter.bench.measure import RatioSummary, round_schedule
 from trt_redrafter.cli import main as cli
 
-REPO = Path(__file__).resolve().parents[1]
-SMALL = REPO / "models" / "small"
 
 
 def test_round_schedule_alternates_modes_per_group_and_rotates_the_order():
@@ -89,13 +88,8 @@ def test_a_fake_baseline_that_segfaults_costs_only_its_own_row_with_the_reason(t
 def small_engine(tmp_path_factory) -> Path:
     if not (SMALL / "drafter" / "model.safetensors").is_file():
         pytest.skip("models/small not trained")
-    tmp = tmp_path_factory.mktemp("bench-engine")
-    ck, en = tmp / "ck", tmp / "en"
-    assert cli(["convert", "--base-model", str(SMALL / "base"), "--drafter", str(SMALL / "drafter"), "--output",
-                str(ck), "--tp", "1", "--dtype", "float32", "--num-beams", "2", "--draft-len-per-beam", "3"]) == 0
-    assert cli(["build-engine", "--checkpoint", str(ck), "--output", str(en), "--tokenizer", str(SMALL / "base"),
-                "--max-batch-size", "4", "--max-input-len", "64", "--max-seq-len", "128"]) == 0
-    return en
+    return build_small_engine(tmp_path_factory.mktemp("bench-engine"), num_beams=2, draft_len=3, max_batch_size=4,
+                              max_input_len=64, max_seq_len=128)
 
 
 def test_bench_engine_end_to_end_on_models_small(small_engine, tmp_path, capsys):

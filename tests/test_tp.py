@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_utils import build_tiny_engines, decode_tp, random_prompts, run_json
+from engine_utils import build_small_engine, build_tiny_engines, decode_tp, random_prompts, run_json
 from trt_redrafter.runtime.graphs import tree_buckets
 
 pytestmark = [pytest.mark.mpi, pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI's mpirun is not installed")]
@@ -168,18 +168,12 @@ def test_tp2_draft_vocabulary_drafter_gives_the_tp1_tokens_and_steps(tmp_path):
     pytest.importorskip("mpi4py", reason="mpi4py is not installed")
     import torch
 
-    from test_draft_vocab import SMALL, _with_draft_vocab
-    from trt_redrafter.cli import main as cli
+    from test_draft_vocab import _with_draft_vocab
 
     drafter = _with_draft_vocab(tmp_path / "d", torch.randperm(2048, generator=torch.Generator().manual_seed(0))[:1024])
-    engines = {}
-    for tp in (1, 2):
-        ck, en = tmp_path / f"ck{tp}", tmp_path / f"en{tp}"
-        assert cli(["convert", "--base-model", str(SMALL / "base"), "--drafter", str(drafter), "--output", str(ck),
-                    "--tp", str(tp), "--dtype", "float32", "--num-beams", "2", "--draft-len-per-beam", "3"]) == 0
-        assert cli(["build-engine", "--checkpoint", str(ck), "--output", str(en), "--max-batch-size", "2",
-                    "--max-input-len", "64", "--max-seq-len", "128"]) == 0
-        engines[tp] = en
+    engines = {tp: build_small_engine(tmp_path / f"tp{tp}", num_beams=2, draft_len=3, max_batch_size=2,
+                                      max_input_len=64, max_seq_len=128, drafter=drafter, tp=tp, tokenizer=False)
+               for tp in (1, 2)}
     runs = {"full": {"prompts": [[1, 400, 401, 402, 403, 404, 405], [10, 11, 12, 13, 14, 15, 16, 17]], "max_new": 40}}
     docs = {tp: decode_tp(engines[tp], runs, tp, tmp_path)["full"] for tp in (1, 2)}
     assert docs[2] == docs[1]  # the same tokens, and the same drafts accepted

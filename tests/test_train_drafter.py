@@ -9,10 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from engine_utils import SMALL, build_small_engine
 from trt_redrafter.cli import main as cli
 
-REPO = Path(__file__).resolve().parents[1]
-SMALL = REPO / "models" / "small"
 # fast settings: a handful of short base-generated sequences, a few optimizer steps
 FAST = ["--steps", "12", "--num-sequences", "8", "--eval-sequences", "4", "--seq-len", "12", "--batch-size", "64",
         "--gen-batch-size", "8", "--prompt-min", "8", "--prompt-max", "16", "--lr", "3e-3", "--device", "cpu",
@@ -276,11 +275,7 @@ def test_committed_small_pair_accepts_drafts_and_matches_ar(tmp_path):
     from trt_redrafter.runtime.generate import generate
 
     AutoModelForCausalLM.from_pretrained(str(SMALL / "base"))  # loads with plain transformers
-    ck, en = tmp_path / "ck", tmp_path / "en"
-    assert cli(["convert", "--base-model", str(SMALL / "base"), "--drafter", str(SMALL / "drafter"), "--output",
-                str(ck), "--tp", "1", "--dtype", "float32", "--num-beams", "4", "--draft-len-per-beam", "4"]) == 0
-    assert cli(["build-engine", "--checkpoint", str(ck), "--output", str(en), "--tokenizer", str(SMALL / "base"),
-                "--max-batch-size", "2", "--max-input-len", "128", "--max-seq-len", "256"]) == 0
+    en = build_small_engine(tmp_path, num_beams=4, draft_len=4, max_batch_size=2, max_input_len=128, max_seq_len=256)
     prompt = AutoTokenizer.from_pretrained(str(SMALL / "base"))(HELD_OUT_PROMPT)["input_ids"]
     engine = Engine.load(en, Dist(0, 1, torch.device("cpu")), RuntimeConfig(device="cpu", compile="off", speculate="full"))
     params = SamplingConfig(max_tokens=64)
