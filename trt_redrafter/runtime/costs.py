@@ -20,12 +20,14 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Optional
+from typing import Iterable, Optional
 
+import torch
+
+from ..config import AcceptanceRule
 from ..log import get_logger
-
-if TYPE_CHECKING:
-    from .launch import StepLauncher
+from .launch import StepLauncher, StepVariant
+from .state import put_rows
 
 logger = get_logger(__name__)
 
@@ -123,8 +125,6 @@ def _interp(xs: list[int], ys: list[float], x: float) -> float:
 def fingerprint(**parts) -> dict:
     """What a cost model depends on besides the engine's weights: the machine, how the engine runs, and the sources
     of the step's own kernels (a changed kernel changes the step's costs)."""
-    import torch
-
     device = parts.pop("device")
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
@@ -214,7 +214,7 @@ def save_cost_model(paths: Iterable[Path], model: CostModel) -> Optional[Path]:
 
 # ---- measuring ----------------------------------------------------------------------------------------------------
 
-def load_or_measure(launcher: "StepLauncher", dist, engine_dir: Optional[Path], key: dict, free: list[int],
+def load_or_measure(launcher: StepLauncher, dist, engine_dir: Optional[Path], key: dict, free: list[int],
                     max_seq_len: int, draft: bool) -> CostModel:
     """The cost model for `key`: from the cache beside the engine (or the user's cache) when one was measured for this
     machine and these settings, else measured now (every rank takes part: the steps are collective) and saved."""
@@ -230,7 +230,7 @@ def load_or_measure(launcher: "StepLauncher", dist, engine_dir: Optional[Path], 
     return model
 
 
-def measure(launcher: "StepLauncher", dist, free_slots: list[int], max_seq_len: int, draft: bool) -> CostModel:
+def measure(launcher: StepLauncher, dist, free_slots: list[int], max_seq_len: int, draft: bool) -> CostModel:
     """Time the decode steps on this machine: an AR step, and a tree step (verifying T nodes, drafting the next trees
     where `draft`) at every tree width, for every batch bucket that fits the free slots, at two context lengths
     (COST_CONTEXTS). Runs on free batch slots with throw-away KV; a width that could not pay even if every node were
@@ -238,10 +238,7 @@ def measure(launcher: "StepLauncher", dist, free_slots: list[int], max_seq_len: 
     extrapolated, proportionally). The calls of one point are timed in interleaved rounds, so that the machine's
     slow phases do not bias the ratios between them. Under TP every rank takes part (the steps are collective) and
     rank 0's timings decide how many steps run."""
-    import torch
     from tqdm import tqdm
-
-    from .state import put_rows
 
     t0 = time.perf_counter()
     tree, cache, state = launcher.tree_shape, launcher.cache, launcher.state
@@ -255,9 +252,6 @@ def measure(launcher: "StepLauncher", dist, free_slots: list[int], max_seq_len: 
         cache.reserve(sid, hi + P)
         cache.bind(sid, slot)
     cache.sync()
-    from ..config import AcceptanceRule
-    from .launch import StepVariant
-
     variant = StepVariant(True, AcceptanceRule.GREEDY, draft)
 
     def once(call, slots: list[int], ctx: int) -> float:

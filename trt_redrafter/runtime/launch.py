@@ -160,11 +160,11 @@ class StepLauncher:
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(host_beams [n, nb, bl], host_scores [n, nb, dl], host_mask [n]) of the trees composed on the host; rows
         without one (and padding rows) pack their stored beams."""
-        nb, bl = self.tree_shape.num_beams, self.tree_shape.beam_length
-        empty = Draft.empty(nb, bl)
-        drafts = [p if p is not None else empty for p in pending or []]
-        drafts += [empty] * (n - len(drafts))
-        mask = [p is not None for p in pending or []] + [False] * (n - len(pending or []))
+        rows = list(pending or [])
+        rows += [None] * (n - len(rows))
+        empty = Draft.empty(self.tree_shape.num_beams, self.tree_shape.beam_length)
+        drafts = [p if p is not None else empty for p in rows]
+        mask = [p is not None for p in rows]
         beams = torch.tensor([d.rows for d in drafts], dtype=torch.long).to(self.device)
         scores = torch.tensor([d.scores for d in drafts], dtype=torch.long).to(self.device)
         mask_t = torch.tensor(mask).to(self.device)
