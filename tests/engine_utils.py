@@ -73,12 +73,17 @@ def run_json(engine_dir, prompts: list[list[int]], mode: str, extra=(), max_new:
     cmd = [sys.executable, "-m", "trt_redrafter", "run", "--engine", str(engine_dir), "--mode", mode, "--json",
            "--max-tokens", str(max_new), "--ignore-eos", "--prompt-ids", *[",".join(map(str, p)) for p in prompts],
            *extra]
+    return [d["output_ids"] for d in _json_lines(cmd, len(prompts))]
+
+
+def _json_lines(cmd: list[str], n: int) -> list[dict]:
+    """Run `cmd` (a run on one or more ranks; rank 0 prints) -> the n JSON lines it printed."""
     # a compiled TP=2 run compiles on every rank: ~200 s alone on 2 cores, over 300 s when the machine is shared
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     docs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(docs) == len(prompts), proc.stdout
-    return [d["output_ids"] for d in docs]
+    assert len(docs) == n, proc.stdout[-3000:]
+    return docs
 
 
 def decode_tp(engine_dir: Path, runs: dict[str, dict], tp: int, tmp: Path) -> dict[str, dict]:
@@ -94,11 +99,7 @@ def decode_tp(engine_dir: Path, runs: dict[str, dict], tp: int, tmp: Path) -> di
     spec.write_text(json.dumps(list(runs.values())))
     cmd = mpirun_prefix(tp, "the test") + [sys.executable, str(Path(__file__).with_name("tp_driver.py")),
                                            str(engine_dir), str(spec)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    docs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(docs) == len(runs), proc.stdout[-3000:]
-    return dict(zip(runs, docs))
+    return dict(zip(runs, _json_lines(cmd, len(runs))))
 
 
 def load_engine(engine_dir: Path, proposer=None, device: str = "cpu", compile: str = "off", speculate: str = "full",
