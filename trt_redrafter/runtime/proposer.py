@@ -38,9 +38,10 @@ class HostCompose:
 class Proposer:
     """What fills the trees of the requests that name it, and what it needs of each step. A proposer owns its device
     drafter (`drafter`: the step drafts its requests' next trees with it; None: it drafts nothing on the device), its
-    host composition (`compose`, where `on_host`) and its per-request state (`state_of`). The engine asks it, after a
-    request's prompt step and each decode step, what comes next (`after_prompt`, `after_step`); adding a proposer is
-    a subclass and its registration in `registry`."""
+    host composition (`compose`, where `on_host`) and its per-request state (`Sequence.proposer_state`, a subclass of
+    sequence.ProposerState of its own). The engine asks it, after a request's prompt step and each decode step, what
+    comes next (`after_prompt`, `after_step`); adding a proposer is a subclass and its line in
+    `loading.make_proposers`."""
 
     name: ClassVar[str] = ""
     needs_drafter: ClassVar[bool] = False  # it cannot propose without a device drafter
@@ -84,7 +85,6 @@ class Proposer:
         `wants_device_beams` and the step drafted. None: keep the tree the step packed (a device drafter's), or
         nothing to verify (the policy then has no tree for this request)."""
         return None
-
 
     def host_tree_cases(self) -> tuple[bool, ...]:
         """Whether a tree step over its requests packs trees the host composed: True, False, or either (the warm-up

@@ -123,7 +123,7 @@ class Sequence:
     tree: Optional[TreeNodes] = None  # its next draft tree as the policy sees it (or its last one, if not fresh)
     tree_fresh: bool = False  # `tree` was drafted after its last step (else a step since made it stale)
     pending: Optional[Draft] = None  # the next tree as the host composed it, packed by the next step
-    proposer_state: Optional[ProposerState] = None  # its proposer's own (`Proposer.state_of`)
+    proposer_state: Optional[ProposerState] = None  # its proposer's own (ngram.NgramState for N-gram requests)
     finished: bool = False
     finish_reason: Optional[str] = None  # "stop" | "length" | "cancelled" | "stopped" (a stop request: early stopping)
     stats: SeqStats = field(default_factory=SeqStats)
