@@ -364,6 +364,9 @@ def main() -> int:
                     help="draft with a host oracle at this mean acceptance (tokens/step of a full tree) instead of "
                          "the random drafter, and compare --speculate full (every tree verified whole) with auto (the "
                          "speculation policy): ms/token per batch and where ReDrafter stops paying")
+    ap.add_argument("--overheads", action="store_true",
+                    help="also measure each engine's step cost model and print what speculating costs: the width-1 "
+                         "tree step over the AR step (fixed cost) and each further verified node, per batch bucket")
     ap.add_argument("--output", default="out/gpu_bench.json")
     args = ap.parse_args()
     if args.oracle_tokens_per_step:
@@ -405,6 +408,11 @@ def main() -> int:
         engine = Engine(cfg, tensors, Dist(0, 1, device), runtime)
         del tensors
         warm = time.perf_counter() - t0
+        if args.overheads:
+            model = engine.cost_model()
+            doc.setdefault("overheads", {})[f"{quant},{compile_mode},{kernels}"] = model.overheads()
+            print(f"speculation overheads ({quant}, {engine.compiler.mode}, {engine.kernels}):\n"
+                  f"{model.overhead_table()}\n{model.table()}", file=sys.stderr, flush=True)
         for b in batches:
             prompts = prompts_for(b, args.prompt_len, m.vocab_size, args.seed)
             ar = measure(engine, prompts, args.max_tokens, "ar", args.repeats)

@@ -9,6 +9,7 @@ import torch
 
 from engine_utils import build_tiny_engines, greedy, hf_greedy, load_engine, random_prompts
 from trt_redrafter.config import SamplingConfig
+from trt_redrafter.runtime import costs
 from trt_redrafter.runtime.generate import generate
 from trt_redrafter.runtime.sequence import RequestSpec
 
@@ -122,3 +123,13 @@ def test_cuda_weight_only_base_runs_the_triton_gemm_and_greedy_redrafter_equals_
     gpu_logits, cpu_logits = (_prompt_logits(load_engine(engines[1], **kw), prompts[1])
                               for kw in ({"device": "cuda"}, {}))
     torch.testing.assert_close(gpu_logits, cpu_logits, rtol=1e-3, atol=1e-3)
+
+
+def test_cuda_cost_model_is_measured_under_cuda_graphs(tiny):
+    """The speculation policy's step costs are measured on the captured graphs (their static inputs are inference
+    tensors, so the measurement must run in inference mode), and a tree step verifies more than an AR step."""
+    _, engine_dir, _, _ = tiny
+    engine = load_engine(engine_dir, device="cuda", compile="cudagraphs")
+    model = costs.measure(engine.launcher, engine.dist, engine._free_slots, engine.build.max_seq_len, True)
+    assert model.batches[0] == 1 and model.widths[0] == 1
+    assert all(o["ar_ms"] > 0 and o["width1_ms"] > 0 for o in model.overheads())

@@ -230,6 +230,7 @@ def load_or_measure(launcher: StepLauncher, dist, engine_dir: Optional[Path], ke
     return model
 
 
+@torch.inference_mode()  # the step's static inputs (CUDA graphs) are inference tensors made in the warm-up
 def measure(launcher: StepLauncher, dist, free_slots: list[int], max_seq_len: int, draft: bool) -> CostModel:
     """Time the decode steps on this machine: an AR step, and a tree step (verifying T nodes, drafting the next trees
     where `draft`) at every tree width, for every batch bucket that fits the free slots, at two context lengths
