@@ -120,7 +120,13 @@ class ConfigBase:
         return obj
 
     def validate(self) -> None:
-        """Raise UserError naming the first bad field. Subclasses extend."""
+        """Raise UserError naming the first bad field: here, a field outside its option's `choices`. Subclasses
+        extend it, calling it first."""
+        for f in dataclasses.fields(self):
+            choices, value = f.metadata.get("choices"), getattr(self, f.name)
+            if choices is not None and value not in choices and not (value is None and f.default is None):
+                raise bad_value(self.SECTION, f.name, f"one of {', '.join(str(c) for c in choices if c != '')}",
+                                value)
 
     def replace(self, **changes) -> "ConfigBase":
         obj = dataclasses.replace(self, **changes)
@@ -240,6 +246,7 @@ class ModelConfig(ConfigBase):
             self.head_size = self.hidden_size // self.num_attention_heads
 
     def validate(self) -> None:
+        super().validate()
         s = self.SECTION
         for n in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                   "num_key_value_heads", "head_size", "max_position_embeddings"):
@@ -247,8 +254,6 @@ class ModelConfig(ConfigBase):
         if self.num_attention_heads % self.num_key_value_heads:
             raise bad_value(s, "num_key_value_heads", f"a divisor of num_attention_heads={self.num_attention_heads}",
                        self.num_key_value_heads)
-        if self.dtype not in DTYPES:
-            raise bad_value(s, "dtype", f"one of {', '.join(DTYPES)}", self.dtype)
         if self.hidden_act != "silu":
             raise bad_value(s, "hidden_act", "'silu' (Llama's gated MLP)", self.hidden_act)
         if self.rotary_scaling is not None:
@@ -275,6 +280,7 @@ class DrafterConfig(ConfigBase):
                                       "project's runtime only: TensorRT-LLM splits the drafter)", cli=False)
 
     def validate(self) -> None:
+        super().validate()
         for n in ("vocab_size", "hidden_size", "exit_dim"):
             check_positive(self.SECTION, n, getattr(self, n))
         if not isinstance(self.num_draft_layers, int) or self.num_draft_layers < 0:
@@ -308,6 +314,7 @@ class ReDrafterConfig(ConfigBase):
                                  negative_aliases=("--no-greedy",))
 
     def validate(self) -> None:
+        super().validate()
         check_positive(self.SECTION, "num_beams", self.num_beams)
         check_positive(self.SECTION, "draft_len_per_beam", self.draft_len_per_beam)
 
@@ -355,6 +362,7 @@ class BuildConfig(ConfigBase):
                                               "(model/drafter.py)", choices=DRAFTER_SEMANTICS)
 
     def validate(self) -> None:
+        super().validate()
         for n in ("max_batch_size", "max_input_len", "max_seq_len", "kv_block_size"):
             check_positive(self.SECTION, n, getattr(self, n))
         if self.max_input_len >= self.max_seq_len:
@@ -364,11 +372,6 @@ class BuildConfig(ConfigBase):
                        self.max_tokens_in_paged_kv_cache)
         if self.max_num_tokens < 0:
             raise bad_value(self.SECTION, "max_num_tokens", "0 (derive) or a positive integer", self.max_num_tokens)
-        if self.dtype not in DTYPES + ("",):
-            raise bad_value(self.SECTION, "dtype", f"one of {', '.join(DTYPES)}", self.dtype)
-        if self.drafter_semantics not in DRAFTER_SEMANTICS:
-            raise bad_value(self.SECTION, "drafter_semantics", f"one of {', '.join(DRAFTER_SEMANTICS)}",
-                       self.drafter_semantics)
 
     def check_request(self, prompt: Sequence[int], max_tokens: int, vocab_size: int) -> None:
         """One request against the engine's limits (both backends, before it reaches an engine): one sentence on
@@ -423,9 +426,8 @@ class ProposerConfig(ConfigBase):
                            choices=("auto", "on", "off"))
 
     def validate(self) -> None:
+        super().validate()
         s = self.SECTION
-        if self.proposer not in ("",) + PROPOSERS:
-            raise bad_value(s, "proposer", f"one of {', '.join(PROPOSERS)}", self.proposer)
         if not isinstance(self.ngram_beams, int) or self.ngram_beams < 0:
             raise bad_value(s, "ngram_beams", "0 (half the beams) or a positive integer", self.ngram_beams)
         check_positive(s, "ngram_min", self.ngram_min)
@@ -433,10 +435,6 @@ class ProposerConfig(ConfigBase):
         if self.ngram_max < self.ngram_min:
             raise bad_value(s, "ngram_max", f"at least ngram_min={self.ngram_min}", self.ngram_max)
         check_positive(s, "mixed_min_match", self.mixed_min_match)
-        if self.ngram_when not in NGRAM_WHEN:
-            raise bad_value(s, "ngram_when", f"one of {', '.join(NGRAM_WHEN)}", self.ngram_when)
-        if self.model_ngrams not in ("auto", "on", "off"):
-            raise bad_value(s, "model_ngrams", "one of auto, on, off", self.model_ngrams)
 
     def resolved(self, has_drafter: bool, num_beams: int) -> "ProposerConfig":
         """The default proposer and mixed split made explicit for an engine."""
@@ -468,6 +466,7 @@ class SamplingConfig(ConfigBase):
                          choices=("",) + ACCEPTANCE_RULES)
 
     def validate(self) -> None:
+        super().validate()
         s = self.SECTION
         check_positive(s, "max_tokens", self.max_tokens)
         if not 0 <= self.temperature < math.inf:  # NaN fails every comparison
@@ -478,8 +477,6 @@ class SamplingConfig(ConfigBase):
             raise bad_value(s, "top_p", "a number in (0, 1]", self.top_p)
         if not 0 <= self.seed < MAX_SEED:  # it lives in an int64 tensor (runtime/state.py); 2**63 would overflow it
             raise bad_value(s, "seed", "an integer in [0, 2**63)", self.seed)
-        if self.acceptance not in ("",) + ACCEPTANCE_RULES:
-            raise bad_value(s, "acceptance", "one of greedy, exact, apple", self.acceptance)
         if self.acceptance == "greedy" and self.temperature > 0:
             raise bad_value(s, "acceptance", "exact or apple when temperature > 0", self.acceptance)
 
@@ -508,6 +505,11 @@ class RuntimeConfig(ConfigBase):
                                      "only proposes and the model verifies every token, so it changes how many tokens "
                                      "a step accepts, not which (greedy); bfloat16 halves a float32 engine's drafter "
                                      "reads", choices=DTYPES + ("",))
+    drafter_weights: str = option("", help="int8: the drafter's linear layers as int8 weights, one scale per output "
+                                         "channel (quantized at load, computed in its dtype), half the bytes a "
+                                         "drafted token reads in bfloat16; like drafter_dtype it changes how many "
+                                         "tokens a step accepts, not which (greedy). Empty: as stored",
+                                  choices=("", "int8"))
     drafter_semantics: str = option("", help="override the engine's drafter math (build-engine --drafter-semantics): "
                                          "apple or trtllm-0.13; empty means the engine's (model/drafter.py)",
                                 choices=DRAFTER_SEMANTICS + ("",))
@@ -541,13 +543,8 @@ class RuntimeConfig(ConfigBase):
                                      "every step). Output is the same whichever; speed is not (runtime/policy.py)")
 
     def validate(self) -> None:
+        super().validate()
         s = self.SECTION
-        for name, allowed in (("device", ("auto", "cpu", "cuda")), ("dtype", DTYPES + ("",)),
-                              ("drafter_dtype", DTYPES + ("",)),
-                              ("drafter_semantics", DRAFTER_SEMANTICS + ("",)), ("compile", COMPILE_MODES),
-                              ("kernels", KERNEL_CHOICES), ("linear", LINEAR_CHOICES)):
-            if getattr(self, name) not in allowed:
-                raise bad_value(s, name, f"one of {', '.join(a for a in allowed if a)}", getattr(self, name))
         if self.kv_cache_tokens < 0:
             raise bad_value(s, "kv_cache_tokens", "0 (the engine's) or a positive integer", self.kv_cache_tokens)
         if self.threads < 0:

@@ -41,6 +41,7 @@ class GateConfig(ConfigBase):
     max_errors: int = option(0, help="failed requests allowed per (TP, QPS) point")
 
     def validate(self) -> None:
+        super().validate()
         s = self.SECTION
         if not 0 <= self.speedup_margin < 1:
             raise bad_value(s, "speedup_margin", "a fraction in [0, 1)", self.speedup_margin)

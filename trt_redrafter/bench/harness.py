@@ -59,6 +59,7 @@ class BenchConfig(ConfigBase):
     timeout_s: float = option(600.0, help="per-request timeout, seconds")
 
     def validate(self) -> None:
+        super().validate()
         s = self.SECTION
         check_positive(s, "num_requests", self.num_requests)
         check_positive(s, "max_tokens", self.max_tokens)

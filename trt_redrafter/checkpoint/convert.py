@@ -76,25 +76,19 @@ class ConvertConfig(ConfigBase):
                                                      "only): round-to-nearest, no search")
 
     def validate(self) -> None:
+        super().validate()
         s = self.SECTION
         if self.tp is not None and (not isinstance(self.tp, int) or self.tp < 1):
             raise UserError(f"{s}.tp (--tp): expected a positive integer, got {self.tp!r}.")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise UserError(f"{s}.dtype (--dtype): expected one of {', '.join(DTYPES)}, got {self.dtype!r}.")
-        if self.trtllm_format not in FORMATS:
-            raise UserError(f"{s}.trtllm_format (--trtllm-format): expected one of {', '.join(FORMATS)}, "
-                            f"got {self.trtllm_format!r}.")
         if not isinstance(self.workers, int) or self.workers < 1:
             raise UserError(f"{s}.workers (--workers): expected a positive integer, got {self.workers!r}.")
-        if self.quantize is not None and self.quantize not in MODES:
-            raise UserError(f"{s}.quantize (--quantize): expected one of {', '.join(MODES)}, got {self.quantize!r}.")
         if self.quantize == "fp8" and self.calib_prompts == "none":
             raise UserError(f"{s}.calib_prompts (--calib-prompts) none: fp8 needs calibration prompts for its input "
                             f"scales; give a JSONL file or leave it unset (magpie).")
         if self.quantize_lm_head and self.quantize is None:
             raise UserError(f"{s}.quantize_lm_head (--quantize-lm-head) needs --quantize.")
-        if self.group_size not in GROUP_SIZES:
-            raise UserError(f"{s}.group_size (--group-size): expected one of {GROUP_SIZES}, got {self.group_size!r}.")
 
 
 # ---- checks shared by both forms -----------------------------------------------------------------------------

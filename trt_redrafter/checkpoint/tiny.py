@@ -61,6 +61,7 @@ class TinyConfig(ConfigBase):
     tie_word_embeddings: bool = option(False, help="lm_head shares the embedding matrix")
 
     def validate(self) -> None:
+        super().validate()
         s = self.SECTION
         for n in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
                   "max_position_embeddings"):
