@@ -1,4 +1,5 @@
-"""RuntimeConfig.drafter_dtype (`--drafter-dtype`): the drafter computes in its own dtype. It only proposes and the
+"""RuntimeConfig.drafter_dtype (`--drafter-dtype`) and drafter_weights (`--drafter-weights int8`): the drafter
+computes in its own dtype, from int8 weights if asked. It only proposes and the
 model verifies every token, so greedy output stays the model's; on a float32 engine a bfloat16 drafter reads half
 the bytes per drafted token, and its drafts (so tokens per step) stay close to the float32 drafter's. Sampled
 output still follows the model's distribution: the acceptance rule uses the distribution the drafts came from."""
@@ -89,6 +90,32 @@ def test_the_default_drafter_dtype_is_bfloat16_where_the_cpu_computes_it(small_e
     assert load_engine(small_engine, linear="torch").drafter.dtype == torch.float32  # no native bf16 GEMM there
 
 
+@needs_small
+@pytest.mark.parametrize("linear", ["torch", "auto"])
+def test_int8_drafter_weights_keep_the_output_and_the_acceptance(small_engine, linear):
+    """int8 weights, one scale per output channel: each drafter layer reads int8 (the avx512 kernel's weight-only
+    path, or its dequantized weight under torch), greedy output is still AR's, and the drafts stay about as good."""
+    plain = load_engine(small_engine, linear=linear)
+    int8 = load_engine(small_engine, linear=linear, drafter_weights="int8")
+    assert int8.drafter.weights == "int8" and int8.drafter.dtype == plain.drafter.dtype
+    layers = [int8.drafter.lm_head, *int8.drafter.layers, *int8.drafter.rnn]
+    if int8.drafter.linear == "avx512":
+        assert all(m.quant is not None and m.quant[1] == 8 for m in layers)
+    else:  # under F.linear the layer computes the dequantized weight: the same quantized drafter
+        w, ref = layers[0].weight, plain.drafter.lm_head.weight
+        assert not torch.equal(w, ref) and torch.allclose(w.float(), ref.float(), atol=float(ref.abs().max()) / 100)
+    params = SamplingConfig(max_tokens=48)
+    ar = [r.output_ids for r in generate(plain, _prompts(), params, mode="ar")]
+    rd = generate(plain, _prompts(), params, mode="redrafter")
+    rd8 = generate(int8, _prompts(), params, mode="redrafter")
+    assert [r.output_ids for r in rd8] == ar
+    tps = sum(r.tokens_per_step for r in rd) / len(rd)
+    tps8 = sum(r.tokens_per_step for r in rd8) / len(rd8)
+    assert tps > 1.5 and tps8 > 0.9 * tps, (tps, tps8)
+
+
 def test_refusal():
     with pytest.raises(UserError, match="drafter_dtype"):
         RuntimeConfig(drafter_dtype="int8").validate()
+    with pytest.raises(UserError, match="drafter_weights"):
+        RuntimeConfig(drafter_weights="int4").validate()

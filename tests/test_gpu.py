@@ -125,6 +125,18 @@ def test_cuda_weight_only_base_runs_the_triton_gemm_and_greedy_redrafter_equals_
     torch.testing.assert_close(gpu_logits, cpu_logits, rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("compile", ["off", "cudagraphs"])
+def test_cuda_int8_drafter_weights_run_the_triton_gemm_and_greedy_redrafter_equals_ar(tiny, compile):
+    pytest.importorskip("triton", reason="the weight-only GEMM needs triton")
+    _, engine_dir, prompts, cpu_ar = tiny
+    engine = load_engine(engine_dir, device="cuda", compile=compile, drafter_weights="int8")
+    head = engine.drafter.lm_head
+    assert head.quant is not None and head.quant[1] == 8 and head.packed.is_cuda
+    res = generate(engine, prompts, greedy(24), "redrafter")
+    assert [r.output_ids for r in res] == cpu_ar
+    assert sum(r.accepted_draft_tokens for r in res) > 0
+
+
 def test_cuda_cost_model_is_measured_under_cuda_graphs(tiny):
     """The speculation policy's step costs are measured on the captured graphs (their static inputs are inference
     tensors, so the measurement must run in inference mode), and a tree step verifies more than an AR step."""

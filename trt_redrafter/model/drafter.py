@@ -26,7 +26,7 @@ verification stays exact; only the head's matrix (the drafter's largest read per
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.nn as nn
@@ -36,7 +36,8 @@ from ..checkpoint.drafter import check_draft_vocab
 from ..config import DRAFTER_SEMANTICS, DrafterConfig
 from ..decoding.beam_search import LOG_ZERO
 from ..errors import UserError
-from .linear import Linear
+from ..checkpoint.quantization import quantize_per_channel
+from .linear import Linear, QuantWeight
 from .tp import Dist
 
 SEMANTICS = DRAFTER_SEMANTICS
@@ -44,18 +45,29 @@ SEMANTICS = DRAFTER_SEMANTICS
 
 class DrafterRank(nn.Module):
     def __init__(self, cfg: DrafterConfig, tensors: dict[str, torch.Tensor], dist: Dist, dtype: torch.dtype,
-                 semantics: str = "apple", linear: str = "torch"):
-        """`linear`: the linear layers' implementation, "torch", "onednn" or "avx512" (`linear.resolve_linear`)."""
+                 semantics: str = "apple", linear: str = "torch", weights: str = ""):
+        """`linear`: the linear layers' implementation, "torch", "onednn" or "avx512" (`linear.resolve_linear`).
+        `weights`: "int8" quantizes every linear layer's weight to int8 per output channel (weight-only: the layer
+        reads int8 and computes in `dtype`), "" keeps them in `dtype`."""
         super().__init__()
         assert semantics in SEMANTICS, semantics
+        assert weights in ("", "int8"), weights
         self.cfg, self.dist, self.dtype, self.semantics, self.linear = cfg, dist, dtype, semantics, linear
+        self.weights = weights
         dev = dist.device
 
         def take(name: str) -> torch.Tensor:
             return tensors[f"drafter.{name}"].to(device=dev, dtype=dtype).contiguous()
 
+        def weight(name: str) -> Union[torch.Tensor, QuantWeight]:
+            if not weights:
+                return take(name)
+            # per output channel: a column-parallel rank holds whole rows, so its amax is the row's
+            q, s = quantize_per_channel(tensors[f"drafter.{name}"], 8, dtype)
+            return QuantWeight(q.to(dev), s.to(dev), 8, q.shape[1], dtype)
+
         def lin(name: str, bias: bool = True) -> Linear:
-            return Linear(take(f"{name}.weight"), take(f"{name}.bias") if bias else None, impl=linear)
+            return Linear(weight(f"{name}.weight"), take(f"{name}.bias") if bias else None, impl=linear)
 
         self.input_proj = lin("input_proj") if cfg.has_input_proj else None  # [exit_dim/tp, 2H]
         # ResBlocks [exit_dim/tp, exit_dim] with bias

@@ -159,6 +159,7 @@ class Engine:
         it: the measurement's steps are collective)."""
         key = costs.fingerprint(device=self.dist.device, engine=self._identity(), dtype=str(self.dtype),
                                 drafter_dtype=str(self.drafter.dtype) if self.drafter is not None else None,
+                                drafter_weights=self.drafter.weights if self.drafter is not None else None,
                                 kernels=self.kernels, linear=self.linear, compile=self.compiler.mode,
                                 threads=torch.get_num_threads(), tp=self.dist.world_size)
         return costs.load_or_measure(self.launcher, self.dist, self.engine_dir, key, self._free_slots,

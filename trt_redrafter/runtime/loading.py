@@ -96,9 +96,11 @@ def load_drafter(cfg: Optional[DrafterConfig], tensors: dict[str, torch.Tensor],
     d_dtype = torch_dtype(runtime.drafter_dtype) if runtime.drafter_dtype else \
         default_drafter_dtype(dist.device, dtype, linear)
     d_linear = linear if d_dtype == dtype else resolve_linear(runtime.linear, dist.device, d_dtype)
-    drafter = DrafterRank(cfg, tensors, dist, d_dtype, runtime.drafter_semantics or build.drafter_semantics, d_linear)
-    if drafter.dtype != dtype:
-        logger.info("drafter in %s (linear layers: %s)", drafter.dtype, drafter.linear)
+    drafter = DrafterRank(cfg, tensors, dist, d_dtype, runtime.drafter_semantics or build.drafter_semantics, d_linear,
+                          runtime.drafter_weights)
+    if drafter.dtype != dtype or drafter.weights:
+        logger.info("drafter in %s%s (linear layers: %s)", drafter.dtype,
+                    f", {drafter.weights} weights" if drafter.weights else "", drafter.linear)
     return drafter
 
 
