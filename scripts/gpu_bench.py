@@ -67,16 +67,17 @@ class Pair:
 
 
 def random_pair(shape: str, nb: int, dl: int, max_batch: int, max_input: int, max_seq: int, device: torch.device,
-                dtype: torch.dtype, seed: int, successor: bool = False) -> Pair:
+                dtype: torch.dtype, seed: int, successor: bool = False, draft_vocab: int = 0) -> Pair:
     """HF LlamaForCausalLM with HF's random init + an Apple-format drafter (fan-in scaled), both on `device`;
-    the engine's tensors are the checkpoint layout of the same weights (shared storage where the layout agrees)."""
+    the engine's tensors are the checkpoint layout of the same weights (shared storage where the layout agrees).
+    `draft_vocab` K > 0: the drafter's head scores only token ids 0..K-1 (a draft vocabulary, model/drafter.py)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     mkw, exit_dim, layers = SHAPES[shape]
     dname = str(dtype).removeprefix("torch.")
     model = ModelConfig(**mkw, dtype=dname)
     drafter = DrafterConfig(vocab_size=model.vocab_size, hidden_size=model.hidden_size, exit_dim=exit_dim,
-                            num_draft_layers=layers, rnn=True)
+                            num_draft_layers=layers, rnn=True, draft_vocab_size=draft_vocab)
     torch.manual_seed(seed)
     hf_cfg = LlamaConfig(vocab_size=model.vocab_size, hidden_size=model.hidden_size,
                          intermediate_size=model.intermediate_size, num_hidden_layers=model.num_hidden_layers,
@@ -99,13 +100,17 @@ def random_pair(shape: str, nb: int, dl: int, max_batch: int, max_input: int, ma
     apple = {k: t.to(device=device, dtype=dtype) for k, t in build_drafter_tensors(TinyConfig(
         seed=seed, vocab_size=model.vocab_size, hidden_size=model.hidden_size, exit_dim=exit_dim,
         drafter_layers=layers, rnn=True)).items()}
+    if draft_vocab:
+        head = f"lm_head.{layers}.weight"
+        apple[head] = apple[head][:draft_vocab].contiguous()
+        apple["draft_vocab"] = torch.arange(draft_vocab)
     tensors.update(shard_drafter(apple, drafter, m, lambda t: t))
     rd = ReDrafterConfig(num_beams=nb, draft_len_per_beam=dl)
     info = parse_checkpoint_config(build_pretrained_config(model, drafter, rd, 1), where="gpu_bench")
     build = BuildConfig(max_batch_size=max_batch, max_input_len=max_input, max_seq_len=max_seq, dtype=dname)
     cfg = EngineConfig(info, build, "torch", "gpu_bench", {}, rd, ProposerConfig().resolved(True, nb))
     base_bytes = sum(t.numel() * t.element_size() for t in sd.values())
-    drafter_bytes = sum(t.numel() * t.element_size() for t in apple.values())
+    drafter_bytes = sum(t.numel() * t.element_size() for k, t in apple.items() if k != "draft_vocab")
     return Pair(cfg, tensors, hf, base_bytes, drafter_bytes)
 
 
@@ -364,6 +369,10 @@ def main() -> int:
                     help="draft with a host oracle at this mean acceptance (tokens/step of a full tree) instead of "
                          "the random drafter, and compare --speculate full (every tree verified whole) with auto (the "
                          "speculation policy): ms/token per batch and where ReDrafter stops paying")
+    ap.add_argument("--drafter-weights", default="",
+                    help="comma-separated RuntimeConfig.drafter_weights values to compare ('' = as stored, int8)")
+    ap.add_argument("--draft-vocab", type=int, default=0,
+                    help="K > 0: the drafter's head scores K token ids (a draft vocabulary) instead of the vocabulary")
     ap.add_argument("--overheads", action="store_true",
                     help="also measure each engine's step cost model and print what speculating costs: the width-1 "
                          "tree step over the AR step (fixed cost) and each further verified node, per batch bucket")
@@ -379,7 +388,7 @@ def main() -> int:
     max_seq = args.prompt_len + args.max_tokens + 8
     t0 = time.perf_counter()
     pair = random_pair(args.shape, args.num_beams, dl, max(batches), args.prompt_len, max_seq, device, dtype,
-                       args.seed)
+                       args.seed, draft_vocab=args.draft_vocab)
     print(f"built the random pair in {time.perf_counter() - t0:.1f}s: base {pair.base_bytes / 1e9:.2f} GB, "
           f"drafter {pair.drafter_bytes / 1e9:.2f} GB", file=sys.stderr)
     bw = copy_bandwidth(device)
@@ -388,6 +397,7 @@ def main() -> int:
         "transformer.ln_f.weight"].element_size()
     doc = {"shape": args.shape, "dtype": args.dtype, "num_beams": args.num_beams, "beam_length": args.beam_length,
            "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "repeats": args.repeats,
+           "draft_vocab": args.draft_vocab,
            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
            "torch": torch.__version__, "copy_bandwidth_GBps": bw / 1e9, "base_GB": pair.base_bytes / 1e9,
            "drafter_GB": pair.drafter_bytes / 1e9, "runs": []}
@@ -400,9 +410,11 @@ def main() -> int:
         if b == 1:
             doc["hf_outputs_b1"] = hf_out
     calib_ids = prompts_for(8, args.prompt_len, m.vocab_size, args.seed + 13)
-    for quant, compile_mode, kernels in [(q, c, k) for q in args.quantize.split(",") for c in args.compile.split(",")
-                                         for k in args.kernels.split(",")]:
-        runtime = RuntimeConfig(device=device.type, compile=compile_mode, kernels=kernels, speculate="full")
+    for quant, compile_mode, kernels, dweights in [(q, c, k, w) for q in args.quantize.split(",")
+                                                   for c in args.compile.split(",") for k in args.kernels.split(",")
+                                                   for w in args.drafter_weights.split(",")]:
+        runtime = RuntimeConfig(device=device.type, compile=compile_mode, kernels=kernels, speculate="full",
+                                drafter_weights=dweights)
         t0 = time.perf_counter()
         cfg, tensors = quantized(pair, quant, calib_ids)
         engine = Engine(cfg, tensors, Dist(0, 1, device), runtime)
@@ -410,20 +422,22 @@ def main() -> int:
         warm = time.perf_counter() - t0
         if args.overheads:
             model = engine.cost_model()
-            doc.setdefault("overheads", {})[f"{quant},{compile_mode},{kernels}"] = model.overheads()
-            print(f"speculation overheads ({quant}, {engine.compiler.mode}, {engine.kernels}):\n"
+            doc.setdefault("overheads", {})[f"{quant},{compile_mode},{kernels},{dweights}"] = model.overheads()
+            print(f"speculation overheads ({quant}, {engine.compiler.mode}, {engine.kernels}, drafter weights "
+                  f"{dweights or 'as stored'}):\n"
                   f"{model.overhead_table()}\n{model.table()}", file=sys.stderr, flush=True)
         for b in batches:
             prompts = prompts_for(b, args.prompt_len, m.vocab_size, args.seed)
             ar = measure(engine, prompts, args.max_tokens, "ar", args.repeats)
             rd = measure(engine, prompts, args.max_tokens, "redrafter", args.repeats)
             floor_ms = (quantized_base_bytes(pair, cfg) + b * mean_ctx * kv_per_token) / bw * 1e3
-            row = {"quantize": quant, "kernels": engine.kernels, "compile": engine.compiler.mode, "batch": b, "warmup_s": warm,
+            row = {"quantize": quant, "drafter_weights": dweights, "kernels": engine.kernels, "compile": engine.compiler.mode, "batch": b, "warmup_s": warm,
                    "ar_step_ms": ar["step_ms"], "ar_tpot_ms": ar["tpot_ms"],
                    "rd_step_ms": rd["step_ms"], "rd_tpot_ms": rd["tpot_ms"], "rd_tokens_per_step": rd["tokens_per_step"],
                    "step_ratio": rd["step_ms"] / ar["step_ms"], "ar_roofline_ms": floor_ms,
                    "ar_fraction_of_roofline": floor_ms / ar["step_ms"],
-                   "rd_drafter_floor_ms": dl * pair.drafter_bytes / bw * 1e3,
+                   # int8 drafter weights: half the bytes (biases and scales aside)
+                   "rd_drafter_floor_ms": dl * pair.drafter_bytes * (0.5 if dweights == "int8" else 1) / bw * 1e3,
                    "projected_rd_ms_per_token": rd["step_ms"] / args.assumed_tokens_per_step,
                    "projected_speedup": ar["step_ms"] * args.assumed_tokens_per_step / rd["step_ms"],
                    "ar_equals_redrafter": [common_prefix(a, r) for a, r in zip(ar["outputs"], rd["outputs"])],
@@ -453,12 +467,12 @@ def main() -> int:
     print(f"\n{doc['device']}, {args.shape} {args.dtype}, nb={args.num_beams} beam length={args.beam_length}, "
           f"prompt {args.prompt_len} + {args.max_tokens} tokens; copy bandwidth {bw / 1e9:.0f} GB/s; "
           f"HF generate " + ", ".join(f"b{b}: {v:.2f} ms/token" for b, v in hf_ms.items()))
-    print("| base | compile | kernels | batch | AR step ms | roofline ms | AR % of roofline | RD step ms | RD/AR step | "
+    print("| base | drafter weights | compile | kernels | batch | AR step ms | roofline ms | AR % of roofline | RD step ms | RD/AR step | "
           "drafter floor ms | RD tokens/step (random) | projected RD ms/token @" f"{args.assumed_tokens_per_step} | "
           "projected speedup |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in doc["runs"]:
-        print(f"| {r['quantize']} | {r['compile']} | {r['kernels']} | {r['batch']} | {r['ar_step_ms']:.2f} | {r['ar_roofline_ms']:.2f} | "
+        print(f"| {r['quantize']} | {r['drafter_weights'] or 'as stored'} | {r['compile']} | {r['kernels']} | {r['batch']} | {r['ar_step_ms']:.2f} | {r['ar_roofline_ms']:.2f} | "
               f"{100 * r['ar_fraction_of_roofline']:.0f}% | {r['rd_step_ms']:.2f} | {r['step_ratio']:.2f} | "
               f"{r['rd_drafter_floor_ms']:.2f} | {r['rd_tokens_per_step']:.2f} | {r['projected_rd_ms_per_token']:.2f} | "
               f"{r['projected_speedup']:.2f} |")

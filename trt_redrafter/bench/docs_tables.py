@@ -192,6 +192,31 @@ def _gpu_step(docs: list[dict], names: tuple[str, ...]) -> list[str]:
     return out
 
 
+def _gpu_overheads(docs: list[dict], names: tuple[str, ...]) -> list[str]:
+    """What speculating costs on the GPU (`gpu_bench --overheads`): per drafter form, the cost model's width-1 tree
+    step over its AR step at the longer measured context, the whole-tree step of the timed decode, and the draft
+    phase at batch 1."""
+    out = _head("drafter head rows", "drafter weights", "batch", "AR step ms", "width-1 tree step ms",
+                "fixed cost (width 1 / AR)", "per verified node / AR", "tree step / AR step (decode)",
+                "draft phase ms (batch 1)", "json")
+    for doc, name in zip(docs, names):
+        vocab = doc.get("draft_vocab") or None
+        for key, rows in doc["overheads"].items():
+            weights = key.split(",")[3]
+            ctx = max(o["context"] for o in rows)
+            runs = {r["batch"]: r for r in doc["runs"] if r.get("drafter_weights", "") == weights}
+            for o in rows:
+                if o["context"] != ctx or o["batch"] not in runs:
+                    continue
+                r = runs[o["batch"]]
+                draft = r.get("phases_ms", {}).get("draft")
+                out.append(_row([f"{vocab} (draft vocabulary)" if vocab else "32000 (all)", weights or "bf16",
+                                 o["batch"], _f(o["ar_ms"]), _f(o["width1_ms"]), _f(o["fixed"]),
+                                 _f(o["per_node"], 4), _f(r["step_ratio"]), _f(draft) if draft else "",
+                                 _link(name)]))
+    return out
+
+
 def _oracle(docs: list[dict], names: tuple[str, ...]) -> list[str]:
     rates = [f"{d['oracle_tokens_per_step']:g}" for d in docs]
     cols = ["batch"]
@@ -338,6 +363,7 @@ TABLES = {t.name: t for t in (
     Table("gpu-h100-step", "docs/perf.md", ("gpu-h100-bench",), _gpu_step),
     Table("gpu-h200-oracle", "docs/perf.md", ("gpu-h200-oracle-1.6-rerun", "gpu-h200-oracle-3.5-rerun"), _oracle),
     Table("gpu-h200-quant", "docs/perf.md", ("gpu-h200-quant-wo", "gpu-h200-quant"), _gpu_quant),
+    Table("gpu-h200-overheads", "docs/perf.md", ("gpu-h200-drafter-v0", "gpu-h200-drafter-v8192"), _gpu_overheads),
     Table("gpu-h200-wo-layer", "docs/perf.md", ("gpu-h200-wo-tune",), _wo_layer),
     Table("drafter-scaling", "docs/models.md", ("drafter-scaling",), _drafter_scaling),
     Table("drafter-categories", "docs/models.md", ("drafter-mt-bench-80", "drafter-mt-bench-80-256-tokens",
