@@ -67,6 +67,15 @@ def test_parse_roundtrip(fmt):
     assert info.tp_size == 4 and info.architecture.startswith("ReDrafterFor") and "mapping" in info.raw
 
 
+@pytest.mark.parametrize("arch,bias,qk_norm", [("Qwen2ForCausalLM", True, False), ("Qwen3ForCausalLM", False, True)])
+def test_parse_roundtrip_of_a_qwen_base(arch, bias, qk_norm):
+    qwen = MODEL.replace(architecture=arch, attn_bias=bias, qk_layernorm=qk_norm, rotary_scaling=None)
+    cfg = build_pretrained_config(qwen, DRAFTER, RD, 2)
+    assert cfg["architecture"] == "ReDrafterForQWenLM" and cfg["qwen_type"] == arch[:5].lower()
+    info = parse_checkpoint_config(cfg, "cfg")
+    assert info.model == qwen and info.drafter == DRAFTER and info.redrafter == RD
+
+
 def test_parse_accepts_hf_style_rope_type():
     cfg = build_pretrained_config(MODEL, DRAFTER, RD, 1)
     cfg["rotary_scaling"] = {"rope_type": "dynamic", "factor": 2.0}  # how TensorRT-LLM copies a 4.x HF config
@@ -79,7 +88,7 @@ def test_parse_accepts_hf_style_rope_type():
     (lambda c: c.update(dtype="int8"), "dtype"),
     (lambda c: c["mapping"].update(pp_size=2), "pp_size"),
     (lambda c: c.update(redrafter_num_beams=0), "num_beams"),
-    (lambda c: c.update(base_model_architecture="Qwen2ForCausalLM"), "Qwen2ForCausalLM"),
+    (lambda c: c.update(base_model_architecture="MistralForCausalLM"), "MistralForCausalLM"),
 ])
 def test_parse_refusals(mutate, needle):
     cfg = build_pretrained_config(MODEL, DRAFTER, RD, 2)

@@ -54,8 +54,9 @@ def check_roundtrip(pair, ckpt, tp):
     for name, t in apple.items():
         assert torch.equal(drafter[name], t), name
     # nothing but the tables' tensors is written
-    names = {n for n, _, _ in sharding.base_name_table(info.model.num_hidden_layers)}
-    names |= {f"transformer.layers.{i}.{sharding.QKV_NAME}" for i in range(info.model.num_hidden_layers)}
+    names = {n for n, _, _ in sharding.base_name_table(info.model)}
+    names |= {f"transformer.layers.{i}.{t}" for i in range(info.model.num_hidden_layers)
+              for t, _ in sharding.qkv_table(info.model)}
     names |= {"lm_head.weight"} | {n for n, _ in sharding.drafter_name_table(info.drafter)}
     assert all(set(r) == names for r in ranks)
     return info, ranks
@@ -135,10 +136,15 @@ def test_dtype_casting(tiny_pair, tmp_path, dtype, td):
             assert t.dtype == td and torch.equal(t, ref[r][n].to(td)), n
 
 
-def test_two_step_equals_one_step(tiny_pair, tmp_path):
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_two_step_equals_one_step(make_tiny_pair, tmp_path, family):
+    """A base checkpoint as TensorRT-LLM's Llama / Qwen converter writes it, then the drafter added (`--base-checkpoint`,
+    examples/redrafter/convert_checkpoint.py): the same files as the one-step conversion."""
+    tiny_pair = make_tiny_pair(family=family)
     base = convert_base_checkpoint(tiny_pair / "base", tmp_path / "base-ckpt", tp=2, dtype="float32")
     base_cfg = json.loads((base / "config.json").read_text())
-    assert base_cfg["architecture"] == "LlamaForCausalLM" and not any(k in base_cfg for k in REDRAFTER_KEYS)
+    assert base_cfg["architecture"] == json.loads((tiny_pair / "base" / "config.json").read_text())["architectures"][0]
+    assert not any(k in base_cfg for k in REDRAFTER_KEYS)
     two = convert_checkpoint(tiny_pair / "drafter", tmp_path / "two", ConvertConfig(), RD, base_checkpoint=base)
     one = convert(tiny_pair, tmp_path / "one", 2)
     assert (two / "config.json").read_bytes() == (one / "config.json").read_bytes()

@@ -145,3 +145,21 @@ def test_cuda_cost_model_is_measured_under_cuda_graphs(tiny):
     model = costs.measure(engine.launcher, engine.dist, engine._free_slots, engine.build.max_seq_len, True)
     assert model.batches[0] == 1 and model.widths[0] == 1
     assert all(o["ar_ms"] > 0 and o["width1_ms"] > 0 for o in model.overheads())
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("compile", ["off", "cudagraphs"])
+def test_cuda_qwen_greedy_redrafter_equals_ar_equals_hf(tmp_path_factory, family, compile):
+    """A Qwen base (q/k/v biases, or per-head q/k norms) on CUDA with the Triton kernels: greedy ReDrafter == AR ==
+    the CPU engine == HF generate."""
+    base, engines = build_tiny_engines(tmp_path_factory.mktemp(family), seed=5, num_beams=4, draft_len=3,
+                                       hidden_size=128, num_heads=4, num_kv_heads=2, max_batch_size=4, family=family)
+    prompts = random_prompts(384, PROMPT_LENS, seed=1)
+    repeated = [(p * 4)[:16] for p in prompts]  # repeated text: the N-gram proposer's drafts are accepted
+    hf = [hf_greedy(base, p, 24) for p in repeated]
+    engine = load_engine(engines[1], device="cuda", compile=compile, kernels="triton")
+    ar = [r.output_ids for r in generate(engine, repeated, greedy(24), "ar")]
+    rd = generate(engine, repeated, greedy(24), "redrafter")
+    ng = generate(engine, repeated, greedy(24), "redrafter", proposer="ngram")
+    assert ar == hf and [r.output_ids for r in rd] == hf and [r.output_ids for r in ng] == hf
+    assert sum(r.draft_tokens for r in rd) > 0 and sum(r.accepted_draft_tokens for r in ng) > 0

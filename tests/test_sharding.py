@@ -64,7 +64,8 @@ def test_qkv_roundtrip(nh, nkv, tp):
 
 def test_lm_head_zero_padding_roundtrip():
     cfg = model_cfg(vocab_size=10)
-    table = {n: torch.randn(8, 8) for _, n, _ in sh.base_name_table(1)}  # o_proj [H, H]; others replaced below
+    assert cfg.num_hidden_layers == 1
+    table = {n: torch.randn(8, 8) for _, n, _ in sh.base_name_table(cfg)}  # o_proj [H, H]; others replaced below
     table.update({n: torch.randn(s, 8) for n, s in zip([f"model.layers.0.{h}" for h in sh.QKV_HF], (8, 4, 4))})
     table["model.layers.0.mlp.gate_proj.weight"] = torch.randn(12, 8)
     table["model.layers.0.mlp.up_proj.weight"] = torch.randn(12, 8)

@@ -1,4 +1,4 @@
-"""trt-redrafter: ReDrafter speculative decoding engines for Llama/Vicuna, served by Triton, measured against AR.
+"""trt-redrafter: ReDrafter speculative decoding engines for Llama/Vicuna and Qwen, served by Triton, measured against AR.
 
 The package in layers, lowest first. A module imports only from its own layer or the layers below it (at module
 level and inside functions alike), and no two modules import each other, directly or around a circle;
@@ -10,8 +10,8 @@ tests/test_layers.py walks every import and holds the code to this list.
     kernels      decoding, cpu, plugins
                  the ReDrafter math without a model (beam search, trees, acceptance, sampling); the CPU (C++) and
                  CUDA (OpenAI Triton) kernels, each with its oracle in `decoding` or `model`
-    config       config
-                 every user-facing configuration type and its CLI flags
+    config       config, families
+                 every user-facing configuration type and its CLI flags; the base-model families (Llama, Qwen)
     artifacts    checkpoint
                  HF and Apple readers, TP sharding, TensorRT-LLM's checkpoint format, the engine directory's schema
     model        model
@@ -32,7 +32,7 @@ __version__ = "0.1.0"
 LAYERS = (
     ("errors", "log", "fsutil", "rope", "chat", "datasets", "prompt_args"),
     ("decoding", "cpu", "plugins"),
-    ("config",),
+    ("config", "families"),
     ("checkpoint",),
     ("model",),
     ("runtime",),

@@ -27,6 +27,7 @@ from typing import Any, ClassVar, Literal, Optional, Sequence, get_args
 import yaml
 
 from .errors import UserError
+from .families import ARCHITECTURES
 
 DTYPES = ("float16", "bfloat16", "float32")
 
@@ -220,7 +221,8 @@ def check_positive(section: str, name: str, value: Any) -> None:
 
 @dataclass
 class ModelConfig(ConfigBase):
-    """The base Llama/Vicuna model, in TensorRT-LLM's vocabulary (`norm_epsilon`, `rotary_base`, ...)."""
+    """The base model (a Llama-family decoder: Llama/Vicuna, Qwen2, Qwen3), in TensorRT-LLM's vocabulary
+    (`norm_epsilon`, `rotary_base`, `attn_bias`, ...)."""
 
     SECTION: ClassVar[str] = "model"
 
@@ -239,7 +241,10 @@ class ModelConfig(ConfigBase):
     hidden_act: str = option("silu", help="MLP activation")
     tie_word_embeddings: bool = option(False, help="lm_head shares the embedding matrix")
     dtype: str = option("float16", help="weight dtype", choices=DTYPES)
-    architecture: str = option("LlamaForCausalLM", help="Hugging Face architecture of the base model")
+    architecture: str = option("LlamaForCausalLM", help="Hugging Face architecture of the base model (its family: "
+                                                        "trt_redrafter/families.py)", choices=ARCHITECTURES)
+    attn_bias: bool = option(False, help="q/k/v projections have a bias (Qwen2)")
+    qk_layernorm: bool = option(False, help="RMSNorm over each head of q and k before RoPE (Qwen3)")
 
     def __post_init__(self):
         if not self.head_size and self.num_attention_heads:

@@ -122,7 +122,7 @@ def trtllm_build_argv(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, b
 
 def check_buildable(info, build: BuildConfig, ckpt_dir: Path) -> None:
     """What TensorRT-LLM 1.0-1.2 would refuse late (or with a raw traceback), refused before it is imported."""
-    from ..checkpoint.trtllm_config import REDRAFTER_ARCH
+    from ..checkpoint.trtllm_config import LEGACY_ARCH, redrafter_architecture
 
     where = f"{ckpt_dir}/config.json"
     if info.drafter is not None and info.drafter.replicated:
@@ -136,11 +136,17 @@ def check_buildable(info, build: BuildConfig, ckpt_dir: Path) -> None:
                         f"TensorRT-LLM's weight-only build does not do; use --backend torch, or re-convert without "
                         f"--quantize-lm-head.")
     # a plain LLaMA checkpoint (no drafter) builds TensorRT-LLM's auto-regressive engine: the AR baseline
-    if info.redrafter is not None and info.architecture != REDRAFTER_ARCH["1.x"]:
+    if info.redrafter is not None and info.architecture == LEGACY_ARCH:
         # PretrainedConfig.from_dict indexes MODEL_MAP[config['architecture']] first: a bare KeyError otherwise
         raise UserError(f"{where} has architecture {info.architecture!r}, the legacy format of TensorRT-LLM <= 0.21, "
                         f"which TensorRT-LLM {TRTLLM_SUPPORTED} cannot load; re-convert with --trtllm-format 1.x "
-                        f"(architecture {REDRAFTER_ARCH['1.x']}).")
+                        f"(architecture {redrafter_architecture(info.model.architecture, '1.x')}).")
+    if info.redrafter is not None and info.model.qk_layernorm:
+        # examples/redrafter/convert_checkpoint.py @31a9cd42: REDRAFTER_MAP = {QWenForCausalLM, Qwen2ForCausalLM:
+        # ReDrafterForQWenLM, LlamaForCausalLM: ReDrafterForLLaMALM}; a Qwen3 base is a KeyError there
+        raise UserError(f"{where}: a Qwen3 base, which TensorRT-LLM's own ReDrafter converter does not take "
+                        f"(REDRAFTER_MAP in examples/redrafter/convert_checkpoint.py has Qwen and Qwen2 only), so no "
+                        f"TensorRT-LLM ReDrafter engine of it is known to work; use --backend torch.")
     head = info.model.head_size
     if head not in MMHA_HEAD_SIZES:
         raise UserError(f"{where} has head size {head} (hidden {info.model.hidden_size} / "

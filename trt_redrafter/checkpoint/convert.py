@@ -32,7 +32,7 @@ from .drafter import DrafterCheckpoint, read_drafter
 from .hf import HFCheckpoint, read_hf_model
 from .quantization import GROUP_SIZES, MODES, check_group_size, parse_quantization, store_quantized
 from .sharding import Mapping
-from .trtllm_config import (FORMATS, add_redrafter_keys, build_pretrained_config, llama_pretrained_config,
+from .trtllm_config import (FORMATS, add_redrafter_keys, base_pretrained_config, build_pretrained_config,
                             read_trtllm_checkpoint, write_config)
 
 log = get_logger(__name__)
@@ -181,7 +181,7 @@ def _calibration(hf: HFCheckpoint, config: dict, tp: int, calibrate: Optional[Ca
 def _open_hf(base_model: Path, dtype: str, recipe_model: dict | None, recipe_where: str) -> HFCheckpoint:
     hf = read_hf_model(base_model, dtype or DEFAULT_DTYPE)
     check_recipe_model(recipe_model, hf.config, recipe_where)
-    missing = hf.missing(sharding.base_hf_names(hf.config.num_hidden_layers) + ["lm_head.weight"])
+    missing = hf.missing(sharding.base_hf_names(hf.config) + ["lm_head.weight"])
     if missing:
         raise UserError(f"base model {base_model} is missing tensor(s) {', '.join(missing[:12])}"
                         f"{' ...' if len(missing) > 12 else ''}.")
@@ -200,13 +200,13 @@ def convert_base_checkpoint(base_model: str | Path, output: str | Path, tp: int 
     _refuse_existing(output, force)
     hf = _open_hf(Path(base_model), dtype, None, "")
     sharding.check_tp(tp, hf.config)
-    config = llama_pretrained_config(hf.config, tp, "1.x", quantize, quantize_lm_head, group_size)
+    config = base_pretrained_config(hf.config, tp, "1.x", quantize, quantize_lm_head, group_size)
     cast = _caster(hf.config.dtype)
     calib = _calibration(hf, config, tp, calibrate)
     with atomic_output_dir(output, force=force, what="checkpoint") as tmp:
         write_config(tmp / "config.json", config)
         _write_ranks(tmp, tp, workers, lambda m: _base_rank(hf, cast, m, config, calib))
-    log.info("wrote TensorRT-LLM LLaMA checkpoint %s (tp=%d, %s)", output, tp, hf.config.dtype)
+    log.info("wrote TensorRT-LLM %s checkpoint %s (tp=%d, %s)", hf.config.architecture, output, tp, hf.config.dtype)
     return output
 
 

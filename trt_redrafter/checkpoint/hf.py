@@ -1,4 +1,5 @@
-"""Read a Hugging Face Llama/Vicuna directory: its config as a `ModelConfig` and its tensors, lazily.
+"""Read a Hugging Face Llama/Vicuna, Qwen2/Qwen2.5 or Qwen3 directory: its config as a `ModelConfig` and its
+tensors, lazily.
 
 Accepts what transformers 4.x and 5.x write: `torch_dtype` or `dtype`; `rope_theta`/`rope_scaling` (4.x) or
 `rope_parameters` (5.x, theta inside); `head_dim`; one `model.safetensors` or shards with
@@ -20,6 +21,7 @@ from safetensors import SafetensorError, safe_open
 
 from ..config import DTYPES, ModelConfig
 from ..errors import UserError
+from ..families import FAMILIES, LLAMA, Family
 from ..fsutil import read_json
 from ..log import get_logger
 from ..rope import SUPPORTED_SCALING
@@ -28,7 +30,6 @@ log = get_logger(__name__)
 
 SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
 TORCH_BIN, TORCH_BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
-LLAMA_ARCHITECTURES = ("LlamaForCausalLM",)
 # HF torch_dtype strings -> our names (HF writes "float16", "bfloat16", "float32"; old files may say "fp16")
 _DTYPE_ALIASES = {"fp16": "float16", "half": "float16", "bf16": "bfloat16", "fp32": "float32", "float": "float32"}
 
@@ -68,16 +69,30 @@ def normalize_dtype(value: Any, where: str) -> Optional[str]:
     return name
 
 
+def family_from_hf(cfg: dict, where: str) -> Family:
+    """The family of an HF config.json dict, by `architectures[0]` (else `model_type`; neither: Llama, as old Vicuna
+    files have none)."""
+    archs = cfg.get("architectures") or []
+    for f in FAMILIES:
+        if (archs and archs[0] == f.architecture) or (not archs and cfg.get("model_type") == f.model_type):
+            return f
+    if not archs and cfg.get("model_type") is None:
+        return LLAMA
+    raise UserError(f"{where}: architecture {(archs or [cfg.get('model_type')])[0]!r} is not supported; this "
+                    f"converter handles {', '.join(f.architecture for f in FAMILIES)} (Vicuna is a Llama).")
+
+
 def model_config_from_hf(cfg: dict, where: str, dtype: str | None = None) -> ModelConfig:
-    """A `ModelConfig` from an HF Llama config.json dict; `dtype` overrides the stored one."""
-    arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
-    if arch not in LLAMA_ARCHITECTURES and cfg.get("model_type") != "llama":
-        raise UserError(f"{where}: architecture {arch!r} is not a Llama model; this converter handles "
-                        f"{', '.join(LLAMA_ARCHITECTURES)} (Vicuna is one).")
+    """A `ModelConfig` from an HF config.json dict of a supported family; `dtype` overrides the stored one."""
+    family = family_from_hf(cfg, where)
     missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                            "num_attention_heads") if k not in cfg]
     if missing:
-        raise UserError(f"{where}: missing key(s) {', '.join(missing)}; is this a Hugging Face Llama config.json?")
+        raise UserError(f"{where}: missing key(s) {', '.join(missing)}; is this a Hugging Face "
+                        f"{family.architecture} config.json?")
+    if cfg.get("use_sliding_window"):
+        raise UserError(f"{where}: use_sliding_window is true; this runtime attends to the whole context and cannot "
+                        f"honour a sliding window (Qwen2.5 checkpoints set it false).")
     base, scaling = rope_from_hf(cfg, where)
     stored = normalize_dtype(cfg.get("dtype", cfg.get("torch_dtype")), where)
     heads = cfg["num_attention_heads"]
@@ -89,14 +104,16 @@ def model_config_from_hf(cfg: dict, where: str, dtype: str | None = None) -> Mod
         max_position_embeddings=cfg.get("max_position_embeddings", 2048),
         norm_epsilon=float(cfg.get("rms_norm_eps", 1e-6)), rotary_base=base, rotary_scaling=scaling,
         hidden_act=cfg.get("hidden_act", "silu"), tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        dtype=dtype or stored or "float16", architecture="LlamaForCausalLM",
+        dtype=dtype or stored or "float16", architecture=family.architecture,
+        attn_bias=family.attn_bias or bool(cfg.get("attention_bias", False)), qk_layernorm=family.qk_layernorm,
     )
     return ModelConfig.from_dict(d, where=where)
 
 
 @dataclass
 class HFCheckpoint:
-    """A Llama directory: config plus a lazy tensor accessor. `get("lm_head.weight")` resolves tied embeddings."""
+    """A base model directory: config plus a lazy tensor accessor. `get("lm_head.weight")` resolves tied
+    embeddings."""
 
     path: Path
     config: ModelConfig
@@ -174,7 +191,8 @@ def _weight_map(path: Path) -> dict[str, str]:
 
 
 def read_hf_model(path: str | Path, dtype: str | None = None) -> HFCheckpoint:
-    """Open a Hugging Face Llama directory. `dtype` (if given) becomes `config.dtype`; tensors stay as stored."""
+    """Open a Hugging Face base model directory. `dtype` (if given) becomes `config.dtype`; tensors stay as
+    stored."""
     path = Path(path)
     if not path.is_dir():
         raise UserError(f"base model directory {path} does not exist.")
@@ -182,7 +200,8 @@ def read_hf_model(path: str | Path, dtype: str | None = None) -> HFCheckpoint:
     cfg = model_config_from_hf(raw, str(path / "config.json"), dtype)
     ckpt = HFCheckpoint(path, cfg, normalize_dtype(raw.get("dtype", raw.get("torch_dtype")), str(path)),
                         _weight_map(path))
-    log.info("base model %s: %d layers, H=%d, V=%d, %d heads (%d kv), %s embeddings", path, cfg.num_hidden_layers,
+    log.info("base model %s: %s, %d layers, H=%d, V=%d, %d heads (%d kv), %s embeddings", path, cfg.architecture,
+             cfg.num_hidden_layers,
              cfg.hidden_size, cfg.vocab_size, cfg.num_attention_heads, cfg.num_key_value_heads,
              "tied" if ckpt.tied else "untied")
     return ckpt

@@ -1,4 +1,4 @@
-"""Tensor-parallel sharding of Llama + drafter weights, by TensorRT-LLM's rules. Pure functions, no I/O.
+"""Tensor-parallel sharding of Llama-family (Llama, Qwen2, Qwen3) + drafter weights, by TensorRT-LLM's rules. Pure functions, no I/O.
 
 TP is data: a `Mapping(tp_size, rank)` and functions from full tensors to the rank's slice (and back, for tests
 and for tools that need full weights). The rules follow TensorRT-LLM's LLaMA converter (`load_weights_from_hf_model`
@@ -7,7 +7,7 @@ and the unified `ModelWeightsLoader`) and the ReDrafter converter's `hf_drafter`
 - column-parallel linears (qkv, mlp.fc, mlp.gate, lm_head, every drafter linear) split the output dim 0;
 - row-parallel linears (attention.dense, mlp.proj) split the input dim 1;
 - norms and the vocabulary embedding are replicated (no `use_parallel_embedding`);
-- q, k and v are split separately and concatenated per rank `[q/tp ; k/tp ; v/tp]`; when num_kv_heads < tp each KV
+- q, k and v (weights, and Qwen2's biases) are split separately and concatenated per rank `[q/tp ; k/tp ; v/tp]`; when num_kv_heads < tp each KV
   head is first repeated tp/num_kv_heads times in place (`dup_kv_weight`), so rank r holds kv head r*nkv//tp;
 - the base lm_head is zero-padded to Vp = ceil(V/tp)*tp rows before its dim-0 split; the drafter lm_head is not
   padded (TensorRT-LLM splits it as is, so V % tp == 0 is required; see `check_tp`).
@@ -41,6 +41,14 @@ BASE_LAYER_MAP: tuple[tuple[str, str, Optional[int]], ...] = (
 )
 QKV_NAME = "attention.qkv.weight"
 QKV_HF = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
+# Qwen2 (ModelConfig.attn_bias): q/k/v biases, fused and split per rank as the weight's rows
+QKV_BIAS_NAME = "attention.qkv.bias"
+QKV_BIAS_HF = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
+# Qwen3 (ModelConfig.qk_layernorm): one RMSNorm gain per head dimension for q and one for k, replicated
+QK_NORM_MAP: tuple[tuple[str, str, Optional[int]], ...] = (
+    ("attention.q_layernorm.weight", "self_attn.q_norm.weight", REPLICATED),
+    ("attention.k_layernorm.weight", "self_attn.k_norm.weight", REPLICATED),
+)
 
 # whole-model tensors other than lm_head (which is padded first, see `shard_base`)
 BASE_GLOBAL_MAP: tuple[tuple[str, str, Optional[int]], ...] = (
@@ -109,14 +117,19 @@ def undup_kv(w: torch.Tensor, num_kv_heads: int, tp: int) -> torch.Tensor:
 
 
 def shard_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_kv_heads: int, m: Mapping) -> torch.Tensor:
-    """q [nh*D, H], k/v [nkv*D, H] -> this rank's fused [(nh/tp + 2*max(nkv/tp, 1))*D, H]."""
+    """q [nh*D, H], k/v [nkv*D, H] -> this rank's fused [(nh/tp + 2*max(nkv/tp, 1))*D, H]; biases ([nh*D],
+    [nkv*D]) the same way, one value per row."""
+    if q.dim() == 1:
+        return shard_qkv(q[:, None], k[:, None], v[:, None], num_kv_heads, m)[:, 0].contiguous()
     if num_kv_heads < m.tp_size:
         k, v = dup_kv(k, num_kv_heads, m.tp_size), dup_kv(v, num_kv_heads, m.tp_size)
     return torch.cat([split(t, m.tp_size, m.rank, COLUMN) for t in (q, k, v)], dim=0).contiguous()
 
 
 def unshard_qkv(shards: list[torch.Tensor], cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rebuild full q, k, v from every rank's fused qkv."""
+    """Rebuild full q, k, v (weights, or biases) from every rank's fused qkv."""
+    if shards[0].dim() == 1:
+        return tuple(t[:, 0] for t in unshard_qkv([s[:, None] for s in shards], cfg))
     tp, d = len(shards), cfg.head_size
     nq = cfg.num_attention_heads // tp * d  # q rows per rank
     nkv = max(cfg.num_key_value_heads // tp, 1) * d  # k (and v) rows per rank
@@ -132,18 +145,25 @@ def unshard_qkv(shards: list[torch.Tensor], cfg: ModelConfig) -> tuple[torch.Ten
 
 # ---- whole-model tables ---------------------------------------------------------------------------------------
 
-def base_name_table(num_layers: int) -> list[tuple[str, str, Optional[int]]]:
-    """Every (TensorRT-LLM name, HF name, split dim) of the base model except qkv and lm_head."""
+def base_name_table(cfg: ModelConfig) -> list[tuple[str, str, Optional[int]]]:
+    """Every (TensorRT-LLM name, HF name, split dim) of the base model except the fused qkv and lm_head."""
     rows = list(BASE_GLOBAL_MAP)
-    for i in range(num_layers):
-        rows += [(f"transformer.layers.{i}.{t}", f"model.layers.{i}.{h}", dim) for t, h, dim in BASE_LAYER_MAP]
+    layer_map = BASE_LAYER_MAP + (QK_NORM_MAP if cfg.qk_layernorm else ())
+    for i in range(cfg.num_hidden_layers):
+        rows += [(f"transformer.layers.{i}.{t}", f"model.layers.{i}.{h}", dim) for t, h, dim in layer_map]
     return rows
 
 
-def base_hf_names(num_layers: int) -> list[str]:
+def qkv_table(cfg: ModelConfig) -> list[tuple[str, tuple[str, str, str]]]:
+    """(TensorRT-LLM suffix, HF q/k/v suffixes) of the fused q/k/v tensors of a layer: the weight, and the bias where
+    the family has one."""
+    return [(QKV_NAME, QKV_HF)] + ([(QKV_BIAS_NAME, QKV_BIAS_HF)] if cfg.attn_bias else [])
+
+
+def base_hf_names(cfg: ModelConfig) -> list[str]:
     """HF tensor names the base conversion reads (lm_head may come from the embedding when tied)."""
-    names = [h for _, h, _ in base_name_table(num_layers)]
-    names += [f"model.layers.{i}.{h}" for i in range(num_layers) for h in QKV_HF]
+    names = [h for _, h, _ in base_name_table(cfg)]
+    names += [f"model.layers.{i}.{h}" for i in range(cfg.num_hidden_layers) for _, hs in qkv_table(cfg) for h in hs]
     return names
 
 
@@ -151,11 +171,12 @@ def shard_base(get: Callable[[str], torch.Tensor], cfg: ModelConfig, m: Mapping,
                cast: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, torch.Tensor]:
     """One rank's TensorRT-LLM base tensors. `get(hf_name)` returns a full HF tensor (lm_head.weight resolved)."""
     out: dict[str, torch.Tensor] = {}
-    for trt, hf, dim in base_name_table(cfg.num_hidden_layers):
+    for trt, hf, dim in base_name_table(cfg):
         out[trt] = cast(split(get(hf), m.tp_size, m.rank, dim))
     for i in range(cfg.num_hidden_layers):
-        q, k, v = (get(f"model.layers.{i}.{h}") for h in QKV_HF)
-        out[f"transformer.layers.{i}.{QKV_NAME}"] = cast(shard_qkv(q, k, v, cfg.num_key_value_heads, m))
+        for trt, hfs in qkv_table(cfg):
+            q, k, v = (get(f"model.layers.{i}.{h}") for h in hfs)
+            out[f"transformer.layers.{i}.{trt}"] = cast(shard_qkv(q, k, v, cfg.num_key_value_heads, m))
     out[LM_HEAD[0]] = cast(split(pad_vocab(get(LM_HEAD[1]), m.tp_size), m.tp_size, m.rank, COLUMN))  # [Vp/tp, H]
     return out
 
@@ -163,12 +184,13 @@ def shard_base(get: Callable[[str], torch.Tensor], cfg: ModelConfig, m: Mapping,
 def unshard_base(ranks: list[TMapping[str, torch.Tensor]], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Full HF-named base tensors rebuilt from every rank's TensorRT-LLM tensors (inverse of `shard_base`)."""
     full: dict[str, torch.Tensor] = {}
-    for trt, hf, dim in base_name_table(cfg.num_hidden_layers):
+    for trt, hf, dim in base_name_table(cfg):
         full[hf] = unsplit([r[trt] for r in ranks], dim)
     for i in range(cfg.num_hidden_layers):
-        q, k, v = unshard_qkv([r[f"transformer.layers.{i}.{QKV_NAME}"] for r in ranks], cfg)
-        for h, t in zip(QKV_HF, (q, k, v)):
-            full[f"model.layers.{i}.{h}"] = t
+        for trt, hfs in qkv_table(cfg):
+            q, k, v = unshard_qkv([r[f"transformer.layers.{i}.{trt}"] for r in ranks], cfg)
+            for h, t in zip(hfs, (q, k, v)):
+                full[f"model.layers.{i}.{h}"] = t
     lm = unsplit([r[LM_HEAD[0]] for r in ranks], COLUMN)  # [Vp, H]
     assert not lm[cfg.vocab_size:].any(), "vocab padding rows of lm_head are not zero"
     full[LM_HEAD[1]] = lm[:cfg.vocab_size]

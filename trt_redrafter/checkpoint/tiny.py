@@ -1,4 +1,5 @@
-"""A tiny random Llama (HF format) + matching Apple-format drafter, for tests and demos. No downloads.
+"""A tiny random Llama, Qwen2 or Qwen3 (HF format) + matching Apple-format drafter, for tests and demos. No
+downloads.
 
 Layout written under DIR:
     base/      config.json, model.safetensors (fp32), generation_config.json, tokenizer files
@@ -27,6 +28,7 @@ from safetensors.torch import save_file
 
 from ..config import ConfigBase, option
 from ..errors import UserError
+from ..families import FAMILIES
 from ..fsutil import atomic_output_dir, write_json
 from ..log import get_logger
 from .tokenizer_files import save_tokenizer
@@ -59,6 +61,8 @@ class TinyConfig(ConfigBase):
     exit_dim: int = option(0, help="drafter ResBlock width; 0 means 2*hidden_size (no input_proj)")
     rnn: bool = option(True, help="recurrent drafter (rnn_u/rnn_w)")
     tie_word_embeddings: bool = option(False, help="lm_head shares the embedding matrix")
+    family: str = option("llama", help="the base's family: llama, qwen2 (q/k/v biases) or qwen3 (per-head q/k "
+                                       "norms)", choices=tuple(f.model_type for f in FAMILIES))
 
     def validate(self) -> None:
         super().validate()
@@ -122,21 +126,28 @@ def build_tokenizer(vocab_size: int, texts: list[str] | None = None):
 
 
 def build_base_model(t: TinyConfig):
-    """`LlamaForCausalLM` with random fp32 weights drawn under `t.seed`."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """The family's HF causal LM (`LlamaForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`) with random fp32
+    weights drawn under `t.seed`."""
+    import transformers
 
-    cfg = LlamaConfig(vocab_size=t.vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
-                      num_hidden_layers=t.num_layers, num_attention_heads=t.num_heads,
-                      num_key_value_heads=t.num_kv_heads, max_position_embeddings=t.max_position_embeddings,
-                      rms_norm_eps=1e-6, initializer_range=0.1, tie_word_embeddings=t.tie_word_embeddings,
-                      bos_token_id=1, eos_token_id=2, pad_token_id=3)
+    family = next(f for f in FAMILIES if f.model_type == t.family)
+    kw = dict(vocab_size=t.vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
+              num_hidden_layers=t.num_layers, num_attention_heads=t.num_heads, num_key_value_heads=t.num_kv_heads,
+              max_position_embeddings=t.max_position_embeddings, rms_norm_eps=1e-6, initializer_range=0.1,
+              tie_word_embeddings=t.tie_word_embeddings, bos_token_id=1, eos_token_id=2, pad_token_id=3)
+    if family.qk_layernorm:
+        kw["head_dim"] = t.hidden_size // t.num_heads
+    name = family.architecture.removesuffix("ForCausalLM")
+    cfg = getattr(transformers, f"{name}Config")(**kw)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(t.seed)
-        model = LlamaForCausalLM(cfg).to(torch.float32)
+        model = getattr(transformers, family.architecture)(cfg).to(torch.float32)
         with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("norm.weight"):  # [H]: gains != 1 so a misplaced norm is visible
+            for pname, p in model.named_parameters():
+                if pname.endswith("norm.weight"):  # gains != 1 so a misplaced norm is visible
                     p.copy_(1.0 + 0.1 * torch.randn(p.shape))
+                elif pname.endswith("_proj.bias"):  # HF starts biases at 0: random, so a lost bias is visible
+                    p.copy_(0.5 * torch.randn(p.shape))
     return model.eval()
 
 
@@ -184,6 +195,6 @@ def make_tiny(output: str | Path, t: TinyConfig | None = None, force: bool = Fal
             json.dump(drafter_config_json(t), f, indent=2)
         save_file(drafter, str(tmp / "drafter" / "model.safetensors"), metadata={"format": "pt"})
         write_json(tmp / "make_tiny.json", t.to_dict())
-    log.info("wrote tiny Llama + drafter to %s (V=%d, H=%d, %d layers)", output, t.vocab_size, t.hidden_size,
+    log.info("wrote tiny %s + drafter to %s (V=%d, H=%d, %d layers)", t.family, output, t.vocab_size, t.hidden_size,
              t.num_layers)
     return output

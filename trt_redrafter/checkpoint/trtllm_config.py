@@ -27,11 +27,14 @@ from typing import Any, Optional
 
 from ..config import DTYPES, DrafterConfig, ModelConfig, ReDrafterConfig
 from ..errors import UserError
+from ..families import ARCHITECTURES, FAMILIES, LLAMA, family_of
 from ..fsutil import read_json
 from .quantization import DEFAULT_EXCLUDE, Quantization, parse_quantization, quantization_section
 
 FORMATS = ("1.x", "legacy")
-REDRAFTER_ARCH = {"1.x": "ReDrafterForLLaMALM", "legacy": "ReDrafterForCausalLM"}
+LEGACY_ARCH = "ReDrafterForCausalLM"  # TensorRT-LLM 0.12-0.21's one-step format: Llama bases only
+# the 1.x format's architecture is the base family's (families.py): ReDrafterForLLaMALM, ReDrafterForQWenLM
+REDRAFTER_ARCHITECTURES = tuple(dict.fromkeys(f.redrafter_architecture for f in FAMILIES)) + (LEGACY_ARCH,)
 # a drafter whose head scores a frequency-ranked draft vocabulary (tensor `drafter.draft_vocab`): this project's
 # runtime only; absent for Apple-format drafters, so every other checkpoint is TensorRT-LLM's format unchanged
 DRAFT_VOCAB_KEY = "redrafter_draft_vocab_size"
@@ -144,11 +147,59 @@ def llama_pretrained_config(m: ModelConfig, tp: int, fmt: str = "1.x", quantize:
     return {**llama, **generic, "tie_word_embeddings": m.tie_word_embeddings}
 
 
+def redrafter_architecture(base_architecture: str, fmt: str) -> str:
+    """The ReDrafter architecture TensorRT-LLM's converter writes over this base in format `fmt`."""
+    family = family_of(base_architecture)
+    if fmt == "legacy":
+        if family is not LLAMA:
+            raise UserError(f"--trtllm-format legacy writes TensorRT-LLM 0.12-0.21's {LEGACY_ARCH}, which takes Llama "
+                            f"bases only; a {base_architecture} base needs --trtllm-format 1.x "
+                            f"({family.redrafter_architecture}).")
+        return LEGACY_ARCH
+    return family.redrafter_architecture
+
+
+# TensorRT-LLM's QWenConfig (tensorrt_llm/models/qwen/config.py @373970a8): its own fields first (set before
+# PretrainedConfig.__init__), then PretrainedConfig's, then the keyword arguments it does not name (stored with
+# setattr) in from_hugging_face's order. from_hugging_face: qwen_type = HF model_type; attn_bias False for qwen3,
+# else True; mlp_bias never passed (False); seq_length = HF seq_length or 8192 (Qwen2/3 have none; used only with
+# use_logn_attn); qk_layernorm not set (QWenForCausalLM derives it from qwen_type).
+QWEN_SEQ_LENGTH = 8192
+
+
+def qwen_pretrained_config(m: ModelConfig, tp: int, quantize: Optional[str] = None, quantize_lm_head: bool = False,
+                           group_size: int = 128) -> dict:
+    """The base Qwen config TensorRT-LLM 1.x's Qwen converter writes for `m` at TP=tp (no ReDrafter keys)."""
+    family = family_of(m.architecture)
+    llama = llama_pretrained_config(m, tp, "1.x", quantize, quantize_lm_head, group_size)
+    generic = {k: llama[k] for k in ("architecture", "dtype", "vocab_size", "hidden_size", "num_hidden_layers",
+                                     "num_attention_heads", "hidden_act", "logits_dtype", "norm_epsilon",
+                                     "runtime_defaults", "position_embedding_type", "num_key_value_heads",
+                                     "intermediate_size", "max_position_embeddings", "mapping", "quantization",
+                                     "use_parallel_embedding", "embedding_sharding_dim", "head_size", "qk_layernorm",
+                                     "rotary_embedding_dim")}
+    qwen = {"mlp_bias": False, "attn_bias": m.attn_bias, "rotary_base": m.rotary_base,
+            "rotary_scaling": m.rotary_scaling, "disable_weight_only_quant_plugin": False, "use_logn_attn": False,
+            "moe": _moe(), "num_labels": 1, "mlp_only_layers": [], "decoder_sparse_step": 1}
+    extra = {"seq_length": QWEN_SEQ_LENGTH, "qwen_type": family.qwen_type, "moe_intermediate_size": 0,
+             "moe_shared_expert_intermediate_size": 0, "tie_word_embeddings": m.tie_word_embeddings}
+    return {**qwen, **generic, **extra}
+
+
+def base_pretrained_config(m: ModelConfig, tp: int, fmt: str = "1.x", quantize: Optional[str] = None,
+                           quantize_lm_head: bool = False, group_size: int = 128) -> dict:
+    """The base config TensorRT-LLM's converter of `m`'s family writes (LLaMAConfig or QWenConfig)."""
+    if family_of(m.architecture).qwen_type is None:
+        return llama_pretrained_config(m, tp, fmt, quantize, quantize_lm_head, group_size)
+    redrafter_architecture(m.architecture, fmt)  # refuses the legacy format for a Qwen base
+    return qwen_pretrained_config(m, tp, quantize, quantize_lm_head, group_size)
+
+
 def add_redrafter_keys(base: dict, drafter: DrafterConfig, redrafter: ReDrafterConfig, fmt: str = "1.x") -> dict:
     """TensorRT-LLM's `hf_redrafter_config`: the base config plus the ReDrafter architecture and keys."""
     out = json.loads(json.dumps(base))  # deep copy, JSON types only
     out["base_model_architecture"] = base["architecture"]
-    out["architecture"] = REDRAFTER_ARCH[fmt]  # an existing key keeps its position
+    out["architecture"] = redrafter_architecture(base["architecture"], fmt)  # an existing key keeps its position
     out.update({
         "redrafter_num_layers": drafter.num_draft_layers, "redrafter_hidden_size": drafter.hidden_size,
         "redrafter_exit_dim": drafter.exit_dim, "redrafter_is_rnn": drafter.rnn,
@@ -179,7 +230,7 @@ def build_pretrained_config(model: ModelConfig, drafter: DrafterConfig, redrafte
                             fmt: str = "1.x", quantize: Optional[str] = None, quantize_lm_head: bool = False,
                             group_size: int = 128) -> dict:
     """The ReDrafter checkpoint config.json TensorRT-LLM's converter writes (one-step equivalent of two steps)."""
-    return add_redrafter_keys(llama_pretrained_config(model, tp, fmt, quantize, quantize_lm_head, group_size),
+    return add_redrafter_keys(base_pretrained_config(model, tp, fmt, quantize, quantize_lm_head, group_size),
                               drafter, redrafter, fmt)
 
 
@@ -224,9 +275,10 @@ def model_config_from_trtllm(d: dict, where: str) -> ModelConfig:
     _need(d, ("architecture", "dtype", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
               "intermediate_size"), where, "TensorRT-LLM checkpoint")
     arch = d.get("base_model_architecture", d["architecture"])
-    if arch != "LlamaForCausalLM":
-        raise UserError(f"{where}: base architecture {arch!r} is not LlamaForCausalLM, the only base this project "
-                        f"handles.")
+    if arch not in ARCHITECTURES:
+        raise UserError(f"{where}: base architecture {arch!r} is not one this project handles "
+                        f"({', '.join(ARCHITECTURES)}).")
+    family = family_of(arch)
     scaling = d.get("rotary_scaling")
     if isinstance(scaling, dict) and "type" not in scaling and "rope_type" in scaling:
         scaling = {**scaling, "type": scaling["rope_type"]}
@@ -239,6 +291,9 @@ def model_config_from_trtllm(d: dict, where: str) -> ModelConfig:
         norm_epsilon=float(d.get("norm_epsilon", 1e-6)), rotary_base=float(d.get("rotary_base", 10000.0)),
         rotary_scaling=scaling, hidden_act=d.get("hidden_act", "silu"),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)), dtype=d["dtype"], architecture=arch,
+        # QWenConfig leaves qk_layernorm False and QWenForCausalLM takes it from qwen_type (qwen3)
+        attn_bias=bool(d.get("attn_bias", family.attn_bias)),
+        qk_layernorm=bool(d.get("qk_layernorm", False)) or d.get("qwen_type") == "qwen3",
     ), where=where)
 
 
@@ -248,16 +303,16 @@ def parse_checkpoint_config(d: dict, where: str) -> CheckpointInfo:
     A plain TensorRT-LLM LLaMA config (no `redrafter_*` keys) reads as a base without a drafter."""
     if not isinstance(d, dict):
         raise UserError(f"{where}: expected a JSON object, got {type(d).__name__}.")
-    if d.get("architecture") == "LlamaForCausalLM" and not any(k in d for k in REDRAFTER_KEYS):
+    if d.get("architecture") in ARCHITECTURES and not any(k in d for k in REDRAFTER_KEYS):
         if d.get("dtype") not in DTYPES:
             raise UserError(f"{where}: dtype must be one of {', '.join(DTYPES)}, got {d.get('dtype')!r}.")
         return CheckpointInfo(model_config_from_trtllm(d, where), None, None, tp_size_of(d, where),
                               d["architecture"], d, parse_quantization(d, where))
     _need(d, REDRAFTER_KEYS, where, "ReDrafter checkpoint (converted with `trt-redrafter convert`)")
     arch = d.get("architecture")
-    if arch not in REDRAFTER_ARCH.values():
+    if arch not in REDRAFTER_ARCHITECTURES:
         raise UserError(f"{where}: architecture {arch!r} is not a ReDrafter architecture "
-                        f"({', '.join(REDRAFTER_ARCH.values())}).")
+                        f"({', '.join(REDRAFTER_ARCHITECTURES)}).")
     if d.get("dtype") not in DTYPES:
         raise UserError(f"{where}: dtype must be one of {', '.join(DTYPES)}, got {d.get('dtype')!r}.")
     model = model_config_from_trtllm(d, where)
@@ -294,8 +349,9 @@ def read_trtllm_checkpoint(path: str | Path) -> TrtllmCheckpoint:
     raw = read_json(path / "config.json", "base checkpoint config")
     if any(k in raw for k in REDRAFTER_KEYS):
         raise UserError(f"{where} is already a ReDrafter checkpoint; pass the plain base LLaMA checkpoint.")
-    if raw.get("architecture") != "LlamaForCausalLM":
-        raise UserError(f"{where}: architecture {raw.get('architecture')!r} is not LlamaForCausalLM.")
+    if raw.get("architecture") not in ARCHITECTURES:
+        raise UserError(f"{where}: architecture {raw.get('architecture')!r} is not a base this project handles "
+                        f"({', '.join(ARCHITECTURES)}).")
     ckpt = TrtllmCheckpoint(path, raw, model_config_from_trtllm(raw, where), tp_size_of(raw, where))
     missing = [ckpt.rank_file(r).name for r in range(ckpt.tp_size) if not ckpt.rank_file(r).is_file()]
     if missing:

@@ -1,4 +1,5 @@
-"""Llama decoder, one tensor-parallel rank of it, loaded from TensorRT-LLM checkpoint tensors.
+"""Llama decoder, one tensor-parallel rank of it, loaded from TensorRT-LLM checkpoint tensors. Qwen2 and Qwen3 are
+this decoder with q/k/v biases (`attn_bias`) or per-head q/k RMSNorms (`qk_layernorm`), families.py.
 
 TP layout (TensorRT-LLM's, so rank files load without re-sharding):
     attention.qkv   column-parallel: this rank's q heads, then its k and v heads      [(nh/tp + 2*nkv_r) * D, H]
@@ -89,12 +90,28 @@ Weight = Union[torch.Tensor, QuantWeight, Fp8Weight]
 
 class Attention(nn.Module):
     def __init__(self, qkv: Weight, dense: Weight, nh: int, nkv: int, head_size: int, dist: Dist,
-                 linear: str = "torch"):
+                 linear: str = "torch", qkv_bias: Optional[torch.Tensor] = None,
+                 qk_norm: Optional[tuple[torch.Tensor, torch.Tensor, float]] = None):
+        """`qkv_bias` [(nh + 2 nkv) D] (Qwen2); `qk_norm` (q gain [D], k gain [D], eps): each head of q and of k
+        RMS-normalized before RoPE (Qwen3)."""
         super().__init__()
-        self.qkv = Linear(qkv, impl=linear)  # [(nh + 2 nkv) D, H]
+        self.qkv = Linear(qkv, qkv_bias, impl=linear)  # [(nh + 2 nkv) D, H]
         self.dense = Linear(dense, impl=linear)  # [H, nh D]
         self.nh, self.nkv, self.D, self.dist = nh, nkv, head_size, dist
         self.scale = head_size ** -0.5
+        self.q_norm = self.k_norm = None
+        if qk_norm is not None:
+            self.q_norm, self.k_norm = _frozen(qk_norm[0]), _frozen(qk_norm[1])
+            self.qk_eps = qk_norm[2]
+
+    def _norm_qk(self, qkv: torch.Tensor) -> torch.Tensor:
+        """[N, (nh + 2 nkv) D] -> the same with every q and k head RMS-normalized (Hugging Face's Qwen3 order: norm,
+        then RoPE)."""
+        N, D = qkv.shape[0], self.D
+        q, k, v = qkv.split([self.nh * D, self.nkv * D, self.nkv * D], dim=-1)
+        q = rms_norm(q.reshape(N, self.nh, D), self.q_norm, self.qk_eps).reshape(N, self.nh * D)
+        k = rms_norm(k.reshape(N, self.nkv, D), self.k_norm, self.qk_eps).reshape(N, self.nkv * D)
+        return torch.cat([q, k, v], dim=-1)
 
     def forward(self, x: torch.Tensor, layer: int, meta: AttentionMeta, kv: tuple[list[torch.Tensor], list[torch.Tensor]],
                 rope: RopeRows, impl: AttentionImpl, ops) -> torch.Tensor:
@@ -102,7 +119,10 @@ class Attention(nn.Module):
         N = bs * T
         k_cache, v_cache = kv[0][layer], kv[1][layer]  # [slots, nkv, D]
         rows, cos, sin = rope
-        q = ops.rope_write_kv(self.qkv(x), rows, cos, sin, self.nh, self.nkv, k_cache, v_cache,
+        qkv = self.qkv(x)
+        if self.q_norm is not None:
+            qkv = self._norm_qk(qkv)
+        q = ops.rope_write_kv(qkv, rows, cos, sin, self.nh, self.nkv, k_cache, v_cache,
                               meta.write_slots.reshape(N))  # [N, nh, D]
         out = impl(q.view(bs, T, self.nh, self.D), k_cache, v_cache, meta, self.scale)  # [bs, T, nh, D]
         return self.dist.all_reduce(self.dense(out.reshape(N, self.nh * self.D)))
@@ -193,7 +213,9 @@ class LlamaRank(nn.Module):
             layers.append(DecoderLayer(
                 take(p + "input_layernorm.weight"),
                 Attention(qkv, weight(p + "attention.dense", row_parallel=True), self.nh, self.nkv, self.D, dist,
-                          linear),
+                          linear, take(p + "attention.qkv.bias") if cfg.attn_bias else None,
+                          (take(p + "attention.q_layernorm.weight"), take(p + "attention.k_layernorm.weight"),
+                           cfg.norm_epsilon) if cfg.qk_layernorm else None),
                 take(p + "post_layernorm.weight"),
                 MLP(fc_gate, weight(p + "mlp.proj", row_parallel=True), dist, linear),
                 cfg.norm_epsilon))
