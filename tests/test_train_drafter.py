@@ -492,3 +492,45 @@ def test_the_trainable_drafter_and_the_engines_drafter_rank_compute_one_head(tmp
     for i in range(4):
         state = rank.update_state(embs[:, i], state, i)
         torch.testing.assert_close(rank.head_logits(h, state), ref[:, i], rtol=1e-5, atol=1e-5)
+
+
+def test_a_drafter_for_a_qwen2_base_trains_converts_and_decodes_like_ar(make_tiny_pair, tmp_path):
+    """train-drafter on a Qwen2 base (q/k/v biases) with Qwen's ChatML chat template and a draft vocabulary taken from
+    the base's own answers: the drafter converts into a ReDrafterForQWenLM checkpoint whose engine's greedy
+    ReDrafter output is its AR output, with drafts accepted."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from engine_utils import greedy, load_engine
+    from trt_redrafter.runtime.generate import generate
+
+    base = tmp_path / "qwen-base"
+    shutil.copytree(make_tiny_pair(family="qwen2") / "base", base)
+    tok = AutoTokenizer.from_pretrained(str(base))
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tok.save_pretrained(str(base))
+    data = tmp_path / "p.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": p}) for p in ["def add(a, b):", "import os", "class A:",
+                                                                    "for i in range(3):"] * 4))
+    out, work = tmp_path / "d", tmp_path / "w"
+    s = _train(base, out, "--prompts", data, "--work-dir", work, "--draft-vocab", "64", "--steps", "40")
+    assert s["probe_loss_end"] < s["probe_loss_start"]
+    sh = _first_shard(work)
+    assert tok.decode(sh.tokens[0, :int(sh.first[0]) + 1].tolist()).startswith("<|im_start|>user\n")
+    assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == 64
+    ck, en = tmp_path / "ck", tmp_path / "en"
+    assert cli(["convert", "--base-model", str(base), "--drafter", str(out), "--output", str(ck), "--dtype",
+                "float32", "--num-beams", "2", "--draft-len-per-beam", "3"]) == 0
+    assert json.loads((ck / "config.json").read_text())["architecture"] == "ReDrafterForQWenLM"
+    assert cli(["build-engine", "--checkpoint", str(ck), "--output", str(en), "--max-batch-size", "2",
+                "--max-input-len", "64", "--max-seq-len", "128"]) == 0
+    engine = load_engine(en)
+    prompts = [tok(tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True,
+                                           tokenize=False), add_special_tokens=False)["input_ids"]
+               for c in ("def add(a, b):", "class A:")]
+    ar = [r.output_ids for r in generate(engine, prompts, greedy(24), "ar")]
+    rd = generate(engine, prompts, greedy(24), "redrafter")
+    assert [r.output_ids for r in rd] == ar
+    assert sum(r.accepted_draft_tokens for r in rd) > 0, [r.tokens_per_step for r in rd]

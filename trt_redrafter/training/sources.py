@@ -16,6 +16,7 @@ from typing import Callable, Optional
 import torch
 
 from ..errors import UserError
+from ..families import FAMILIES
 from ..log import get_logger
 from . import corpus as corpus_mod
 from . import data as data_mod
@@ -24,6 +25,7 @@ from . import prompts as prompt_mod
 from .config import DTYPES, DrafterTrainConfig
 
 log = get_logger(__name__)
+FAMILY_TYPES = tuple(f.model_type for f in FAMILIES)
 
 
 def load_tokenizer(path: Path):
@@ -31,10 +33,11 @@ def load_tokenizer(path: Path):
     from transformers import AutoConfig, AutoTokenizer
 
     if not (path / "config.json").is_file():
-        raise UserError(f"base model directory {path} has no config.json; pass an HF Llama directory.")
+        raise UserError(f"base model directory {path} has no config.json; pass a Hugging Face model directory.")
     config = AutoConfig.from_pretrained(str(path))
-    if getattr(config, "model_type", None) != "llama":
-        raise UserError(f"{path}: model_type is {config.model_type!r}; train-drafter supports Llama bases.")
+    if getattr(config, "model_type", None) not in FAMILY_TYPES:
+        raise UserError(f"{path}: model_type is {config.model_type!r}; train-drafter supports "
+                        f"{', '.join(FAMILY_TYPES)} bases.")
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError) as e:
