@@ -1,4 +1,4 @@
-"""import-gguf: a Llama GGUF written here with `gguf.GGUFWriter` comes out as a Hugging Face directory whose logits,
+"""import-gguf: a Llama (or Qwen2) GGUF written here with `gguf.GGUFWriter` comes out as a Hugging Face directory whose logits,
 tokenizer and chat template match transformers reading the GGUF directly, and whose logits match the Llama the GGUF
 was made from (so a missing rotary un-permutation or a dequantization slip fails); each refusal exits 2 and leaves
 no output behind.
@@ -29,6 +29,9 @@ CHAT_TEMPLATE = ("{% for message in messages %}{{ '<s>' + message['role'] + '\n'
 LAYER_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
                "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
                "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+QWEN_CHAT_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+                      "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+                      "{% endif %}")
 IDS = [1, 17, 200, 5, 383, 42, 42, 260, 3, 99]  # arbitrary ids across the vocabulary, incl. specials
 TEXT = "def convert(path): return {'ok': True}  # café, naïve\n\tdone"
 
@@ -39,7 +42,10 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def write_llama_gguf(base: Path, path: Path, name: str = "tiny-llama", arch: str = "llama") -> Path:
-    """The HF Llama directory `base` as an F32 GGUF; no `output.weight` when `base` ties its embeddings."""
+    """The HF Llama directory `base` as an F32 GGUF; no `output.weight` when `base` ties its embeddings. `arch`
+    qwen2: as llama.cpp's `Qwen2Model` writes a Qwen2 (q/k rows unpermuted, q/k/v biases, Qwen's pre-tokenizer,
+    ChatML template)."""
+    qwen = arch == "qwen2"
     cfg = json.loads((base / "config.json").read_text())
     tok = json.loads((base / "tokenizer.json").read_text())
     sd = {k: v.numpy() for k, v in load_file(base / "model.safetensors").items()}
@@ -54,7 +60,7 @@ def write_llama_gguf(base: Path, path: Path, name: str = "tiny-llama", arch: str
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(nh)
     w.add_head_count_kv(nkv)
-    w.add_rope_dimension_count(cfg["head_dim"])
+    w.add_rope_dimension_count(cfg.get("head_dim") or cfg["hidden_size"] // nh)
     w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
@@ -62,7 +68,7 @@ def write_llama_gguf(base: Path, path: Path, name: str = "tiny-llama", arch: str
     tokens = [t for t, _ in sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])]
     special = {a["id"] for a in tok["added_tokens"]}
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
+    w.add_tokenizer_pre("qwen2" if qwen else "default")
     w.add_token_list(tokens)
     w.add_token_types([gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL for i in range(len(tokens))])
     w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
@@ -71,17 +77,19 @@ def write_llama_gguf(base: Path, path: Path, name: str = "tiny-llama", arch: str
     w.add_eos_token_id(cfg["eos_token_id"])
     w.add_pad_token_id(cfg["pad_token_id"])
     w.add_add_bos_token(True)
-    w.add_chat_template(CHAT_TEMPLATE)
+    w.add_chat_template(QWEN_CHAT_TEMPLATE if qwen else CHAT_TEMPLATE)
 
     w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
     for i in range(cfg["num_hidden_layers"]):
         for hf_name, gguf_name in LAYER_NAMES.items():
             t = sd[f"model.layers.{i}.{hf_name}.weight"]  # [out, in] or [H]
-            if gguf_name == "attn_q":
+            if gguf_name == "attn_q" and not qwen:
                 t = _permute(t, nh)
-            elif gguf_name == "attn_k":
+            elif gguf_name == "attn_k" and not qwen:
                 t = _permute(t, nkv)
             w.add_tensor(f"blk.{i}.{gguf_name}.weight", np.ascontiguousarray(t))
+            if f"model.layers.{i}.{hf_name}.bias" in sd:
+                w.add_tensor(f"blk.{i}.{gguf_name}.bias", sd[f"model.layers.{i}.{hf_name}.bias"])
     w.add_tensor("output_norm.weight", sd["model.norm.weight"])
     if not cfg["tie_word_embeddings"]:
         w.add_tensor("output.weight", sd["lm_head.weight"])
@@ -200,11 +208,41 @@ def test_refusals(ggufs, tmp_path, capsys):
     cut.write_bytes(good.read_bytes()[:300])  # cut inside the metadata
     _refused(capsys, argv(cut), "cut.gguf", "not a readable GGUF")
 
-    other = write_llama_gguf(ggufs["untied"][0], tmp_path / "qwen.gguf", arch="qwen2")
-    _refused(capsys, argv(other), "qwen.gguf", "'qwen2'", "general.architecture", "only 'llama'")
+    other = write_llama_gguf(ggufs["untied"][0], tmp_path / "phi.gguf", arch="phi3")
+    _refused(capsys, argv(other), "phi.gguf", "'phi3'", "general.architecture", "only llama, qwen2, qwen3")
     assert _leftovers(tmp_path, "hf") == []
 
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     _refused(capsys, argv(good), str(out), "already exists", "--force")
     assert [p.name for p in out.iterdir()] == ["keep.txt"] and _leftovers(tmp_path, "hf") == ["hf"]
+
+
+def test_a_qwen2_gguf_imports_as_qwen2_and_converts_to_a_qwen_engine(make_tiny_pair, tmp_path):
+    """A Qwen2 GGUF (biases, unpermuted q/k rows, Qwen's pre-tokenizer and ChatML template): the imported directory
+    is a Qwen2 whose logits equal transformers reading the GGUF and the model it was made from, with the template,
+    and `convert` takes it as a ReDrafterForQWenLM base."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    pair = make_tiny_pair(family="qwen2")
+    (tmp_path / "g").mkdir()  # the GGUF alone in its directory
+    path = write_llama_gguf(pair / "base", tmp_path / "g" / "tiny-qwen2.gguf", name="tiny-qwen2", arch="qwen2")
+    out = tmp_path / "hf"
+    assert cli(["import-gguf", "--gguf", str(path), "--output", str(out)]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == "qwen2" and cfg["architectures"] == ["Qwen2ForCausalLM"]
+    imported = AutoModelForCausalLM.from_pretrained(out).eval()
+    direct = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    source = AutoModelForCausalLM.from_pretrained(pair / "base").eval()
+    got = _logits(imported, IDS)
+    assert got.std(dim=-1).min() > 0.1
+    torch.testing.assert_close(got, _logits(direct, IDS), rtol=0, atol=1e-6)
+    torch.testing.assert_close(got, _logits(source, IDS), rtol=1e-5, atol=1e-5)  # biases and rows as the source's
+    tok = AutoTokenizer.from_pretrained(out)
+    assert tok.chat_template == QWEN_CHAT_TEMPLATE
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                   add_generation_prompt=True) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert tok(TEXT).input_ids == AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)(TEXT).input_ids
+    assert cli(["convert", "--base-model", str(out), "--drafter", str(pair / "drafter"), "--output",
+                str(tmp_path / "ck"), "--dtype", "float32"]) == 0
+    assert json.loads((tmp_path / "ck" / "config.json").read_text())["architecture"] == "ReDrafterForQWenLM"

@@ -1,13 +1,16 @@
-"""Import a Llama GGUF (llama.cpp's one-file format) as a plain Hugging Face Llama directory.
+"""Import a Llama, Qwen2 or Qwen3 GGUF (llama.cpp's one-file format) as a plain Hugging Face directory.
 
 transformers does the reading (`from_pretrained(dir, gguf_file=name)`): it dequantizes every tensor, undoes the
-rotary row permutation llama.cpp's converter applies to `attn_q`/`attn_k` (`LlamaModel.permute` in llama.cpp's
-`convert_hf_to_gguf.py`), and rebuilds the tokenizer from the `tokenizer.ggml.*` metadata. This module adds what a
-user needs around that: refusals raised before the slow part (missing file, not a GGUF, not llama, output exists),
-an output that appears only when complete, and the chat template carried over.
+rotary row permutation llama.cpp's converter applies to a Llama's `attn_q`/`attn_k` (`LlamaModel.permute` in
+llama.cpp's `convert_hf_to_gguf.py`; Qwen's rows are stored unpermuted), and rebuilds the tokenizer from the
+`tokenizer.ggml.*` metadata (a Qwen2 GGUF's `tokenizer.ggml.pre = qwen2` selects Qwen's pre-tokenizer split). This
+module adds what a user needs around that: refusals raised before the slow part (missing file, not a GGUF, an
+architecture this project does not run, output exists), an output that appears only when complete, and the chat
+template carried over.
 
 Layout written under OUT (the usual `save_pretrained` files):
-    config.json              model_type llama; tie_word_embeddings true when the GGUF has no `output.weight`
+    config.json              model_type llama, qwen2 or qwen3; tie_word_embeddings true when the GGUF has no
+                             `output.weight`
     generation_config.json   bos/eos/pad ids from the GGUF
     model.safetensors        or model-0000N-of-0000M.safetensors + model.safetensors.index.json
     tokenizer.json, tokenizer_config.json, chat_template.jinja (or the template inside tokenizer_config.json)
@@ -23,13 +26,15 @@ from pathlib import Path
 
 from ..config import DTYPES, torch_dtype
 from ..errors import UserError, require
+from ..families import FAMILIES
 from ..fsutil import atomic_output_dir
 from ..log import get_logger
 from .tokenizer_files import save_tokenizer
 
 log = get_logger(__name__)
 
-SUPPORTED_ARCHITECTURE = "llama"  # GGUF `general.architecture`
+# GGUF `general.architecture` -> the Hugging Face model_type it becomes (families.py)
+SUPPORTED_ARCHITECTURES = tuple(f.model_type for f in FAMILIES)
 DEFAULT_DTYPE = "float32"  # dequantized GGUF values (fp16 scale x small int) are exact in fp32; fp16/bf16 round them
 MAX_SHARD_SIZE = "5GB"  # safetensors shard size, as the Hugging Face Hub's own uploads use
 INSTALL_HINT = "pip install 'trt-redrafter[gguf]'"
@@ -83,12 +88,12 @@ def read_gguf_info(path: str | Path) -> GGUFInfo:
 
 
 def import_gguf(gguf_path: str | Path, output: str | Path, dtype: str = DEFAULT_DTYPE, force: bool = False) -> Path:
-    """Write the Llama GGUF `gguf_path` as a Hugging Face Llama directory `output` with weights in `dtype`."""
+    """Write the GGUF `gguf_path` as a Hugging Face directory `output` with weights in `dtype`."""
     require(dtype in DTYPES, f"--dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}.")
     info = read_gguf_info(gguf_path)
-    require(info.architecture == SUPPORTED_ARCHITECTURE,
+    require(info.architecture in SUPPORTED_ARCHITECTURES,
             f"{info.path} is a {info.architecture!r} GGUF (general.architecture), but import-gguf reads only "
-            f"{SUPPORTED_ARCHITECTURE!r} models; pass the GGUF of a Llama-architecture model.")
+            f"{', '.join(SUPPORTED_ARCHITECTURES)} models; pass the GGUF of a model of one of those architectures.")
     require(importlib.util.find_spec("accelerate") is not None,
             f"loading GGUF weights with transformers needs the `accelerate` package, which is not installed; "
             f"run {INSTALL_HINT}.")
@@ -118,7 +123,8 @@ def _load_error(info: GGUFInfo, what: str, e: Exception) -> UserError:
 
 
 def _check_model_type(info: GGUFInfo) -> None:
-    """transformers maps some `llama` GGUFs to another model (a general.name containing "mistral" loads as Mistral)."""
+    """transformers maps some GGUFs to another model (a `llama` one whose general.name contains "mistral" loads as
+    Mistral)."""
     from transformers import AutoConfig
 
     where, kw = _pretrained_args(info)
@@ -126,9 +132,10 @@ def _check_model_type(info: GGUFInfo) -> None:
         config = AutoConfig.from_pretrained(where, **kw)
     except _LOAD_ERRORS as e:
         raise _load_error(info, "config", e) from e
-    require(config.model_type == SUPPORTED_ARCHITECTURE,
+    require(config.model_type == info.architecture,
             f"transformers reads {info.path} (general.name {info.name!r}) as a {config.model_type!r} model, not "
-            f"{SUPPORTED_ARCHITECTURE!r}; import-gguf writes only Llama directories, so pass a plain Llama GGUF.")
+            f"{info.architecture!r}; import-gguf writes only {', '.join(SUPPORTED_ARCHITECTURES)} directories, so "
+            f"pass a plain GGUF of one of those.")
 
 
 def _load_tokenizer(info: GGUFInfo):
@@ -146,7 +153,8 @@ def _load_tokenizer(info: GGUFInfo):
 
 
 def _load_model(info: GGUFInfo, dtype: str):
-    """The GGUF as a dense `LlamaForCausalLM` in `dtype`, detached from transformers' GGUF quantizer."""
+    """The GGUF as a dense HF causal LM (Llama, Qwen2, Qwen3) in `dtype`, detached from transformers' GGUF
+    quantizer."""
     from transformers import AutoModelForCausalLM
 
     where, kw = _pretrained_args(info)
@@ -169,7 +177,7 @@ def _load_model(info: GGUFInfo, dtype: str):
     odd = {n: (str(p.dtype), str(p.device), type(p).__name__) for n, p in model.named_parameters()
            if p.dtype != torch_dtype(dtype) or p.device.type != "cpu" or type(p).__name__ != "Parameter"}
     assert not odd, f"not dense {dtype} CPU parameters after loading {info.path}: {odd}"
-    assert model.config.model_type == SUPPORTED_ARCHITECTURE, model.config.model_type
+    assert model.config.model_type == info.architecture, model.config.model_type
     return model.eval()
 
 
@@ -178,7 +186,7 @@ def _check_written(out: Path, info: GGUFInfo, tie: bool) -> None:
     from transformers import AutoConfig, AutoTokenizer
 
     config = AutoConfig.from_pretrained(out)
-    assert config.model_type == SUPPORTED_ARCHITECTURE, config.model_type
+    assert config.model_type == info.architecture, config.model_type
     assert getattr(config, "quantization_config", None) is None, config.quantization_config
     assert bool(config.tie_word_embeddings) == tie, (config.tie_word_embeddings, tie)
     if info.chat_template is not None:

@@ -1,4 +1,4 @@
-"""`trt-redrafter import-gguf`: a Llama GGUF (llama.cpp's format) -> a plain Hugging Face Llama directory, the input
+"""`trt-redrafter import-gguf`: a Llama, Qwen2 or Qwen3 GGUF (llama.cpp's format) -> a plain Hugging Face directory, the input
 `convert` and `train-drafter` take. Thin over `checkpoint.gguf_import`."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from ..config import DTYPES
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("import-gguf", help="write a Llama GGUF as a Hugging Face Llama directory",
+    p = subparsers.add_parser("import-gguf", help="write a Llama / Qwen2 / Qwen3 GGUF as a Hugging Face directory",
                               description="Dequantizes the GGUF with transformers and writes config.json, "
                                           "generation_config.json, model.safetensors and the tokenizer (with its chat "
                                           "template). Needs the `gguf` extra: pip install 'trt-redrafter[gguf]'.")
-    p.add_argument("--gguf", type=Path, required=True, help="the .gguf file (general.architecture must be llama)")
+    p.add_argument("--gguf", type=Path, required=True, help="the .gguf file (general.architecture llama, qwen2 or qwen3)")
     p.add_argument("--output", type=Path, required=True, help="Hugging Face directory to create")
     p.add_argument("--dtype", choices=DTYPES, default=DEFAULT_DTYPE,
                    help=f"weight dtype of the written model (default {DEFAULT_DTYPE}: dequantized values kept exactly)")
