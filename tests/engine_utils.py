@@ -174,6 +174,30 @@ def write_chat_tokenizer(src: Path, dst: Path, template: str = LLAMA2_STYLE_TEMP
     return dst
 
 
+QWEN_CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                      "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def write_qwen_tokenizer(src: Path, dst: Path) -> Path:
+    """The byte-level BPE in `src` made a Qwen2 tokenizer: Qwen's pre-tokenizer split (its regex, then bytes), no BOS,
+    `<|endoftext|>` / `<|im_start|>` / `<|im_end|>` as special tokens (eos `<|im_end|>`, pad `<|endoftext|>`, as
+    Qwen2.5-Instruct's tokenizer_config.json says) and the ChatML chat template."""
+    from tokenizers import Regex, Tokenizer, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    from trt_redrafter.checkpoint.tokenizer_files import save_tokenizer
+
+    tok = Tokenizer.from_file(str(src / "tokenizer.json"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.post_processor = None
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   additional_special_tokens=["<|im_start|>"], clean_up_tokenization_spaces=False)
+    fast.chat_template = QWEN_CHAT_TEMPLATE
+    save_tokenizer(fast, dst)
+    return dst
+
 
 def stub_crashes(before: list[str] | None, pids) -> list[str] | None:
     """Kernel-log lines written since `before` (`launcher.kernel_log()`) that report a crash of one of `pids` (the

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_utils import write_chat_tokenizer
+from engine_utils import write_chat_tokenizer, write_qwen_tokenizer
 from trt_redrafter.bench.engine_bench import encode_prompts
 from trt_redrafter.bench.harness import BenchConfig, Target, run_point, sweep_tokenizer
 from trt_redrafter.bench.schedule import Prompt, applied_template, load_prompts, resolve_chat_template
@@ -203,3 +203,18 @@ def test_preprocessing_code_as_copied_templates_without_torch(chat_dir, tmp_path
                          text=True, cwd=tmp_path, check=False)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.strip().splitlines()[-1]) == hf_chat_ids(load_tokenizer(chat_dir), MSG)
+
+
+def test_a_qwen_tokenizer_and_chatml_template_through_the_text_codec(plain_dir, tmp_path):
+    """What the Triton preprocessing and postprocessing models do with a Qwen2 tokenizer (Qwen's pre-tokenizer,
+    ChatML, no BOS, eos <|im_end|>): the chat prompt is Hugging Face's own ids, plain text encodes as HF encodes it,
+    and the answer decodes with the special tokens dropped. ci/transformers4.sh runs it under transformers 4.53."""
+    qwen = write_qwen_tokenizer(plain_dir, tmp_path / "qwen")
+    tok = load_tokenizer(qwen)
+    assert tok.bos_token is None and tok.eos_token == "<|im_end|>"
+    ids = TextCodec(qwen).encode(MSG, chat=True)
+    assert ids == hf_chat_ids(tok, MSG) == chat_prompt_ids(tok, MSG)
+    assert ids[0] == tok.convert_tokens_to_ids("<|im_start|>") and ids.count(ids[0]) == 2  # user and assistant turns
+    assert TextCodec(qwen).encode(MSG) == tok.encode(MSG)
+    answer = tok.encode("2, 3 and 5.") + [tok.eos_token_id]
+    assert TextCodec(qwen).decode(answer) == "2, 3 and 5."
