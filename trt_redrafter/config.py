@@ -519,6 +519,11 @@ class RuntimeConfig(ConfigBase):
                                          "apple or trtllm-0.13; empty means the engine's (model/drafter.py)",
                                 choices=DRAFTER_SEMANTICS + ("",))
     kv_cache_tokens: int = option(0, help="KV-cache capacity in tokens; 0 means the engine's")
+    kv_cache_reuse: bool = option(True, help="prefix reuse (TensorRT-LLM's enable_kv_cache_reuse): full KV blocks of "
+                                             "committed tokens are kept, keyed by their tokens, and a request whose "
+                                             "text starts with them prefills only the rest; output is the same "
+                                             "either way (runtime/kv_cache.py). Off for TP > 1 and for dynamic-NTK "
+                                             "RoPE models")
     compile: str = option("auto", help="decode-step compilation: off (eager), inductor (torch.compile), cudagraphs "
                                    "(captured per batch bucket), inductor+cudagraphs; auto: cudagraphs on CUDA, "
                                    "inductor on a one-rank CPU engine, off for TP > 1 on the CPU (and for a "

@@ -45,7 +45,7 @@ from .drafter import BeamDrafter
 from .graphs import Compiler
 from .launch import StepLauncher, variant_for, warmup_variants
 from .loading import (keep_inductor_cache, load_drafter, make_kv_cache, make_proposers, ngram_when, plug_kernels,
-                      resolve_kernels)
+                      prefix_reuse, resolve_kernels)
 from .policy import AR_STEP, Candidate, Policy, StepDecision
 from .proposer import HostCompose, Proposer, drafts_on_device, returns_device_beams
 from .sequence import Draft, RequestSpec, Sequence, StepEvent, TreeNodes
@@ -137,7 +137,8 @@ class Engine:
         self.drafter = load_drafter(info.drafter, tensors, dist, runtime, self.build, self.dtype, self.linear)
         logger.info("model loaded in %.1fs (%s, linear layers: %s)", time.perf_counter() - t0, self.dtype, self.linear)
         m, num_slots = info.model, self.build.max_batch_size + 1  # + the padding slot
-        self.cache = make_kv_cache(m, self.build, runtime.kv_cache_tokens, per_seq, num_slots, self.dtype, dist)
+        reuse = prefix_reuse(runtime.kv_cache_reuse, dist.world_size, self.model.rope.dynamic, record_hidden)
+        self.cache = make_kv_cache(m, self.build, runtime.kv_cache_tokens, per_seq, num_slots, self.dtype, dist, reuse)
         self.state = SlotState.allocate(num_slots, tree.num_beams, tree.draft_len_per_beam, dist.device)
         if record_hidden:
             self.state.record_hidden(m.hidden_size, self.dtype)
@@ -204,8 +205,18 @@ class Engine:
         idx = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=self.state.hidden.device)
         return self.state.hidden[idx].float().cpu()
 
+    def reserve(self, seq: Sequence) -> None:
+        """KV for `seq`'s next step. A request's first reservation in its prompt phase claims the cached prefix of its
+        text, which its prompt step then skips (prefix reuse, kv_cache.py)."""
+        if seq.in_prompt_phase and not self.cache.has(seq.seq_id):
+            seq.prefix_len = self.cache.claim_prefix(seq.seq_id, seq.prompt + seq.output)
+            seq.stats.cached_tokens = seq.prefix_len
+            seq.stats.kv_reused_blocks += seq.prefix_len // self.cache.block_size
+        self.cache.reserve(seq.seq_id, self.tokens_needed(seq))
+
     def release(self, seq: Sequence) -> None:
-        """Give back `seq`'s KV blocks and batch slot."""
+        """Give back `seq`'s KV blocks (its committed full blocks stay cached for reuse) and batch slot."""
+        self.cache.commit(seq.seq_id, (seq.prompt + seq.output)[:seq.ctx_len])
         self.cache.free(seq.seq_id)
         seq.pending = seq.tree = None
         seq.tree_fresh = False
@@ -259,7 +270,7 @@ class Engine:
     def _admit(self, seqs: list[Sequence]) -> None:
         """KV for this step, and a batch slot with the request's sampling parameters for each one new to the batch."""
         for s in seqs:
-            self.cache.reserve(s.seq_id, self.tokens_needed(s))
+            self.reserve(s)
             if s.slot < 0:
                 assert self._free_slots, "more admitted requests than batch slots"
                 s.slot = self._free_slots.pop()
@@ -322,14 +333,18 @@ class Engine:
         drafted on the device and handed to their proposers."""
         dev = self.dist.device
         texts = [s.prompt + s.output for s in seqs]
-        lengths = torch.tensor([len(t) for t in texts], dtype=torch.long)
+        start = torch.tensor([s.prefix_len for s in seqs], dtype=torch.long)  # held from the prefix cache
+        lengths = torch.tensor([len(t) for t in texts], dtype=torch.long) - start
         ids = torch.zeros(len(texts), int(lengths.max()), dtype=torch.long)
-        for i, t in enumerate(texts):
-            ids[i, :len(t)] = torch.tensor(t)
+        for i, (t, s) in enumerate(zip(texts, seqs)):
+            ids[i, :len(t) - s.prefix_len] = torch.tensor(t[s.prefix_len:])
         slots = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=dev)
         rule = self._rule(seqs)
         prompt_len = torch.tensor([len(s.prompt) for s in seqs], dtype=torch.long)  # < lengths after a preemption
-        h = self.steps.prefill(slots, ids.to(dev), lengths.to(dev), rule, prompt_len.to(dev))
+        h = self.steps.prefill(slots, ids.to(dev), lengths.to(dev), rule, prompt_len.to(dev), start.to(dev),
+                               int(start.max()))
+        for s, t in zip(seqs, texts):  # its prompt's full blocks, reusable by requests that start alike
+            self.cache.commit(s.seq_id, t)
         nodes, beams = self._first_trees(seqs, slots, h, rule)
         first = self.state.true_tok[slots].tolist()
         return {s.seq_id: Emitted([tok], self.proposer_of(s).after_prompt(s, nodes.get(i), beams.get(i))

@@ -21,6 +21,7 @@ class GenerationResult:
     draft_tokens: int
     ttft_ms: float
     ms_per_token: float  # TPOT: (end - first token) / (output tokens - 1)
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (runtime/kv_cache.py)
 
     @classmethod
     def of(cls, s: Sequence) -> "GenerationResult":
@@ -28,7 +29,8 @@ class GenerationResult:
         n = len(s.output)
         tpot = (st.finish_time - st.first_token_time) * 1e3 / (n - 1) if n > 1 else 0.0
         return cls(s.prompt, list(s.output), s.finish_reason or "", st.steps, st.tokens_per_step,
-                   st.accepted_draft_tokens, st.draft_tokens, (st.first_token_time - st.arrival) * 1e3, tpot)
+                   st.accepted_draft_tokens, st.draft_tokens, (st.first_token_time - st.arrival) * 1e3, tpot,
+                   st.cached_tokens)
 
 
 def generate(engine: Engine, prompts: list[list[int]], params: SamplingConfig | list[SamplingConfig],

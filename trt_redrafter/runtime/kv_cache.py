@@ -13,12 +13,23 @@ shape step computes is valid and no padded write lands in another sequence's cac
 Verification writes the K/V of the whole packed draft tree after the committed context; acceptance then moves the
 accepted path's entries down to the next committed positions (the KV rewind, done on the device by the step); the
 rejected entries are simply overwritten later.
+
+Prefix reuse (`reuse=True`): a full block of committed tokens is keyed by the hash chain of its tokens (its own and
+every block's before it, so equal keys mean equal K/V: one cache serves one engine's weights). A request's first
+reservation claims the longest chain of its text's blocks the cache holds (`claim_prefix`), at most all but its last
+token (the prompt step must compute at least one token for its logits), and prefills only the rest. Blocks are
+refcounted; a shared block is never written (every write lands at or past a request's committed length, which
+starts after the claimed blocks). A request's full blocks are keyed when its prompt is committed and when it is
+released (its answer's blocks too: the next turn of a conversation reuses them), and a released block that has a
+key stays cached, evictable, until a new block is needed and no free one is left: the least recently released goes.
 """
 
 from __future__ import annotations
 
+import hashlib
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Hashable
+from typing import Hashable, Sequence
 
 import torch
 
@@ -35,7 +46,8 @@ class _SeqBlocks:
 
 class PagedKVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_size: int,
-                 dtype: torch.dtype, device: torch.device, max_slots: int = 1, max_blocks_per_seq: int = 1):
+                 dtype: torch.dtype, device: torch.device, max_slots: int = 1, max_blocks_per_seq: int = 1,
+                 reuse: bool = False):
         assert num_blocks > 0 and block_size > 0, (num_blocks, block_size)
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.scratch_block = num_blocks  # one block past the pool
@@ -52,15 +64,29 @@ class PagedKVCache:
         self._dirty = False
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low block ids first
         self._seqs: dict[Hashable, _SeqBlocks] = {}
+        # prefix reuse: the key of each keyed block and back, holders per block, keyed blocks nobody holds (oldest
+        # released first), and counts since the cache was made
+        self.reuse = reuse
+        self._key_of: dict[int, bytes] = {}
+        self._block_of: dict[bytes, int] = {}
+        self._refs: dict[int, int] = {}
+        self._cached: OrderedDict[int, None] = OrderedDict()
+        self.stats = {"reused_blocks": 0, "new_blocks": 0, "evicted_blocks": 0}
 
     # ---- accounting -----------------------------------------------------------------------------------
     @property
     def free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks a reservation can take: free ones and cached ones nobody holds (evicted when taken)."""
+        return len(self._free) + len(self._cached)
 
     @property
     def used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.free_blocks
+
+    @property
+    def cached_blocks(self) -> int:
+        """Keyed blocks nobody holds: reusable until evicted."""
+        return len(self._cached)
 
     def blocks_needed(self, seq_id: Hashable, num_tokens: int) -> int:
         have = len(self._seqs[seq_id].blocks) if seq_id in self._seqs else 0
@@ -73,15 +99,71 @@ class PagedKVCache:
     def reserve(self, seq_id: Hashable, num_tokens: int) -> None:
         """Make sure `seq_id` owns slots for positions [0, num_tokens)."""
         need = self.blocks_needed(seq_id, num_tokens)
-        if need > len(self._free):
-            raise KVCacheFull(f"sequence {seq_id} needs {need} more KV blocks, {len(self._free)} free")
+        if need > self.free_blocks:
+            raise KVCacheFull(f"sequence {seq_id} needs {need} more KV blocks, {self.free_blocks} free")
         seq = self._seqs.setdefault(seq_id, _SeqBlocks())
         assert len(seq.blocks) + need <= self.max_blocks_per_seq, \
             f"sequence {seq_id} would hold {len(seq.blocks) + need} blocks > max_blocks_per_seq={self.max_blocks_per_seq}"
         for _ in range(need):
-            seq.blocks.append(self._free.pop())
+            seq.blocks.append(self._take())
+        self.stats["new_blocks"] += need
         if need and seq.slot >= 0:
             self._write_row(seq)
+
+    def _take(self) -> int:
+        """A block for a reservation: a free one, else the least recently released cached one (its key dropped)."""
+        if self._free:
+            b = self._free.pop()
+        else:
+            b, _ = self._cached.popitem(last=False)
+            del self._block_of[self._key_of.pop(b)]
+            self.stats["evicted_blocks"] += 1
+        self._refs[b] = 1
+        return b
+
+    # ---- prefix reuse ---------------------------------------------------------------------------------
+    def _keys(self, tokens: Sequence[int], n_blocks: int) -> list[bytes]:
+        """The hash chain of the first `n_blocks` full blocks of `tokens`."""
+        keys, prev, bs = [], b"", self.block_size
+        for i in range(n_blocks):
+            prev = hashlib.blake2b(prev + repr(list(tokens[i * bs:(i + 1) * bs])).encode(), digest_size=16).digest()
+            keys.append(prev)
+        return keys
+
+    def claim_prefix(self, seq_id: Hashable, tokens: Sequence[int], limit: int | None = None) -> int:
+        """For a sequence with no blocks yet: hold the cached blocks of the longest prefix of `tokens` the cache has
+        (whole blocks, leaving at least the last token to compute; at most `limit` tokens) -> the tokens reused."""
+        assert seq_id not in self._seqs, f"sequence {seq_id} already holds blocks"
+        if not self.reuse:
+            return 0
+        most = (len(tokens) - 1) // self.block_size
+        if limit is not None:
+            most = min(most, limit // self.block_size)
+        blocks = []
+        for key in self._keys(tokens, most):
+            b = self._block_of.get(key)
+            if b is None:
+                break
+            blocks.append(b)
+        if blocks:
+            for b in blocks:
+                self._cached.pop(b, None)
+                self._refs[b] = self._refs.get(b, 0) + 1
+            self._seqs[seq_id] = _SeqBlocks(blocks)
+            self.stats["reused_blocks"] += len(blocks)
+        return len(blocks) * self.block_size
+
+    def commit(self, seq_id: Hashable, tokens: Sequence[int]) -> None:
+        """Key `seq_id`'s full blocks of `tokens`, the tokens whose K/V it has committed. A block whose key another
+        block already has keeps no key (the other one is what later requests get)."""
+        if not self.reuse or seq_id not in self._seqs:
+            return
+        blocks = self._seqs[seq_id].blocks
+        for b, key in zip(blocks, self._keys(tokens, min(len(tokens) // self.block_size, len(blocks)))):
+            if b in self._key_of:
+                continue
+            if key not in self._block_of:
+                self._key_of[b], self._block_of[key] = key, b
 
     def bind(self, seq_id: Hashable, slot: int) -> None:
         """Mirror `seq_id`'s blocks into block-table row `slot` (the sequence's batch slot)."""
@@ -90,9 +172,18 @@ class PagedKVCache:
         self._write_row(seq)
 
     def free(self, seq_id: Hashable) -> None:
+        """Give back `seq_id`'s blocks: a block nobody else holds becomes free, or cached if it has a key."""
         seq = self._seqs.pop(seq_id, None)
         if seq is not None:
-            self._free.extend(reversed(seq.blocks))
+            for b in reversed(seq.blocks):
+                self._refs[b] -= 1
+                if self._refs[b]:
+                    continue
+                del self._refs[b]
+                if b in self._key_of:
+                    self._cached[b] = None  # the most recently released: evicted last
+                else:
+                    self._free.append(b)
             if seq.slot >= 0:
                 self._table[seq.slot] = self.scratch_block
                 self._dirty = True

@@ -105,13 +105,28 @@ def load_drafter(cfg: Optional[DrafterConfig], tensors: dict[str, torch.Tensor],
 
 
 def make_kv_cache(m: ModelConfig, build: BuildConfig, tokens: Optional[int], per_seq: int, num_slots: int,
-                  dtype: torch.dtype, dist: Dist) -> PagedKVCache:
+                  dtype: torch.dtype, dist: Dist, reuse: bool = False) -> PagedKVCache:
     """The engine's paged KV cache: `tokens` positions (by default: max_batch_size requests of `per_seq` tokens, each
-    rounded up to whole blocks), this rank's share of the KV heads."""
+    rounded up to whole blocks), this rank's share of the KV heads; `reuse`: prefix reuse (kv_cache.py)."""
     bsz = build.kv_block_size
     tokens = tokens or build.max_tokens_in_paged_kv_cache or -(-per_seq // bsz) * bsz * build.max_batch_size
     return PagedKVCache(m.num_hidden_layers, -(-tokens // bsz), bsz, max(m.num_key_value_heads // dist.world_size, 1),
-                        m.head_size, dtype, dist.device, max_slots=num_slots, max_blocks_per_seq=-(-per_seq // bsz))
+                        m.head_size, dtype, dist.device, max_slots=num_slots, max_blocks_per_seq=-(-per_seq // bsz),
+                        reuse=reuse)
+
+
+def prefix_reuse(asked: bool, tp: int, dynamic_rope: bool, record_hidden: bool) -> bool:
+    """Whether the engine reuses cached prefixes: as asked, except where a reused block would not be what the request
+    computes itself (dynamic-NTK RoPE rotates a prompt by its length), where its prompt step must see every token
+    (`record_hidden`: the drafter trainer reads each one's hidden state), and under TP (every rank must reuse the
+    same prefix, and the ranks' caches are not kept in step yet)."""
+    if not asked:
+        return False
+    why = ("the model's RoPE is dynamic-NTK" if dynamic_rope else "every prompt token's hidden state is recorded"
+           if record_hidden else f"TP {tp} (not supported yet)" if tp > 1 else None)
+    if why:
+        logger.info("KV prefix reuse off: %s", why)
+    return why is None
 
 
 def _users_inductor_cache() -> Optional[str]:

@@ -284,7 +284,7 @@ class Scheduler:
         while True:
             try:
                 for req in self._running:
-                    self.engine.cache.reserve(req.seq.seq_id, self.engine.tokens_needed(req.seq))
+                    self.engine.reserve(req.seq)
                     req.kv_blocks = max(req.kv_blocks, len(self.engine.cache.blocks(req.seq.seq_id)))
                 return list(self._running)
             except KVCacheFull:

@@ -48,6 +48,8 @@ class SeqStats:
     generated_in_steps: int = 0  # tokens those steps emitted
     accepted_draft_tokens: int = 0
     draft_tokens: int = 0  # per tree step, the most it could accept: the depth of the deepest node it verified
+    cached_tokens: int = 0  # prompt tokens whose K/V its (last) prompt step reused from the cache (prefix reuse)
+    kv_reused_blocks: int = 0  # KV blocks it took from the prefix cache
 
     @property
     def tokens_per_step(self) -> float:
@@ -117,6 +119,7 @@ class Sequence:
     max_len: int  # prompt + output limit (engine max_seq_len)
     output: list[int] = field(default_factory=list)
     ctx_len: int = 0  # committed KV entries (mirror of the device's SlotState.ctx_len)
+    prefix_len: int = 0  # in its prompt phase: the leading tokens whose K/V it holds from the prefix cache
     slot: int = -1  # batch slot while admitted (-1: none)
     prefilled: bool = False  # its prompt has been processed (it has a true token and, for ReDrafter, a tree)
     proposer: str = "redrafter"  # what drafts its trees (config.PROPOSERS; the spec's, resolved), when speculative

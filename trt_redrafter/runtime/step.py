@@ -345,21 +345,25 @@ class DecodeStep:
         return torch.cat([nxt, torch.ones_like(nxt), zeros], dim=1)
 
     def prefill(self, slots: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor, rule: AcceptanceRule,
-                prompt_len: Optional[torch.Tensor] = None) -> torch.Tensor:
+                prompt_len: Optional[torch.Tensor] = None, start: Optional[torch.Tensor] = None,
+                longest_start: int = 0) -> torch.Tensor:
         """Prompt step for [bs] new requests: ids [bs, T] right-padded, lengths [bs] -> hidden of the last prompt
-        token [bs, H]; sets ctx_len and the first true token (drawn at position `lengths`).
+        token [bs, H]; sets ctx_len and the first true token (drawn at position start + lengths).
 
         prompt_len [bs]: how many of each row's tokens are its prompt (default: all of them); fewer when a preempted
-        request recomputes its prompt and output (dynamic-NTK RoPE rotates the two differently, see rope.py)."""
+        request recomputes its prompt and output (dynamic-NTK RoPE rotates the two differently, see rope.py).
+        start [bs] (default 0): positions whose K/V the request already holds (a reused prefix, kv_cache.py): its
+        ids are the tokens after them, attending to them as to committed context; `longest_start` is their max."""
         st = self.state
         bs, T = ids.shape
         dev = ids.device
-        put_rows(st.ctx_len, slots, torch.zeros_like(slots))
+        start = torch.zeros_like(slots) if start is None else start
+        put_rows(st.ctx_len, slots, start)
         ar = torch.arange(T, device=dev)
         valid = ar[None, :] < lengths[:, None]  # [bs, T]
         causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
         mask = (causal[None] & valid[:, None, :] & valid[:, :, None]) | torch.eye(T, dtype=torch.bool, device=dev)
-        nblk = -(-T // self.cache.block_size)
+        nblk = -(-(longest_start + T) // self.cache.block_size)
         key_blocks = torch.arange(nblk, device=dev)
         v = self.verify(slots, key_blocks, ids, ar[None, :].expand(bs, T), mask, with_logits=False,
                         prompt_len=lengths if prompt_len is None else prompt_len)
@@ -368,11 +372,11 @@ class DecodeStep:
         h = v.hidden[rows, last]  # [bs, H]
         if st.hidden is not None:
             put_rows(st.hidden, slots, h)
-        # the draw at the last prompt position: same noise as an AR step there (position = lengths)
-        offsets = last[:, None]  # ctx_len is 0, so position = offset + 1 = lengths
+        # the draw at the last prompt position: same noise as an AR step there (position = start + lengths)
+        offsets = last[:, None]  # ctx_len is start, so position = start + offset + 1
         nxt, _ = self.targets(slots, self.model.logits(h)[:, None], offsets, rule)
         nxt = self.dist.broadcast(nxt[:, 0].contiguous())
-        st.advance(slots, lengths, nxt)
+        st.advance(slots, start + lengths, nxt)
         return h
 
     def draft_from_prompt(self, slots: torch.Tensor, h: torch.Tensor, keep_log_probs: bool) -> torch.Tensor:
