@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_utils import build_tiny_engines, load_engine, write_chat_tokenizer
+from engine_utils import build_tiny_engines, load_engine, random_prompts, write_chat_tokenizer
 from trt_redrafter.chat import chat_ids, vicuna_conversation, vicuna_prompt
 from trt_redrafter.cli import main as cli
 from trt_redrafter.config import MAX_SEED, RuntimeConfig, SamplingConfig
@@ -192,7 +192,7 @@ def engine(tmp_path_factory):
     _require_server()
     root = tmp_path_factory.mktemp("openai")
     _, engines = build_tiny_engines(root, seed=11, num_beams=2, draft_len=2, tps=(1,), max_batch_size=4,
-                                    max_seq_len=160)
+                                    max_seq_len=160, kv_block_size=16)
     tokenizer = write_chat_tokenizer(engines[1] / "tokenizer", root / "chat-tokenizer")
     make_repo(engines[1], root / "repo", tokenizer_dir=tokenizer, runtime=RuntimeConfig(compile="off", speculate="full"))
     return engines[1], root / "repo", tokenizer
@@ -316,6 +316,20 @@ def test_completions_greedy_match_the_offline_engine(client, offline, codec):
         _check(text, chunks[-1].usage, finish[0], chunks[-1].redrafter, ids, ar, rd, codec)
     r = client.completions.create(model=MODEL, prompt=prompt_ids[0], max_tokens=8, temperature=0)  # token ids
     assert r.choices[0].text == codec.decode(offline(prompt_ids[:1], 8, (codec.end_id,))[0][0].output_ids)
+
+
+@pytest.mark.server
+def test_a_repeated_prompt_reports_its_cached_tokens_and_the_same_text(client, offline, codec):
+    """The second request with a prompt prefills only its last block's tokens from the prefix cache: OpenAI's
+    `usage.prompt_tokens_details.cached_tokens` says how many it reused (whole 16-token blocks, never the last
+    token), and the text is the first one's, which is the offline engine's."""
+    ids = random_prompts(384, [45], seed=21)[0]  # two full blocks reusable, the third holds the last token
+    want = codec.decode(offline([ids], 12, (codec.end_id,))[0][0].output_ids)
+    first = client.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0)
+    second = client.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0)
+    assert first.choices[0].text == second.choices[0].text == want
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == 32
 
 
 @pytest.mark.server

@@ -309,10 +309,11 @@ def response_tensors(new: list[int], preceding: list[int], seq, state: Optional[
         out["num_output_tokens"] = np.array([[len(preceding) + len(new)]], dtype=np.int32)
     if state.request.perf_metrics:
         blocks = req.kv_blocks if req is not None else 0
+        reused = min(st.kv_reused_blocks, blocks)  # blocks taken from the prefix cache (runtime/kv_cache.py)
         scheduled = req.scheduled_ns if req is not None and req.scheduled_ns else state.arrival_ns
         out.update({
-            "kv_cache_alloc_new_blocks": np.array([[blocks]], dtype=np.int32),
-            "kv_cache_reused_blocks": np.array([[0]], dtype=np.int32),  # no prefix reuse in this engine
+            "kv_cache_alloc_new_blocks": np.array([[blocks - reused]], dtype=np.int32),
+            "kv_cache_reused_blocks": np.array([[reused]], dtype=np.int32),
             "kv_cache_alloc_total_blocks": np.array([[blocks]], dtype=np.int32),
             "arrival_time_ns": np.array([[state.arrival_ns]], dtype=np.int64),
             "first_scheduled_time_ns": np.array([[scheduled]], dtype=np.int64),

@@ -146,7 +146,7 @@ def create_app(model: ServedModel, grpc_url: str, codec: Optional[TextCodec] = N
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         steps = app.state.engine.stream(engine_req, rid)
         gen = Generation(codec, req.stop, engine_req.end_id)
-        out = _Answer(rid, int(time.time()), model.name, chat, len(ids), gen)
+        out = _Answer(rid, int(time.time()), model.name, chat, len(ids), gen, model.kv_block_size)
         try:
             if not req.stream:
                 await until_disconnected(request, collect(steps, gen))
@@ -192,12 +192,15 @@ async def until_disconnected(request, awaitable: Awaitable):
 class _Answer:
     """The response of one request, whole or as server-sent events."""
 
-    def __init__(self, rid: str, created: int, model: str, chat: bool, prompt_tokens: int, gen: Generation):
+    def __init__(self, rid: str, created: int, model: str, chat: bool, prompt_tokens: int, gen: Generation,
+                 block_size: int = 0):
         self.rid, self.created, self.model, self.chat = rid, created, model, chat
-        self.prompt_tokens, self.gen = prompt_tokens, gen
+        self.prompt_tokens, self.gen, self.block_size = prompt_tokens, gen, block_size
 
     def usage(self) -> dict:
-        return P.usage(self.prompt_tokens, self.gen.completion_tokens)
+        reused = self.gen.stats.reused_blocks
+        cached = None if reused is None else min(reused * self.block_size, self.prompt_tokens)
+        return P.usage(self.prompt_tokens, self.gen.completion_tokens, cached)
 
     def body(self) -> dict:
         make = P.chat_body if self.chat else P.completion_body

@@ -37,6 +37,7 @@ class ServedModel:
     created: int  # the engine's config.json mtime (OpenAI's `created`)
     backend: str  # torch | tensorrtllm (decoding_mode is the torch engine's input only)
     decoupled: bool = True  # the engine model streams (make-repo --decoupled); else each request is one response
+    kv_block_size: int = 64  # tokens per KV block: a reused block is this many cached prompt tokens
 
 
 def served_model(repo: str | Path, name: Optional[str] = None) -> ServedModel:
@@ -56,7 +57,8 @@ def served_model(repo: str | Path, name: Optional[str] = None) -> ServedModel:
                        (repo / ENGINE_MODEL / "config.pbtxt").read_text())
     decoupled = policy is None or policy.group(1).lower() == "true"
     return ServedModel(name or Path(engine).name, repo, Path(engine), Path(tokenizer), cfg.build.max_input_len,
-                       cfg.build.max_seq_len, int(os.path.getmtime(Path(engine) / "config.json")), backend, decoupled)
+                       cfg.build.max_seq_len, int(os.path.getmtime(Path(engine) / "config.json")), backend, decoupled,
+                       cfg.build.kv_block_size)
 
 
 def _value(result, name: str):
@@ -103,7 +105,7 @@ class TritonEngine:
                 final = params["triton_final_response"].bool_param if "triton_final_response" in params else False
                 step = Step([] if ids is None else ids.reshape(-1).tolist(), final,
                             _value(result, "total_accepted_draft_tokens"), _value(result, "total_draft_tokens"),
-                            _value(result, "acceptance_rate"))
+                            _value(result, "acceptance_rate"), _value(result, "kv_cache_reused_blocks"))
                 if final:
                     # Triton ends the call right after the final response (the request side is closed): let it end
                     # before the consumer, which stops here, closes this generator. Cancelling a call whose request

@@ -24,6 +24,7 @@ class Step:
     accepted_draft_tokens: Optional[int] = None
     draft_tokens: Optional[int] = None
     acceptance_rate: Optional[float] = None
+    reused_blocks: Optional[int] = None  # kv_cache_reused_blocks: the prompt's KV blocks taken from the prefix cache
 
 
 class StopMatcher:
@@ -66,6 +67,7 @@ class ReDrafterStats:
     acceptance_rate: float = 0.0
     responses: int = 0  # engine responses with tokens
     tokens_in_steps: int = 0  # tokens of the generation steps (after the prompt step)
+    reused_blocks: Optional[int] = None  # the prompt's KV blocks the engine took from its prefix cache
 
     def add(self, step: Step) -> None:
         if step.ids:
@@ -78,6 +80,8 @@ class ReDrafterStats:
             self.draft_tokens = step.draft_tokens
         if step.acceptance_rate is not None:
             self.acceptance_rate = step.acceptance_rate
+        if step.reused_blocks is not None:
+            self.reused_blocks = step.reused_blocks
 
     def as_dict(self) -> dict:
         steps = max(self.responses - 1, 0)

@@ -250,9 +250,14 @@ def _content(c: Any, where: str) -> str:
 
 
 # ---- responses ---------------------------------------------------------------------------------------------------
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: Optional[int] = None) -> dict:
+    """OpenAI's usage; `cached_tokens` (prompt tokens served from the KV prefix cache) as OpenAI's
+    `prompt_tokens_details.cached_tokens`, where the engine reported it."""
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
 
 
 def completion_body(rid: str, created: int, model: str, text: str, finish_reason: str, use: dict,
