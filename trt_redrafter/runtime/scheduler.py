@@ -92,6 +92,8 @@ class SchedulerMetrics:
     context_tokens: int = 0  # their prompt tokens
     max_batch_size: int = 0
     block_size: int = 0
+    kv_blocks_reused: int = 0  # blocks requests took from the prefix cache, since the engine was loaded
+    kv_blocks_cached: int = 0  # released keyed blocks kept for reuse (counted free: evicted when needed)
 
     @property
     def mean_tokens_per_step(self) -> float:
@@ -174,7 +176,7 @@ class Scheduler:
             return SchedulerMetrics(len(self._waiting), len(self._running), c.used_blocks, c.num_blocks, self._steps,
                                     self._finished, self._accepted, self._gen_steps, self._preemptions,
                                     len(context), sum(len(r.spec.prompt) for r in context), self.max_batch_size,
-                                    c.block_size)
+                                    c.block_size, c.stats["reused_blocks"], c.cached_blocks)
 
     # ---- the loop (one thread) ---------------------------------------------------------------------------
     def start(self) -> "Scheduler":

@@ -98,7 +98,7 @@ class ServingMetrics:
                      ("context", m.context_requests), ("waiting", m.waiting)):
             self.trt_requests[k].set(v)
         for k, v in (("max", m.kv_blocks_total), ("free", m.kv_blocks_total - m.kv_blocks_used),
-                     ("used", m.kv_blocks_used), ("tokens_per", m.block_size), ("reused", 0),
+                     ("used", m.kv_blocks_used), ("tokens_per", m.block_size), ("reused", m.kv_blocks_reused),
                      ("fraction", m.kv_blocks_used / m.kv_blocks_total if m.kv_blocks_total else 0.0)):
             self.trt_kv[k].set(v)
         for k, v in (("total_context_tokens", m.context_tokens), ("generation_requests", m.running - m.context_requests),
