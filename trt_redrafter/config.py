@@ -519,6 +519,12 @@ class RuntimeConfig(ConfigBase):
                                          "apple or trtllm-0.13; empty means the engine's (model/drafter.py)",
                                 choices=DRAFTER_SEMANTICS + ("",))
     kv_cache_tokens: int = option(0, help="KV-cache capacity in tokens; 0 means the engine's")
+    enable_chunked_context: bool = option(True, help="chunked prefill (TensorRT-LLM's enable_chunked_context): a "
+                                                     "prompt longer than what is left of a step's token budget "
+                                                     "(max_num_tokens) is prefilled over several steps, beside the "
+                                                     "running requests' decode steps; output is the same either way")
+    max_num_tokens: int = option(0, help="most tokens one step computes (prompt chunks plus decode steps); 0: the "
+                                         "engine's (build-engine --max-num-tokens)")
     kv_cache_reuse: bool = option(True, help="prefix reuse (TensorRT-LLM's enable_kv_cache_reuse): full KV blocks of "
                                              "committed tokens are kept, keyed by their tokens, and a request whose "
                                              "text starts with them prefills only the rest; output is the same "
@@ -555,6 +561,8 @@ class RuntimeConfig(ConfigBase):
     def validate(self) -> None:
         super().validate()
         s = self.SECTION
+        if self.max_num_tokens < 0:
+            raise bad_value(s, "max_num_tokens", "0 (the engine's) or a positive integer", self.max_num_tokens)
         if self.kv_cache_tokens < 0:
             raise bad_value(s, "kv_cache_tokens", "0 (the engine's) or a positive integer", self.kv_cache_tokens)
         if self.threads < 0:

@@ -279,7 +279,10 @@ class Engine:
         self.cache.sync()
 
     def _commit(self, s: Sequence, tokens: list[int]) -> StepEvent:
-        """Append a step's tokens to `s` (stops and limits applied) and count them."""
+        """Append a step's tokens to `s` (stops and limits applied) and count them. A prompt step that computed only a
+        chunk of the prompt emits nothing: the request stays in its prompt phase."""
+        if s.in_prompt_phase and not tokens:
+            return StepEvent(s.seq_id, [], False)
         if s.in_prompt_phase:
             s.prefilled, s.ctx_len = True, len(s.prompt) + len(s.output)
             appended = s.append(tokens)
@@ -330,7 +333,38 @@ class Engine:
 
     def _prefill(self, seqs: list[Sequence]) -> dict[Hashable, Emitted]:
         """Prompt step (eager) for newly admitted (or preempted) requests -> their first true tokens; their first trees
-        drafted on the device and handed to their proposers."""
+        drafted on the device and handed to their proposers. A request whose `prefill_chunk` ends before its prompt
+        does computes only that chunk (chunked prefill): it emits nothing and continues from there next step."""
+        partial = [s for s in seqs if s.prefill_chunk and s.prefix_len + s.prefill_chunk < len(s.prompt) + len(s.output)]
+        whole = [s for s in seqs if s not in partial]
+        out = {}
+        if partial:
+            self._prefill_chunks(partial)
+            out.update({s.seq_id: Emitted([]) for s in partial})
+        if whole:
+            out.update(self._prefill_last(whole))
+        return out
+
+    def _prefill_chunks(self, seqs: list[Sequence]) -> None:
+        """The K/V of each request's next prompt chunk, `prefill_chunk` tokens from `prefix_len` on: no draw."""
+        dev = self.dist.device
+        texts = [(s.prompt + s.output)[s.prefix_len:s.prefix_len + s.prefill_chunk] for s in seqs]
+        start = torch.tensor([s.prefix_len for s in seqs], dtype=torch.long)
+        lengths = torch.tensor([len(t) for t in texts], dtype=torch.long)
+        ids = torch.zeros(len(texts), int(lengths.max()), dtype=torch.long)
+        for i, t in enumerate(texts):
+            ids[i, :len(t)] = torch.tensor(t)
+        slots = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=dev)
+        prompt_len = torch.tensor([len(s.prompt) for s in seqs], dtype=torch.long)
+        self.steps.prefill_chunk(slots, ids.to(dev), lengths.to(dev), start.to(dev), int(start.max()),
+                                 prompt_len.to(dev))
+        for s, t in zip(seqs, texts):
+            s.prefix_len += len(t)
+            s.ctx_len = s.prefix_len
+            self.cache.commit(s.seq_id, (s.prompt + s.output)[:s.prefix_len])
+
+    def _prefill_last(self, seqs: list[Sequence]) -> dict[Hashable, Emitted]:
+        """The prompt step that ends each request's prompt: its last chunk (or all of it) -> its first true token."""
         dev = self.dist.device
         texts = [s.prompt + s.output for s in seqs]
         start = torch.tensor([s.prefix_len for s in seqs], dtype=torch.long)  # held from the prefix cache

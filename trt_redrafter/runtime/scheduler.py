@@ -46,10 +46,11 @@ class PlannedRequest:
     seq_id: Hashable  # the request's id
     spec: RequestSpec
     output: list[int]  # tokens emitted so far (a request re-admitted after preemption resumes from them)
+    prefill_chunk: int = 0  # in its prompt phase: the tokens this step computes (0: the rest of its prompt)
 
     @classmethod
     def of(cls, s: Sequence) -> "PlannedRequest":
-        return cls(s.seq_id, s.spec, s.output)
+        return cls(s.seq_id, s.spec, s.output, s.prefill_chunk)
 
 
 @dataclass
@@ -110,7 +111,13 @@ class Scheduler:
         self.engine = engine
         self.max_queue_size = max_queue_size
         self.max_batch_size = engine.build.max_batch_size
-        self.max_num_tokens = max_num_tokens or engine.build.resolved_max_num_tokens(engine.tree)
+        self.max_num_tokens = (max_num_tokens or engine.runtime.max_num_tokens
+                               or engine.build.resolved_max_num_tokens(engine.tree))
+        self.chunked = engine.runtime.enable_chunked_context
+        if self.chunked and self.max_num_tokens < engine.cache.block_size:
+            raise UserError(f"max_num_tokens={self.max_num_tokens} is smaller than one KV block "
+                            f"({engine.cache.block_size} tokens), too small a budget to prefill prompts in chunks; "
+                            f"raise --max-num-tokens to at least {engine.cache.block_size}.")
         self._lock = threading.Condition()
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
@@ -130,9 +137,10 @@ class Scheduler:
         for req in reqs:
             req.seq = self.engine.new_sequence(req.spec, seq_id=req.request_id)
             n, max_tokens = len(req.spec.prompt), req.spec.params.max_tokens
-            if n > self.max_num_tokens:
+            if n > self.max_num_tokens and not self.chunked:
                 raise UserError(f"the prompt has {n} tokens but one step may hold at most "
-                                f"max_num_tokens={self.max_num_tokens}; shorten it or raise --max-num-tokens.")
+                                f"max_num_tokens={self.max_num_tokens}; shorten it, raise --max-num-tokens or turn "
+                                f"on --enable-chunked-context.")
             worst = n + max_tokens + self.engine.tree.max_tree_tokens
             if not self.engine.cache.can_fit(worst):
                 raise UserError(f"a {n}-token prompt with max_tokens={max_tokens} needs more "
@@ -225,7 +233,7 @@ class Scheduler:
         if not batch:
             assert not self._waiting, "a waiting request cannot be admitted into an empty batch"
             return
-        running = self._reserve()
+        running = self._chunks(self._reserve())
         seqs = [r.seq for r in running]
         plan = StepPlan([PlannedRequest.of(s) for s in seqs], self.engine.decide(seqs))
         self.engine.dist.broadcast_object(("step", plan))
@@ -261,6 +269,28 @@ class Scheduler:
     def _step_tokens(self, seq: Sequence) -> int:
         return self.engine.tokens_needed(seq) - seq.ctx_len
 
+    def _chunks(self, running: list[Request]) -> list[Request]:
+        """The requests of this step and, with chunked prefill, how much of each prompt it computes: decode steps
+        first, then prompts in arrival order, each as much of its rest as the step's token budget leaves (the
+        first one at least a block, so a prompt always advances). A prompt the budget leaves no room for sits the
+        step out."""
+        if not self.chunked:
+            return running
+        left = self.max_num_tokens - sum(self._step_tokens(r.seq) for r in running if not r.seq.in_prompt_phase)
+        first, out = True, []
+        for r in running:
+            s = r.seq
+            if s.in_prompt_phase:
+                rest = len(s.prompt) + len(s.output) - s.prefix_len
+                chunk = min(rest, max(left, self.engine.cache.block_size if first else 0))
+                first = False
+                if chunk <= 0:
+                    continue
+                s.prefill_chunk = 0 if chunk == rest else chunk
+                left -= chunk
+            out.append(r)
+        return out
+
     def _admit(self) -> None:
         budget = self.max_num_tokens - sum(self._step_tokens(r.seq) for r in self._running)
         cache = self.engine.cache
@@ -268,6 +298,8 @@ class Scheduler:
         while self._waiting and len(self._running) < self.max_batch_size:
             req = self._waiting[0]
             need_tokens = self._step_tokens(req.seq)
+            if self.chunked:  # a prompt joins as soon as the step has room for a chunk of it
+                need_tokens = min(need_tokens, max(budget, 1))
             # the prompt, plus room for one draft tree so the request can take its first generation step
             need_blocks = cache.blocks_needed(req.seq.seq_id, self.engine.tokens_needed(req.seq)
                                               + self.engine.tree.max_tree_tokens)
@@ -338,6 +370,7 @@ def follow(engine: Engine) -> None:
                 s = engine.new_sequence(r.spec, seq_id=r.seq_id)
                 s.output = list(r.output)
                 seqs[r.seq_id] = s
+            s.prefill_chunk = r.prefill_chunk
             batch.append(s)
         for ev in engine.step(batch, body.decision):
             if ev.finished:

@@ -119,7 +119,8 @@ class Sequence:
     max_len: int  # prompt + output limit (engine max_seq_len)
     output: list[int] = field(default_factory=list)
     ctx_len: int = 0  # committed KV entries (mirror of the device's SlotState.ctx_len)
-    prefix_len: int = 0  # in its prompt phase: the leading tokens whose K/V it holds from the prefix cache
+    prefix_len: int = 0  # in its prompt phase: the leading tokens whose K/V it holds (prefix cache, earlier chunks)
+    prefill_chunk: int = 0  # in its prompt phase: the most tokens its next prompt step computes (0: all the rest)
     slot: int = -1  # batch slot while admitted (-1: none)
     prefilled: bool = False  # its prompt has been processed (it has a true token and, for ReDrafter, a tree)
     proposer: str = "redrafter"  # what drafts its trees (config.PROPOSERS; the spec's, resolved), when speculative

@@ -379,6 +379,23 @@ class DecodeStep:
         st.advance(slots, start + lengths, nxt)
         return h
 
+    def prefill_chunk(self, slots: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor, start: torch.Tensor,
+                      longest_start: int, prompt_len: Optional[torch.Tensor] = None) -> None:
+        """A prompt chunk that does not end the prompt (chunked prefill): the K/V of ids [bs, T] (right-padded,
+        lengths [bs]) at positions start + t, attending to the `start` positions already held, as `prefill` writes
+        them; ctx_len becomes start + lengths, and nothing is drawn."""
+        bs, T = ids.shape
+        dev = ids.device
+        put_rows(self.state.ctx_len, slots, start)
+        ar = torch.arange(T, device=dev)
+        valid = ar[None, :] < lengths[:, None]
+        causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
+        mask = (causal[None] & valid[:, None, :] & valid[:, :, None]) | torch.eye(T, dtype=torch.bool, device=dev)
+        key_blocks = torch.arange(-(-(longest_start + T) // self.cache.block_size), device=dev)
+        self.verify(slots, key_blocks, ids, ar[None, :].expand(bs, T), mask, with_logits=False,
+                    prompt_len=prompt_len)
+        put_rows(self.state.ctx_len, slots, start + lengths)
+
     def draft_from_prompt(self, slots: torch.Tensor, h: torch.Tensor, keep_log_probs: bool) -> torch.Tensor:
         """Draft + pack the first tree of newly prefilled requests (their true token is in the slot state) ->
         [bs, 1 + 2P]: each tree's length, its node scores best first and their depths (`pack`)."""
