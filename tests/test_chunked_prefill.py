@@ -5,9 +5,11 @@ step while a long prompt arrives, and a budget that cannot work is refused in on
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
-from engine_utils import build_tiny_engines, greedy, load_engine, random_prompts
+from engine_utils import build_tiny_engines, decode_tp, greedy, load_engine, random_prompts
 from trt_redrafter.config import SamplingConfig
 from trt_redrafter.errors import UserError
 from trt_redrafter.runtime.generate import generate
@@ -18,6 +20,13 @@ BLOCK = 16
 VOCAB = 512
 PROMPTS = random_prompts(VOCAB, [60, 9, 45, 3], seed=2)
 SAMPLED = SamplingConfig(max_tokens=24, temperature=0.8, top_k=50, seed=7)
+
+
+@pytest.fixture(scope="module")
+def tiny_tp(tmp_path_factory):
+    return build_tiny_engines(tmp_path_factory.mktemp("chunked-tp"), seed=5, num_beams=4, draft_len=3,
+                              vocab_size=VOCAB, max_seq_len=320, kv_block_size=BLOCK, max_batch_size=4,
+                              tps=(1, 2))[1]
 
 
 @pytest.fixture(scope="module")
@@ -80,3 +89,18 @@ def test_refusals(tiny):
     sched = Scheduler(load_engine(tiny, max_num_tokens=32, enable_chunked_context=False))
     with pytest.raises(UserError, match="turn on --enable-chunked-context"):
         sched.submit(Request("x", RequestSpec(PROMPTS[0], greedy(4))))
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI's mpirun is not installed")
+def test_tp2_ranks_follow_rank0s_chunks(tiny_tp, tmp_path):
+    """Under TP 2 rank 0's scheduler cuts the prompts and its step plans carry the chunks: TP 2 chunked == TP 1
+    unchunked, AR and ReDrafter."""
+    pytest.importorskip("mpi4py", reason="mpi4py is not installed")
+    runs = {"ar": {"prompts": PROMPTS, "mode": "ar", "max_new": 16},
+            "redrafter": {"prompts": PROMPTS, "max_new": 16}}
+    want = decode_tp(tiny_tp[1], runs, 1, tmp_path)
+    got = decode_tp(tiny_tp[2], {k: {**r, "max_num_tokens": BLOCK} for k, r in runs.items()}, 2, tmp_path)
+    for k in runs:
+        assert got[k]["output_ids"] == want[k]["output_ids"], k
+    assert all(n > 0 for n in got["redrafter"]["draft_tokens"])

@@ -5,9 +5,11 @@ Rank 0 prints one JSON line per run: every prompt's output ids, accepted and dra
 
     python tests/tp_driver.py ENGINE_DIR RUNS_JSON     RUNS_JSON: a file with a list of runs, each
         {"prompts": [[ids]], "mode": "redrafter" | "ar", "proposer": null | name, "speculate": "full" | "auto" | "N",
-         "max_new": 20, "sampling": {SamplingConfig fields but max_tokens}}
+         "max_new": 20, "sampling": {SamplingConfig fields but max_tokens}, "max_num_tokens": 0 | the step budget
+         (chunked prefill; rank 0's scheduler cuts the prompts, its step plans carry the chunks)}
 """
 
+import dataclasses
 import json
 import sys
 
@@ -39,6 +41,7 @@ def decode_runs(engine: Engine, runs: list[dict]) -> list[dict]:
     out = []
     for run in runs:
         engine.policy.speculation = Speculation.parse(run.get("speculate", "full"))
+        engine.runtime = dataclasses.replace(engine.runtime, max_num_tokens=run.get("max_num_tokens", 0))
         params = SamplingConfig(max_tokens=run.get("max_new", 20), **run.get("sampling", {}))
         res = generate(engine, run["prompts"], params, run.get("mode", "redrafter"), proposer=run.get("proposer"),
                        last=False)
