@@ -91,7 +91,7 @@ def test_kv_preemption_recomputes_without_changing_outputs(tiny):
 
 def test_fcfs_admission_is_bounded_by_batch_size_and_token_budget(tiny):
     engine_dir, prompts, _ = tiny
-    engine = load_engine(engine_dir)
+    engine = load_engine(engine_dir, enable_chunked_context=False)  # whole prompts only (chunks: test_chunked_prefill)
     sched = Scheduler(engine, max_num_tokens=18)  # the 13-token prompt cannot join the 6-token one in a step
     for i, p in enumerate(prompts):
         sched.submit(Request(i, RequestSpec(p, greedy(4))))
