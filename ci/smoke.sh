@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Perf smoke (CI, after the unit tests): the small trained pair (models/small) -> TP1 and TP2 torch engines ->
 # `trt-redrafter bench` (AR vs ReDrafter on the same engines, one QPS point, a handful of MT-Bench requests,
-# 5 repeats) -> `trt-redrafter gate` against the committed ci/baseline.json. About 3 minutes on 2 CPU cores.
+# 5 repeats), `trt-redrafter bench-engine` on the TP1 engine (its step cost model: the fixed cost of speculating) ->
+# `trt-redrafter gate` against the committed ci/baseline.json. About 4 minutes on 2 CPU cores.
 #
 #   ci/smoke.sh                     # gate; exit 1 on a regression, 2 on bad input
 #   ci/smoke.sh --update-baseline   # measure and write ci/baseline.json (commit it; see ci/README.md)
@@ -34,4 +35,11 @@ trt-redrafter bench --engines "tp1=$OUT/engine-tp1,tp2=$OUT/engine-tp2" --modes 
     --qps 2 --num-requests 8 --warmup 1 --max-tokens 64 --seed 0 --repeats 5 --no-progress --threads 1 --speculate full \
     --output "$OUT/results" --server-logs "$OUT/logs" 2>"$OUT/bench.log" | tail -n 1
 echo "perf smoke: bench done in $(( $(date +%s) - t0 )) s; table: $OUT/results/results.md"
-trt-redrafter gate --baseline ci/baseline.json --results "$OUT/results/results.json" --config ci/perf_gate.yaml "$@"
+# the fixed cost of speculating (the TP1 engine's step cost model: a width-1 tree step over an AR step), measured as
+# the server ran it (compiled, one thread; its kernels are cached beside the engine by now)
+trt-redrafter bench-engine --engine "$OUT/engine-tp1" --prompts "$DATASET" --num-prompts 2 --max-tokens 16 \
+    --repeats 1 --batch-size 1 --modes ar,redrafter --threads 1 --speculate full 2>"$OUT/engine-bench.log" \
+    | tee "$OUT/engine-bench.txt" | tail -n 1 >"$OUT/engine-bench.json"
+echo "perf smoke: bench-engine done in $(( $(date +%s) - t0 )) s"
+trt-redrafter gate --baseline ci/baseline.json --results "$OUT/results/results.json" \
+    --engine-results "$OUT/engine-bench.json" --config ci/perf_gate.yaml "$@"

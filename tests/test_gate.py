@@ -132,3 +132,44 @@ def test_sampled_runs_skip_tokens_per_step():
     rep = evaluate(b, r, GateConfig())
     assert rep.passed and not [c for c in rep.checks if c.rule == "tokens_per_step"]
     assert copy.deepcopy(rep.checks) == rep.checks
+
+
+def overheads(fixed_b1=1.3, fixed_b8=1.5) -> list[dict]:
+    """A bench-engine document's speculation_overheads (two contexts, batch buckets 1..8)."""
+    rows = []
+    for ctx in (32, 126):
+        for b, fixed in ((1, fixed_b1), (2, 1.4), (4, 1.45), (8, fixed_b8)):
+            rows.append({"context": ctx, "batch": b, "ar_ms": 1.0, "width1_ms": fixed, "fixed": fixed,
+                         "per_node_ms": 0.01, "per_node": 0.01})
+    return rows
+
+
+def test_fixed_cost_is_gated_at_batch_1_and_the_largest_batch():
+    base = {**make_doc(), "speculation_overheads": overheads()}
+    rep = evaluate(base, make_doc(), GateConfig(), {"speculation_overheads": overheads(1.35, 1.55)})
+    assert rep.passed, rep.text()
+    fixed = [c for c in rep.checks if c.rule == "fixed_cost"]
+    assert [c.point for c in fixed] == ["context 32 batch 1", "context 32 batch 8"]
+    rep = evaluate(base, make_doc(), GateConfig(fixed_cost_margin=0.2), {"speculation_overheads": overheads(1.7)})
+    bad = lines_for(rep, "fixed_cost", "FAIL")
+    assert not rep.passed and len(bad) == 1 and "speculating got dearer" in bad[0] and "+30.8%" in bad[0]
+    with pytest.raises(UserError, match="--engine-results"):
+        evaluate(base, make_doc(), GateConfig())  # the baseline gates it: the engine document is required
+    rep = evaluate(make_doc(), make_doc(), GateConfig(), {"speculation_overheads": overheads()})
+    assert rep.passed and "fixed cost is not gated" in rep.text()  # an older baseline: a note, no check
+
+
+def test_cli_engine_results_and_update_baseline_keep_the_overheads(tmp_path, capsys):
+    base, res, eng = tmp_path / "base.json", tmp_path / "res.json", tmp_path / "engine.json"
+    base.write_text(json.dumps(make_doc()))
+    res.write_text(json.dumps(make_doc()))
+    eng.write_text(json.dumps({"speculation_overheads": overheads()}))
+    assert cli(["gate", "--baseline", str(base), "--results", str(res), "--engine-results", str(eng),
+                "--update-baseline"]) == 0
+    assert json.loads(base.read_text())["speculation_overheads"] == overheads()
+    eng.write_text(json.dumps({"speculation_overheads": overheads(2.0)}))
+    assert cli(["gate", "--baseline", str(base), "--results", str(res), "--engine-results", str(eng)]) == 1
+    assert "FAIL  fixed_cost" in capsys.readouterr().out
+    assert cli(["gate", "--baseline", str(base), "--results", str(res)]) == 2  # gated, but no engine document
+    eng.write_text(json.dumps({"rows": []}))
+    assert cli(["gate", "--baseline", str(base), "--results", str(res), "--engine-results", str(eng)]) == 2

@@ -10,6 +10,12 @@ absolute is gated. Per (TP, QPS) point:
                      within `tokens_per_step_tolerance` (relative) of the baseline. A drafter, acceptance or
                      engine-config regression shows up here whatever the timing noise.
     errors           failed requests (all modes, all repeats) at most `max_errors` (0).
+And, where the baseline has the engine's speculation overheads (`bench-engine`'s `speculation_overheads`, kept by
+`gate --update-baseline --engine-results`), once per engine document:
+    fixed_cost       the width-1 tree step over the AR step in the engine's step cost model (what speculating costs
+                     before a single draft is verified), at the shortest measured context, batch 1 and the largest
+                     batch: at most `fixed_cost_margin` (relative) above the baseline's. A ratio of two steps timed
+                     in interleaved rounds: the machine's speed divides out; a dearer draft, accept or pack does not.
 
 A point of the baseline missing from the results fails. Results measured with a different bench config
 (max_tokens, dataset, ...) are not comparable: that is bad input (UserError), not a regression.
@@ -39,6 +45,8 @@ class GateConfig(ConfigBase):
     speedup_margin: float = option(0.10, help="allowed relative drop of the AR/ReDrafter speedup below the baseline")
     tokens_per_step_tolerance: float = option(0.01, help="allowed relative change of greedy tokens/step")
     max_errors: int = option(0, help="failed requests allowed per (TP, QPS) point")
+    fixed_cost_margin: float = option(0.25, help="allowed relative rise of the fixed cost of speculating (width-1 "
+                                                 "tree step / AR step) above the baseline's")
 
     def validate(self) -> None:
         super().validate()
@@ -49,6 +57,8 @@ class GateConfig(ConfigBase):
             raise bad_value(s, "tokens_per_step_tolerance", "a fraction in [0, 1)", self.tokens_per_step_tolerance)
         if self.max_errors < 0:
             raise bad_value(s, "max_errors", "a non-negative integer", self.max_errors)
+        if not 0 <= self.fixed_cost_margin < 1:
+            raise bad_value(s, "fixed_cost_margin", "a fraction in [0, 1)", self.fixed_cost_margin)
 
 
 @dataclass
@@ -105,10 +115,47 @@ def check_comparable(baseline: dict, results: dict) -> None:
                         "setup with --update-baseline.")
 
 
-def evaluate(baseline: dict, results: dict, cfg: GateConfig) -> GateReport:
-    """Every rule at every (TP, QPS) point of the baseline."""
+def gated_overheads(overheads: list[dict]) -> list[dict]:
+    """The fixed-cost points the gate checks: the shortest context, batch 1 and the largest batch."""
+    if not overheads:
+        return []
+    ctx = min(o["context"] for o in overheads)
+    rows = [o for o in overheads if o["context"] == ctx]
+    batches = {1, max(o["batch"] for o in rows)}
+    return [o for o in rows if o["batch"] in batches]
+
+
+def _fixed_cost_checks(baseline: dict, engine_doc: Optional[dict], cfg: GateConfig, rep: GateReport) -> None:
+    base_rows = gated_overheads(baseline.get("speculation_overheads") or [])
+    if not base_rows:
+        if engine_doc is not None:
+            rep.notes.append("the baseline has no speculation overheads: the fixed cost is not gated (refresh it with "
+                             "--update-baseline --engine-results)")
+        return
+    if engine_doc is None:
+        raise UserError("the baseline gates the fixed cost of speculating: pass the engine benchmark's document with "
+                        "--engine-results (ci/smoke.sh writes it with trt-redrafter bench-engine).")
+    got = {(o["context"], o["batch"]): o for o in engine_doc.get("speculation_overheads") or []}
+    for b in base_rows:
+        label = f"context {b['context']} batch {b['batch']}"
+        ceiling = b["fixed"] * (1 + cfg.fixed_cost_margin)
+        r = got.get((b["context"], b["batch"]))
+        if r is None:
+            rep.checks.append(Check("fixed_cost", label, False, None, b["fixed"], f"<= {ceiling:.4g}",
+                                    "no such point in the engine benchmark's cost model"))
+            continue
+        ok = r["fixed"] <= ceiling
+        why = f"{r['fixed'] / b['fixed'] - 1:+.1%} vs baseline (margin +{cfg.fixed_cost_margin:.0%})"
+        rep.checks.append(Check("fixed_cost", label, ok, r["fixed"], b["fixed"], f"<= {ceiling:.4g}",
+                                why if ok else "speculating got dearer before any draft is verified: " + why))
+
+
+def evaluate(baseline: dict, results: dict, cfg: GateConfig, engine_doc: Optional[dict] = None) -> GateReport:
+    """Every rule at every (TP, QPS) point of the baseline; the fixed cost of speculating from `engine_doc`
+    (a bench-engine document) where the baseline has it."""
     check_comparable(baseline, results)
     rep = GateReport()
+    _fixed_cost_checks(baseline, engine_doc, cfg, rep)
     greedy = not results["config"].get("temperature")
     # the gated speedup is ReDrafter's (documents before the N-gram modes have no `mode`: all ReDrafter)
     r_speed = {(s["tp"], s["qps"]): s for s in results["speedups"] if s.get("mode", "redrafter") == "redrafter"}

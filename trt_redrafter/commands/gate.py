@@ -18,6 +18,8 @@ def register(sub) -> None:
     p.add_argument("--baseline", required=True, help="baseline results document (e.g. ci/baseline.json)")
     p.add_argument("--results", required=True, help="results document to check")
     p.add_argument("--config", help="gate thresholds (YAML with a `gate:` section, e.g. ci/perf_gate.yaml)")
+    p.add_argument("--engine-results", help="a bench-engine document (its last stdout line) of the same engine: "
+                                            "gates the fixed cost of speculating (width-1 tree step / AR step)")
     p.add_argument("--update-baseline", action="store_true",
                    help="after reporting, write RESULTS as the new BASELINE (atomically) and exit 0")
     p.set_defaults(func=run)
@@ -29,18 +31,27 @@ def run(args: argparse.Namespace) -> int:
     from ..bench.gate import evaluate, load_gate_config
     from ..bench.report import baseline_of, load_document, write_json_atomic
     from ..errors import UserError
+    from ..fsutil import read_json
 
     cfg = load_gate_config(args.config)
     results = load_document(args.results, "--results")
+    engine_doc = read_json(args.engine_results, "--engine-results") if args.engine_results else None
+    if engine_doc is not None and "speculation_overheads" not in engine_doc:
+        raise UserError(f"--engine-results: {args.engine_results} has no speculation_overheads; pass the last stdout "
+                        f"line of `trt-redrafter bench-engine`.")
     if args.update_baseline:
         if Path(args.baseline).exists():
             try:
-                print(evaluate(load_document(args.baseline, "--baseline"), results, cfg).text())
+                print(evaluate(load_document(args.baseline, "--baseline"), results, cfg, engine_doc).text())
             except UserError as e:
                 print(f"note: the old baseline is not comparable ({e})")
-        write_json_atomic(args.baseline, baseline_of(results))
-        print(f"baseline {args.baseline} updated from {args.results}")
+        new = baseline_of(results)
+        if engine_doc is not None:
+            new["speculation_overheads"] = engine_doc["speculation_overheads"]
+        write_json_atomic(args.baseline, new)
+        print(f"baseline {args.baseline} updated from {args.results}"
+              + (f" and {args.engine_results}" if engine_doc is not None else ""))
         return 0
-    report = evaluate(load_document(args.baseline, "--baseline"), results, cfg)
+    report = evaluate(load_document(args.baseline, "--baseline"), results, cfg, engine_doc)
     print(report.text())
     return 0 if report.passed else EXIT_REGRESSION
