@@ -36,8 +36,10 @@ trt-redrafter bench --engines "tp1=$OUT/engine-tp1,tp2=$OUT/engine-tp2" --modes 
     --output "$OUT/results" --server-logs "$OUT/logs" 2>"$OUT/bench.log" | tail -n 1
 echo "perf smoke: bench done in $(( $(date +%s) - t0 )) s; table: $OUT/results/results.md"
 # the fixed cost of speculating (the TP1 engine's step cost model: a width-1 tree step over an AR step), measured as
-# the server ran it (compiled, one thread; its kernels are cached beside the engine by now)
-trt-redrafter bench-engine --engine "$OUT/engine-tp1" --prompts "$DATASET" --num-prompts 2 --max-tokens 16 \
+# the server ran it (compiled, one thread; its kernels are cached beside the engine by now), measured now: the fresh
+# engine has no cost model beside it, and the user's cost-model cache is pointed away (the datasets' cache is not)
+DATASETS_CACHE=$(python3 -c 'from trt_redrafter.datasets import cache_dir; print(cache_dir())')
+TRT_REDRAFTER_CACHE="$DATASETS_CACHE" XDG_CACHE_HOME="$OUT/xdg-cache" trt-redrafter bench-engine --engine "$OUT/engine-tp1" --prompts "$DATASET" --num-prompts 2 --max-tokens 16 \
     --repeats 1 --batch-size 1 --modes ar,redrafter --threads 1 --speculate full 2>"$OUT/engine-bench.log" \
     | tee "$OUT/engine-bench.txt" | tail -n 1 >"$OUT/engine-bench.json"
 echo "perf smoke: bench-engine done in $(( $(date +%s) - t0 )) s"
