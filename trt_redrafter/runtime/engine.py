@@ -335,8 +335,9 @@ class Engine:
         """Prompt step (eager) for newly admitted (or preempted) requests -> their first true tokens; their first trees
         drafted on the device and handed to their proposers. A request whose `prefill_chunk` ends before its prompt
         does computes only that chunk (chunked prefill): it emits nothing and continues from there next step."""
-        partial = [s for s in seqs if s.prefill_chunk and s.prefix_len + s.prefill_chunk < len(s.prompt) + len(s.output)]
-        whole = [s for s in seqs if s not in partial]
+        ends = [not s.prefill_chunk or s.prefix_len + s.prefill_chunk >= len(s.prompt) + len(s.output) for s in seqs]
+        partial = [s for s, end in zip(seqs, ends) if not end]
+        whole = [s for s, end in zip(seqs, ends) if end]
         out = {}
         if partial:
             self._prefill_chunks(partial)
