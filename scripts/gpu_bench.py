@@ -431,7 +431,8 @@ def main() -> int:
             ar = measure(engine, prompts, args.max_tokens, "ar", args.repeats)
             rd = measure(engine, prompts, args.max_tokens, "redrafter", args.repeats)
             floor_ms = (quantized_base_bytes(pair, cfg) + b * mean_ctx * kv_per_token) / bw * 1e3
-            row = {"quantize": quant, "drafter_weights": dweights, "kernels": engine.kernels, "compile": engine.compiler.mode, "batch": b, "warmup_s": warm,
+            row = {"quantize": quant, "drafter_weights": dweights, "kernels": engine.kernels,
+                   "compile": engine.compiler.mode, "batch": b, "warmup_s": warm,
                    "ar_step_ms": ar["step_ms"], "ar_tpot_ms": ar["tpot_ms"],
                    "rd_step_ms": rd["step_ms"], "rd_tpot_ms": rd["tpot_ms"], "rd_tokens_per_step": rd["tokens_per_step"],
                    "step_ratio": rd["step_ms"] / ar["step_ms"], "ar_roofline_ms": floor_ms,
@@ -472,7 +473,8 @@ def main() -> int:
           "projected speedup |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in doc["runs"]:
-        print(f"| {r['quantize']} | {r['drafter_weights'] or 'as stored'} | {r['compile']} | {r['kernels']} | {r['batch']} | {r['ar_step_ms']:.2f} | {r['ar_roofline_ms']:.2f} | "
+        print(f"| {r['quantize']} | {r['drafter_weights'] or 'as stored'} | {r['compile']} | {r['kernels']} | "
+              f"{r['batch']} | {r['ar_step_ms']:.2f} | {r['ar_roofline_ms']:.2f} | "
               f"{100 * r['ar_fraction_of_roofline']:.0f}% | {r['rd_step_ms']:.2f} | {r['step_ratio']:.2f} | "
               f"{r['rd_drafter_floor_ms']:.2f} | {r['rd_tokens_per_step']:.2f} | {r['projected_rd_ms_per_token']:.2f} | "
               f"{r['projected_speedup']:.2f} |")
