@@ -117,6 +117,13 @@ def test_tensorrtllm_model_has_every_parameter_the_backend_reads_without_a_fallb
     assert p["decoding_mode"] == "redrafter"  # -> DecodingMode::ExplicitDraftTokens (L569-572)
     for name in BOOL_PARAMETERS:
         assert name not in p or p[name] in BOOLS, (name, p[name])
+    # prefix reuse and chunked prefill, as the runtime flags say (both on by default, as for the torch engine)
+    assert (p["enable_kv_cache_reuse"], p["enable_chunked_context"]) == ("true", "true")
+    from trt_redrafter.config import RuntimeConfig
+    make_repo(tiny["engine"], tmp_path / "repo-off", runtime=RuntimeConfig(kv_cache_reuse=False,
+                                                                           enable_chunked_context=False))
+    off = params((tmp_path / "repo-off" / "tensorrt_llm" / "config.pbtxt").read_text())
+    assert (off["enable_kv_cache_reuse"], off["enable_chunked_context"]) == ("false", "false")
 
 
 def test_tensorrtllm_scalar_inputs_are_shaped_as_the_backend_batches_them(tiny, tmp_path):

@@ -87,6 +87,9 @@ class RepoSpec:
             "postprocessing_extra_input_map": _POST_EXTRA_INPUT_MAP if torch else "",
             # a pbtxt string: JSON with its quotes escaped
             "runtime_config": json.dumps(self.runtime.to_dict(), sort_keys=True).replace('"', '\\"'),
+            # TensorRT-LLM's executor: prefix reuse and chunked prefill as the torch engine's runtime flags say
+            "enable_kv_cache_reuse": str(self.runtime.kv_cache_reuse).lower(),
+            "enable_chunked_context": str(self.runtime.enable_chunked_context).lower(),
         }
 
     def header(self) -> str:
