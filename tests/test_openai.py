@@ -29,7 +29,7 @@ from trt_redrafter.config import MAX_SEED, RuntimeConfig, SamplingConfig
 from trt_redrafter.errors import UserError
 from trt_redrafter.runtime.distributed import free_port
 from trt_redrafter.runtime.generate import generate
-from trt_redrafter.serving.metrics import scrape, sum_metric
+from trt_redrafter.serving.metrics import parse_prometheus, scrape, sum_metric
 from trt_redrafter.serving.openai_api.generation import Generation, StopMatcher, Step
 from trt_redrafter.serving.openai_api.protocol import APIError, parse_chat, parse_completion, parse_json_body
 from trt_redrafter.serving.repo import make_repo
@@ -319,7 +319,7 @@ def test_completions_greedy_match_the_offline_engine(client, offline, codec):
 
 
 @pytest.mark.server
-def test_a_repeated_prompt_reports_its_cached_tokens_and_the_same_text(client, offline, codec):
+def test_a_repeated_prompt_reports_its_cached_tokens_and_the_same_text(served, client, offline, codec):
     """The second request with a prompt prefills only its last block's tokens from the prefix cache: OpenAI's
     `usage.prompt_tokens_details.cached_tokens` says how many it reused (whole 16-token blocks, never the last
     token), and the text is the first one's, which is the offline engine's."""
@@ -330,6 +330,12 @@ def test_a_repeated_prompt_reports_its_cached_tokens_and_the_same_text(client, o
     assert first.choices[0].text == second.choices[0].text == want
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert second.usage.prompt_tokens_details.cached_tokens == 32
+    m = _idle(served)  # and /metrics says so: a hit rate between 0 and 1, and TensorRT-LLM's reused-block count
+    assert 0 < sum_metric(m, "trt_redrafter_kv_cache_hit_rate") < 1
+    url = f"http://127.0.0.1:{served['ports']['metrics']}/metrics"
+    stock = parse_prometheus(urllib.request.urlopen(url).read().decode(), prefix="nv_trt_llm_")
+    assert sum(v for k, v in stock.items()
+               if k.startswith("nv_trt_llm_kv_cache_block_metrics{") and 'kv_cache_block_type="reused"' in k) >= 2
 
 
 @pytest.mark.server

@@ -95,6 +95,13 @@ class SchedulerMetrics:
     block_size: int = 0
     kv_blocks_reused: int = 0  # blocks requests took from the prefix cache, since the engine was loaded
     kv_blocks_cached: int = 0  # released keyed blocks kept for reuse (counted free: evicted when needed)
+    kv_blocks_new: int = 0  # blocks requests were given fresh, since the engine was loaded
+
+    @property
+    def kv_cache_hit_rate(self) -> float:
+        """Of the blocks requests needed since load, the share the prefix cache supplied."""
+        n = self.kv_blocks_reused + self.kv_blocks_new
+        return self.kv_blocks_reused / n if n else 0.0
 
     @property
     def mean_tokens_per_step(self) -> float:
@@ -184,7 +191,7 @@ class Scheduler:
             return SchedulerMetrics(len(self._waiting), len(self._running), c.used_blocks, c.num_blocks, self._steps,
                                     self._finished, self._accepted, self._gen_steps, self._preemptions,
                                     len(context), sum(len(r.spec.prompt) for r in context), self.max_batch_size,
-                                    c.block_size, c.stats["reused_blocks"], c.cached_blocks)
+                                    c.block_size, c.stats["reused_blocks"], c.cached_blocks, c.stats["new_blocks"])
 
     # ---- the loop (one thread) ---------------------------------------------------------------------------
     def start(self) -> "Scheduler":

@@ -4,6 +4,8 @@
     trt_redrafter_waiting_requests      gauge      requests queued for admission
     trt_redrafter_kv_blocks_used        gauge      paged KV-cache blocks in use
     trt_redrafter_kv_blocks_total       gauge      paged KV-cache blocks in all
+    trt_redrafter_kv_blocks_cached      gauge      released blocks kept for prefix reuse (free: evicted when needed)
+    trt_redrafter_kv_cache_hit_rate     gauge      of the blocks requests needed since load, the share reused
     trt_redrafter_tokens_per_step       histogram  acceptance length: tokens one generation step emitted
     trt_redrafter_mean_tokens_per_step  gauge      the same, averaged over finished requests
     trt_redrafter_requests_total        counter    finished requests by outcome (completed|cancelled|rejected|busy)
@@ -52,6 +54,10 @@ class ServingMetrics:
         self.waiting = fam("waiting_requests", "requests queued for admission", g).Metric(labels=labels)
         self.kv_used = fam("kv_blocks_used", "paged KV-cache blocks in use", g).Metric(labels=labels)
         self.kv_total = fam("kv_blocks_total", "paged KV-cache blocks in all", g).Metric(labels=labels)
+        self.kv_cached = fam("kv_blocks_cached", "released KV blocks kept for prefix reuse (free: evicted when "
+                             "needed)", g).Metric(labels=labels)
+        self.kv_hit_rate = fam("kv_cache_hit_rate", "of the KV blocks requests needed since load, the share the "
+                               "prefix cache supplied", g).Metric(labels=labels)
         self.mean_tps = fam("mean_tokens_per_step", "mean tokens per generation step (acceptance length) over "
                             "finished requests", g).Metric(labels=labels)
         # one bucket per possible acceptance length: 1 (nothing accepted) .. dl + 1 (a whole beam accepted)
@@ -93,6 +99,8 @@ class ServingMetrics:
         self.waiting.set(m.waiting)
         self.kv_used.set(m.kv_blocks_used)
         self.kv_total.set(m.kv_blocks_total)
+        self.kv_cached.set(m.kv_blocks_cached)
+        self.kv_hit_rate.set(m.kv_cache_hit_rate)
         self.mean_tps.set(m.mean_tokens_per_step)
         for k, v in (("active", m.running + m.waiting), ("max", m.max_batch_size), ("scheduled", m.running),
                      ("context", m.context_requests), ("waiting", m.waiting)):
