@@ -348,17 +348,9 @@ class Engine:
 
     def _prefill_chunks(self, seqs: list[Sequence]) -> None:
         """The K/V of each request's next prompt chunk, `prefill_chunk` tokens from `prefix_len` on: no draw."""
-        dev = self.dist.device
         texts = [(s.prompt + s.output)[s.prefix_len:s.prefix_len + s.prefill_chunk] for s in seqs]
-        start = torch.tensor([s.prefix_len for s in seqs], dtype=torch.long)
-        lengths = torch.tensor([len(t) for t in texts], dtype=torch.long)
-        ids = torch.zeros(len(texts), int(lengths.max()), dtype=torch.long)
-        for i, t in enumerate(texts):
-            ids[i, :len(t)] = torch.tensor(t)
-        slots = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=dev)
-        prompt_len = torch.tensor([len(s.prompt) for s in seqs], dtype=torch.long)
-        self.steps.prefill_chunk(slots, ids.to(dev), lengths.to(dev), start.to(dev), int(start.max()),
-                                 prompt_len.to(dev))
+        slots, ids, lengths, start, prompt_len = self._prompt_inputs(seqs, texts)
+        self.steps.prefill_chunk(slots, ids, lengths, start, max(s.prefix_len for s in seqs), prompt_len)
         for s, t in zip(seqs, texts):
             s.prefix_len += len(t)
             s.ctx_len = s.prefix_len
@@ -366,24 +358,29 @@ class Engine:
 
     def _prefill_last(self, seqs: list[Sequence]) -> dict[Hashable, Emitted]:
         """The prompt step that ends each request's prompt: its last chunk (or all of it) -> its first true token."""
-        dev = self.dist.device
         texts = [s.prompt + s.output for s in seqs]
-        start = torch.tensor([s.prefix_len for s in seqs], dtype=torch.long)  # held from the prefix cache
-        lengths = torch.tensor([len(t) for t in texts], dtype=torch.long) - start
-        ids = torch.zeros(len(texts), int(lengths.max()), dtype=torch.long)
-        for i, (t, s) in enumerate(zip(texts, seqs)):
-            ids[i, :len(t) - s.prefix_len] = torch.tensor(t[s.prefix_len:])
-        slots = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=dev)
+        slots, ids, lengths, start, prompt_len = self._prompt_inputs(seqs, [t[s.prefix_len:] for s, t in
+                                                                            zip(seqs, texts)])
         rule = self._rule(seqs)
-        prompt_len = torch.tensor([len(s.prompt) for s in seqs], dtype=torch.long)  # < lengths after a preemption
-        h = self.steps.prefill(slots, ids.to(dev), lengths.to(dev), rule, prompt_len.to(dev), start.to(dev),
-                               int(start.max()))
+        h = self.steps.prefill(slots, ids, lengths, rule, prompt_len, start, max(s.prefix_len for s in seqs))
         for s, t in zip(seqs, texts):  # its prompt's full blocks, reusable by requests that start alike
             self.cache.commit(s.seq_id, t)
         nodes, beams = self._first_trees(seqs, slots, h, rule)
         first = self.state.true_tok[slots].tolist()
         return {s.seq_id: Emitted([tok], self.proposer_of(s).after_prompt(s, nodes.get(i), beams.get(i))
                                   if s.speculative else None) for i, (s, tok) in enumerate(zip(seqs, first))}
+
+    def _prompt_inputs(self, seqs: list[Sequence], parts: list[list[int]]) -> tuple[torch.Tensor, ...]:
+        """A prompt step's inputs on the device: the requests' slots, their `parts` (the tokens this step computes)
+        right-padded [bs, T] with their lengths, the positions each already holds (`prefix_len`: a reused prefix,
+        earlier chunks), and each prompt's length (< the text's after a preemption, for dynamic-NTK RoPE)."""
+        dev = self.dist.device
+        ids = torch.zeros(len(parts), max(len(p) for p in parts), dtype=torch.long)
+        for i, p in enumerate(parts):
+            ids[i, :len(p)] = torch.tensor(p)
+        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev)  # noqa: E731
+        return (as_tensor([s.slot for s in seqs]), ids.to(dev), as_tensor([len(p) for p in parts]),
+                as_tensor([s.prefix_len for s in seqs]), as_tensor([len(s.prompt) for s in seqs]))
 
     def _first_trees(self, seqs: list[Sequence], slots: torch.Tensor, h: torch.Tensor, rule: AcceptanceRule
                      ) -> tuple[dict[int, TreeNodes], dict[int, Draft]]:

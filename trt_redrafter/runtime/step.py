@@ -355,18 +355,11 @@ class DecodeStep:
         start [bs] (default 0): positions whose K/V the request already holds (a reused prefix, kv_cache.py): its
         ids are the tokens after them, attending to them as to committed context; `longest_start` is their max."""
         st = self.state
-        bs, T = ids.shape
+        bs = ids.shape[0]
         dev = ids.device
         start = torch.zeros_like(slots) if start is None else start
-        put_rows(st.ctx_len, slots, start)
-        ar = torch.arange(T, device=dev)
-        valid = ar[None, :] < lengths[:, None]  # [bs, T]
-        causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
-        mask = (causal[None] & valid[:, None, :] & valid[:, :, None]) | torch.eye(T, dtype=torch.bool, device=dev)
-        nblk = -(-(longest_start + T) // self.cache.block_size)
-        key_blocks = torch.arange(nblk, device=dev)
-        v = self.verify(slots, key_blocks, ids, ar[None, :].expand(bs, T), mask, with_logits=False,
-                        prompt_len=lengths if prompt_len is None else prompt_len)
+        v = self._write_prompt(slots, ids, lengths, start, longest_start,
+                               lengths if prompt_len is None else prompt_len)
         rows = torch.arange(bs, device=dev)
         last = lengths - 1
         h = v.hidden[rows, last]  # [bs, H]
@@ -384,17 +377,23 @@ class DecodeStep:
         """A prompt chunk that does not end the prompt (chunked prefill): the K/V of ids [bs, T] (right-padded,
         lengths [bs]) at positions start + t, attending to the `start` positions already held, as `prefill` writes
         them; ctx_len becomes start + lengths, and nothing is drawn."""
+        self._write_prompt(slots, ids, lengths, start, longest_start, prompt_len)
+        put_rows(self.state.ctx_len, slots, start + lengths)
+
+    def _write_prompt(self, slots: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor, start: torch.Tensor,
+                      longest_start: int, prompt_len: Optional[torch.Tensor]) -> Verified:
+        """The base model over prompt tokens ids [bs, T] (right-padded, lengths [bs]) at positions start + t, causal
+        among themselves and attending to the `start` positions each request already holds; their K/V written."""
         bs, T = ids.shape
         dev = ids.device
         put_rows(self.state.ctx_len, slots, start)
         ar = torch.arange(T, device=dev)
-        valid = ar[None, :] < lengths[:, None]
+        valid = ar[None, :] < lengths[:, None]  # [bs, T]
         causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
         mask = (causal[None] & valid[:, None, :] & valid[:, :, None]) | torch.eye(T, dtype=torch.bool, device=dev)
         key_blocks = torch.arange(-(-(longest_start + T) // self.cache.block_size), device=dev)
-        self.verify(slots, key_blocks, ids, ar[None, :].expand(bs, T), mask, with_logits=False,
-                    prompt_len=prompt_len)
-        put_rows(self.state.ctx_len, slots, start + lengths)
+        return self.verify(slots, key_blocks, ids, ar[None, :].expand(bs, T), mask, with_logits=False,
+                           prompt_len=prompt_len)
 
     def draft_from_prompt(self, slots: torch.Tensor, h: torch.Tensor, keep_log_probs: bool) -> torch.Tensor:
         """Draft + pack the first tree of newly prefilled requests (their true token is in the slot state) ->
