@@ -10,13 +10,13 @@ gap, and whether every output equals the unchunked run's. One process, eager, gr
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 
 import torch
 
+from trt_redrafter.bench.schedule import load_prompts
 from trt_redrafter.config import RuntimeConfig, SamplingConfig
 from trt_redrafter.datasets import mt_bench_path
 from trt_redrafter.model.tp import Dist
@@ -62,7 +62,7 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     tok = load_tokenizer(f"{args.engine}/tokenizer")
-    turns = [json.loads(line)["turns"][0] for line in open(mt_bench_path())]
+    turns = [p.text for p in load_prompts(mt_bench_path(), "none")]  # MT-Bench first turns, raw text
     streams = [tok.encode(t, add_special_tokens=False) for t in turns[:4]]
     long = []
     for t in turns[4:]:

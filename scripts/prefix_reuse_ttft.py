@@ -10,12 +10,12 @@ concatenated to --prompt-tokens (a "system prompt"), then a different short ques
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 
 import torch
 
+from trt_redrafter.bench.schedule import load_prompts
 from trt_redrafter.config import RuntimeConfig, SamplingConfig
 from trt_redrafter.datasets import mt_bench_path
 from trt_redrafter.model.tp import Dist
@@ -35,7 +35,7 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     tok = load_tokenizer(f"{args.engine}/tokenizer")
-    turns = [json.loads(line)["turns"][0] for line in open(mt_bench_path())]
+    turns = [p.text for p in load_prompts(mt_bench_path(), "none")]  # MT-Bench first turns, raw text
     shared = []
     for t in turns:
         shared += tok.encode(t, add_special_tokens=False)
