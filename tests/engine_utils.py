@@ -67,13 +67,15 @@ def build_small_engine(root: Path, *, num_beams: int, draft_len: int, max_batch_
     return en
 
 
-def run_json(engine_dir, prompts: list[list[int]], mode: str, extra=(), max_new: int = 20) -> list[list[int]]:
+def run_json(engine_dir, prompts: list[list[int]], mode: str, extra=(), max_new: int = 20, full: bool = False
+             ) -> list:
     """`trt-redrafter run --json` in a fresh process (TP > 1 relaunches itself under mpirun): each prompt's output
-    ids, greedy, eos ignored; rank 0 alone prints."""
+    ids (`full`: its whole JSON document), greedy, eos ignored; rank 0 alone prints."""
     cmd = [sys.executable, "-m", "trt_redrafter", "run", "--engine", str(engine_dir), "--mode", mode, "--json",
            "--max-tokens", str(max_new), "--ignore-eos", "--prompt-ids", *[",".join(map(str, p)) for p in prompts],
            *extra]
-    return [d["output_ids"] for d in _json_lines(cmd, len(prompts))]
+    docs = _json_lines(cmd, len(prompts))
+    return docs if full else [d["output_ids"] for d in docs]
 
 
 def _json_lines(cmd: list[str], n: int) -> list[dict]:

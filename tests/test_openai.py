@@ -67,7 +67,8 @@ def test_completion_defaults_follow_openai():
     ({"model": "m", "prompt": "x", "max_tokens": True}, "max_tokens", "must be an integer"),
     ({"model": "m", "prompt": "x", "n": 2}, "n", "one output per request"),
     ({"model": "m", "prompt": "x", "best_of": 3}, "best_of", "one output per request"),
-    ({"model": "m", "prompt": "x", "logprobs": 2}, "logprobs", "log-probabilities"),
+    ({"model": "m", "prompt": "x", "logprobs": 21}, "logprobs", "at most 20"),
+    ({"model": "m", "prompt": "x", "logprobs": True}, "logprobs", "must be an integer"),
     ({"model": "m", "prompt": "x", "echo": True}, "echo", "not echoed"),
     ({"model": "m", "prompt": "x", "presence_penalty": 0.5}, "presence_penalty", "no penalties"),
     ({"model": "m", "prompt": "x", "stop": [1]}, "stop", "a string or a list of strings"),
@@ -93,6 +94,31 @@ def test_chat_refusals_name_the_field(messages, param):
     with pytest.raises(APIError) as e:
         parse_chat({"model": "m", "messages": messages})
     assert e.value.status == 400 and e.value.param == param
+
+
+def test_logprob_fields_parse_as_openai_defines_them():
+    user = [{"role": "user", "content": "q"}]
+    c = parse_chat({"model": "m", "messages": user, "logprobs": True, "top_logprobs": 5})
+    assert (c.logprobs, c.top_logprobs) == (True, 5)
+    assert (parse_chat({"model": "m", "messages": user}).logprobs, parse_completion({"model": "m", "prompt": "x"})
+            .logprobs) == (False, False)
+    d = parse_completion({"model": "m", "prompt": "x", "logprobs": 0})  # the chosen tokens', no alternatives
+    assert (d.logprobs, d.top_logprobs) == (True, 0)
+    for body, match in (({"top_logprobs": 2}, "needs 'logprobs': true"), ({"logprobs": True, "top_logprobs": 21},
+                                                                           "at most 20"),
+                        ({"logprobs": 1}, "must be true or false")):
+        with pytest.raises(APIError, match=match) as e:
+            parse_chat({"model": "m", "messages": user, **body})
+        assert e.value.status == 400
+
+
+def test_token_bytes_are_the_tokens_own(tiny_codec):
+    """OpenAI's `bytes` of a byte-level BPE token: its raw bytes, which may be part of a UTF-8 character; the pieces
+    of a text add up to its UTF-8 encoding."""
+    text = "héllo wörld — ✓ 日本語"
+    ids = tiny_codec.encode(text)[1:]
+    assert b"".join(tiny_codec.token_bytes(t) for t in ids) == text.encode()
+    assert any(REPLACEMENT in tiny_codec.token_text(t) for t in ids)  # a token inside a character
 
 
 def test_malformed_json():
@@ -336,6 +362,48 @@ def test_a_repeated_prompt_reports_its_cached_tokens_and_the_same_text(served, c
     stock = parse_prometheus(urllib.request.urlopen(url).read().decode(), prefix="nv_trt_llm_")
     assert sum(v for k, v in stock.items()
                if k.startswith("nv_trt_llm_kv_cache_block_metrics{") and 'kv_cache_block_type="reused"' in k) >= 2
+
+
+def _logprobs_offline(engine, ids: list[int], n: int, top: int, codec) -> list:
+    return generate(load_engine(engine[0]), [ids], SamplingConfig(max_tokens=n, logprobs=True, top_logprobs=top),
+                    stop_ids=(codec.end_id,))[0]
+
+
+@pytest.mark.server
+def test_logprobs_through_the_openai_client(client, engine, codec):
+    """Chat (`logprobs` + `top_logprobs`) and completions (`logprobs: N`), whole and streamed: the engine's
+    log-probabilities (test_logprobs.py checks them against Hugging Face), token texts and bytes."""
+    messages = [{"role": "user", "content": "Name three primes."}]
+    ids = chat_ids(load_tokenizer(engine[2]), messages)
+    want = _logprobs_offline(engine, ids, MAX_TOKENS, 3, codec)
+    lps = [t.logprob for t in want.logprobs]
+    tops = [[codec.token_text(i) for i, _ in t.top] for t in want.logprobs]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+                                       logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert [c.logprob for c in content] == pytest.approx(lps, abs=1e-5)
+    assert [c.token for c in content] == [codec.token_text(t) for t in want.output_ids]
+    assert [c.bytes for c in content] == [list(codec.token_bytes(t)) for t in want.output_ids]
+    assert [[x.token for x in c.top_logprobs] for c in content] == tops
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS,
+                                                 temperature=0, logprobs=True, top_logprobs=3, stream=True))
+    streamed = [c for ch in chunks if ch.choices and ch.choices[0].logprobs for c in ch.choices[0].logprobs.content]
+    assert [c.logprob for c in streamed] == pytest.approx(lps, abs=1e-5)
+    assert sum(1 for ch in chunks if ch.choices and ch.choices[0].logprobs) > 1  # with each step's tokens
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+    prompt = random_prompts(384, [12], seed=4)[0]
+    want = _logprobs_offline(engine, prompt, 10, 2, codec)
+    for stream in (False, True):
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0, logprobs=2,
+                                        stream=stream)
+        choices = [ch.choices[0] for ch in out] if stream else out.choices
+        got = [x for ch in choices if ch.logprobs for x in ch.logprobs.token_logprobs]
+        assert got == pytest.approx([t.logprob for t in want.logprobs], abs=1e-5)
+        offsets = [x for ch in choices if ch.logprobs for x in ch.logprobs.text_offset]
+        assert offsets[0] == 0 and offsets == sorted(offsets)
+        assert all(len(d) <= 2 for ch in choices if ch.logprobs for d in ch.logprobs.top_logprobs)
 
 
 @pytest.mark.server

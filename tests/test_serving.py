@@ -188,6 +188,28 @@ def test_stream_matches_offline_generation(server, offline, codec):
 
 
 @pytest.mark.server
+def test_log_probs_come_back_in_tensorrt_llms_tensors(engines, server, codec):
+    """return_log_probs through the stock ensemble: output_log_probs holds every output token's so far in each
+    streamed response (TensorRT-LLM's layout) and cum_log_probs their sum; the numbers are the engine's, which
+    test_logprobs.py checks against Hugging Face."""
+    ids = codec.encode(PROMPTS[0])
+    want = generate(load_engine(engines[0][1]), [ids], SamplingConfig(max_tokens=30, logprobs=True),
+                    stop_ids=(codec.end_id,))[0]
+    lps = [t.logprob for t in want.logprobs]
+    out = _gen(server, PROMPTS[0], 30, stream=True, return_log_probs=True)
+    assert out.error is None and out.output_ids == want.output_ids and len(out.chunks) > 2
+    n = 0
+    for c in out.chunks:
+        if c.output_ids:
+            n += len(c.output_ids)
+            np.testing.assert_allclose(c.log_probs, lps[:n], atol=1e-5)
+            assert c.cum_log_prob == pytest.approx(sum(lps[:n]), abs=1e-4)
+    single = _gen(server, PROMPTS[0], 30, stream=False, return_log_probs=True)
+    np.testing.assert_allclose(single.chunks[0].log_probs, lps, atol=1e-5)
+    assert _gen(server, PROMPTS[0], 4, stream=True).chunks[0].log_probs == []  # only when asked
+
+
+@pytest.mark.server
 def test_proposer_input_reaches_the_engine_through_the_ensemble(server, offline):
     want = offline(PROMPTS[:2], [30, 30])
     for proposer in ("ngram", "mixed", "redrafter"):

@@ -287,7 +287,7 @@ MALFORMED = [  # (model, inputs beside a valid request's, error text)
     ("ensemble", {"repetition_penalty": np.array([[1.2]], np.float32)}, "repetition_penalty=1.2"),
     ("ensemble", {"min_tokens": np.array([[5]], np.int32)}, "min_tokens=5"),
     ("ensemble", {"num_return_sequences": np.array([[2]], np.int32)}, "num_return_sequences=2"),
-    ("ensemble", {"return_log_probs": np.array([[True]], bool)}, "return_log_probs=True"),
+    ("tensorrt_llm", {"top_logprobs": np.array([[21]], np.int32)}, "top_logprobs=21 is above this engine's limit"),
     ("ensemble", {"bad_words": np.array([["fox"]]).astype(object)}, "bad_words cannot be honoured"),
     ("ensemble", {"embedding_bias_words": np.array([["fox"]]).astype(object),
                   "embedding_bias_weights": np.array([[1.0]], np.float32)}, "logits bias"),

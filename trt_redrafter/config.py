@@ -469,11 +469,17 @@ class SamplingConfig(ConfigBase):
     seed: int = option(0, help="random seed of this request's sampler")
     acceptance: str = option("", help="greedy | exact | apple; empty picks greedy at temperature 0, else exact",
                          choices=("",) + ACCEPTANCE_RULES)
+    logprobs: bool = option(False, help="return each output token's log-probability: the model's, log_softmax of its "
+                                        "logits before temperature, top-k and top-p (decoding/logprobs.py)")
+    top_logprobs: int = option(0, help="with each output token, the N most likely tokens there and their "
+                                       "log-probabilities (up to the engine's max_logprobs; implies logprobs)")
 
     def validate(self) -> None:
         super().validate()
         s = self.SECTION
         check_positive(s, "max_tokens", self.max_tokens)
+        if self.top_logprobs < 0:
+            raise bad_value(s, "top_logprobs", "an integer >= 0", self.top_logprobs)
         if not 0 <= self.temperature < math.inf:  # NaN fails every comparison
             raise bad_value(s, "temperature", "a finite number >= 0", self.temperature)
         if self.top_k < 0:
@@ -488,6 +494,10 @@ class SamplingConfig(ConfigBase):
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs or self.top_logprobs > 0
 
     @property
     def resolved_acceptance(self) -> AcceptanceRule:
@@ -530,6 +540,9 @@ class RuntimeConfig(ConfigBase):
                                              "text starts with them prefills only the rest; output is the same "
                                              "either way (runtime/kv_cache.py). Off for TP > 1 and for dynamic-NTK "
                                              "RoPE models")
+    max_logprobs: int = option(20, help="the most top log-probabilities a request may ask for (vLLM's max_logprobs; "
+                                        "OpenAI allows 20): a step with log-probabilities finds this many most "
+                                        "likely tokens per emitted token")
     compile: str = option("auto", help="decode-step compilation: off (eager), inductor (torch.compile), cudagraphs "
                                    "(captured per batch bucket), inductor+cudagraphs; auto: cudagraphs on CUDA, "
                                    "inductor on a one-rank CPU engine, off for TP > 1 on the CPU (and for a "
@@ -567,6 +580,8 @@ class RuntimeConfig(ConfigBase):
             raise bad_value(s, "kv_cache_tokens", "0 (the engine's) or a positive integer", self.kv_cache_tokens)
         if self.threads < 0:
             raise bad_value(s, "threads", "0 (torch's default) or a positive integer", self.threads)
+        if self.max_logprobs < 0:
+            raise bad_value(s, "max_logprobs", "an integer >= 0", self.max_logprobs)
         if Speculation.parse(self.speculate) is None:
             raise bad_value(s, "speculate", "auto, full or a positive number of tree nodes", self.speculate)
 

@@ -79,7 +79,21 @@ def run(args: argparse.Namespace) -> int:
             rank0_print(json.dumps(doc), rank=dist.rank)
         else:
             rank0_print(text if text is not None else " ".join(map(str, r.output_ids)), rank=dist.rank)
+            if r.logprobs:
+                rank0_print(_logprob_table(r.output_ids, r.logprobs, tokenizer), rank=dist.rank)
     return 0
+
+
+def _logprob_table(ids: list[int], logprobs: list, tokenizer) -> str:
+    """One line per output token: its position, id, text, log-probability and the most likely tokens there."""
+    def show(t: int) -> str:
+        return f"{t} {tokenizer.decode([t])!r}" if tokenizer is not None else str(t)
+
+    lines = [f"{'#':>4}  {'token':<24} {'logprob':>9}  top"]
+    for i, (t, lp) in enumerate(zip(ids, logprobs)):
+        top = "  ".join(f"{show(j)} {x:.4f}" for j, x in lp.top)
+        lines.append(f"{i:>4}  {show(t):<24} {lp.logprob:>9.4f}  {top}")
+    return "\n".join(lines)
 
 
 def _cuda(device: str) -> bool:

@@ -34,6 +34,8 @@ import torch
 from safetensors.torch import load_file
 
 from ..config import DECODING_MODES, PROPOSERS, AcceptanceRule, BuildConfig, DecodingMode, RuntimeConfig, torch_dtype
+from ..decoding import logprobs as token_logprobs
+from ..decoding.logprobs import TokenLogprob
 from ..errors import UserError
 from ..log import get_logger
 from ..model.linear import resolve_linear
@@ -57,10 +59,12 @@ logger = get_logger(__name__)
 
 @dataclass
 class Emitted:
-    """What a step produced for one request: its tokens, and its next tree's host work (None: none)."""
+    """What a step produced for one request: its tokens, their log-probabilities (where it asked for them), and its
+    next tree's host work (None: none)."""
 
     tokens: list[int]
     host: Optional[HostCompose] = None
+    logprobs: Optional[list[TokenLogprob]] = None
 
 
 class Engine:
@@ -87,7 +91,9 @@ class Engine:
         step_kernels, select = plug_kernels(self.kernels, self.model, self.cache, runtime.compile)
         self.device_drafter = BeamDrafter(self.drafter, self.model.embed, tree.num_beams, tree.draft_len_per_beam,
                                           select) if self.drafter is not None else None
-        self.steps = DecodeStep(self.model, self.device_drafter, self.cache, self.state, dist, step_kernels)
+        self.max_logprobs = min(runtime.max_logprobs, self.vocab_size)
+        self.steps = DecodeStep(self.model, self.device_drafter, self.cache, self.state, dist, step_kernels,
+                                self.max_logprobs)
         self.ngram_when = ngram_when(cfg.proposer, dist.device)
         self.proposers = make_proposers(cfg.proposer, tree, self.device_drafter, self.ngram_when, engine_dir,
                                         self.vocab_size)
@@ -191,6 +197,10 @@ class Engine:
                                    stop_sequences=tuple(tuple(q) for q in spec.stop_sequences if q))
         self.proposers[name].check(spec)
         self.build.check_request(spec.prompt, spec.params.max_tokens, self.vocab_size)
+        if spec.params.top_logprobs > self.max_logprobs:
+            raise UserError(f"top_logprobs={spec.params.top_logprobs} is above this engine's limit of "
+                            f"{self.max_logprobs} (its max_logprobs); ask for at most {self.max_logprobs}, or serve "
+                            f"with a larger --max-logprobs.")
         sid = next(self._ids) if seq_id is None else seq_id
         if self.cache.has(sid):  # two live sequences under one id would share KV blocks
             raise ValueError(f"sequence id {sid!r} already holds KV blocks on this engine; release it first")
@@ -262,7 +272,7 @@ class Engine:
             out.update(self._decode(decode, decision if decision is not None else self.decide(decode)))
         if prompt:
             out.update(self._prefill(prompt))
-        events = [self._commit(s, out[s.seq_id].tokens) for s in seqs]
+        events = [self._commit(s, out[s.seq_id]) for s in seqs]
         self._compose_on_host([(s, out[s.seq_id].host) for s in seqs if out[s.seq_id].host and not s.finished])
         self.policy.end_step()
         return events
@@ -278,9 +288,10 @@ class Engine:
                 self.state.set_params([s.slot], [s.sampling], [s.apple])
         self.cache.sync()
 
-    def _commit(self, s: Sequence, tokens: list[int]) -> StepEvent:
-        """Append a step's tokens to `s` (stops and limits applied) and count them. A prompt step that computed only a
-        chunk of the prompt emits nothing: the request stays in its prompt phase."""
+    def _commit(self, s: Sequence, emitted: Emitted) -> StepEvent:
+        """Append a step's tokens (and their log-probabilities) to `s` (stops and limits applied) and count them. A
+        prompt step that computed only a chunk of the prompt emits nothing: the request stays in its prompt phase."""
+        tokens = emitted.tokens
         if s.in_prompt_phase and not tokens:
             return StepEvent(s.seq_id, [], False)
         if s.in_prompt_phase:
@@ -292,19 +303,27 @@ class Engine:
             appended = s.append(tokens)
             s.stats.steps += 1
             s.stats.generated_in_steps += len(appended)
-        return StepEvent(s.seq_id, appended, s.finished)
+        logprobs = emitted.logprobs[:len(appended)] if emitted.logprobs is not None else []
+        s.output_logprobs += logprobs
+        return StepEvent(s.seq_id, appended, s.finished, logprobs)
 
     def _decode(self, group: list[Sequence], decision: StepDecision) -> dict[Hashable, Emitted]:
         """One decode step for `group`: launch, read back (the step's one host sync), parse each request's row."""
         t0 = time.perf_counter()
-        out, layout = self._launch(decision, group)
+        with_logprobs = any(s.sampling.wants_logprobs for s in group)
+        out, layout = self._launch(decision, group, with_logprobs)
         rows = out.cpu().tolist()
         took = time.perf_counter() - t0
         self.step_times.add("tree" if decision.is_tree else "ar", took)
         self.step_times.widths[decision.width] += 1
         self.policy.observe_step(decision, len(group), sum(s.ctx_len for s in group) / len(group), 1e3 * took)
         emitted = {}
+        # each row's log-probability columns come last: one emitted token's worth per AR row, bl per tree row
+        lp_width = token_logprobs.columns(self.max_logprobs) * (self.tree.beam_length if decision.is_tree else 1)
         for s, row in zip(group, rows):
+            cols = None
+            if with_logprobs:
+                row, cols = row[:len(row) - lp_width], row[len(row) - lp_width:]
             verified = s.tree if s.tree_fresh else None
             s.tree_fresh, s.pending = False, None  # the tree is the last one it had, until a new one is drafted
             r = layout.parse(row) if layout is not None else None  # an AR step's row: [token | 1 | 0]
@@ -312,19 +331,27 @@ class Engine:
             if s.speculative and r is not None and kept > 1 and verified is not None:
                 self._record(s, verified, kept, r.path)
             host = self.proposer_of(s).after_step(s, r, decision.compose) if s.speculative else None
-            emitted[s.seq_id] = Emitted(r.tokens if r is not None else row[:1], host)
+            tokens = r.tokens if r is not None else row[:1]
+            emitted[s.seq_id] = Emitted(tokens, host, self._logprobs(s, cols, len(tokens)))
         return emitted
 
-    def _launch(self, decision: StepDecision, group: list[Sequence]) -> tuple[torch.Tensor, Optional[RowLayout]]:
+    def _logprobs(self, s: Sequence, cols: Optional[list[int]], n: int) -> Optional[list[TokenLogprob]]:
+        """`s`'s n emitted tokens' log-probabilities from its row's columns, where it asked for them."""
+        if cols is None or not s.sampling.wants_logprobs:
+            return None
+        return token_logprobs.decode(cols, n, self.max_logprobs, s.sampling.top_logprobs)
+
+    def _launch(self, decision: StepDecision, group: list[Sequence], with_logprobs: bool
+                ) -> tuple[torch.Tensor, Optional[RowLayout]]:
         """Start one decode step for `group` -> (its output rows on the device, maybe still running; their layout,
         None for an AR step)."""
         rule, slots = self._rule(group), [s.slot for s in group]
         longest = max(s.ctx_len for s in group)
         if not decision.is_tree:
-            return self.launcher.ar(slots, longest + 1, rule), None
+            return self.launcher.ar(slots, longest + 1, rule, with_logprobs), None
         pending = [s.pending for s in group]
         variant = variant_for(True, rule, self._speculating_proposers(group), decision.draft,
-                              any(p is not None for p in pending))
+                              any(p is not None for p in pending), with_logprobs)
         keep = [decision.keep.get(s.seq_id, 1) for s in group]
         out = self.launcher.tree(slots, decision.width, keep, longest, variant, pending)
         tree = self.tree
@@ -362,13 +389,16 @@ class Engine:
         slots, ids, lengths, start, prompt_len = self._prompt_inputs(seqs, [t[s.prefix_len:] for s, t in
                                                                             zip(seqs, texts)])
         rule = self._rule(seqs)
-        h = self.steps.prefill(slots, ids, lengths, rule, prompt_len, start, max(s.prefix_len for s in seqs))
+        h, cols = self.steps.prefill(slots, ids, lengths, rule, prompt_len, start, max(s.prefix_len for s in seqs),
+                                     logprobs=any(s.sampling.wants_logprobs for s in seqs))
+        cols = cols.tolist() if cols is not None else [None] * len(seqs)
         for s, t in zip(seqs, texts):  # its prompt's full blocks, reusable by requests that start alike
             self.cache.commit(s.seq_id, t)
         nodes, beams = self._first_trees(seqs, slots, h, rule)
         first = self.state.true_tok[slots].tolist()
         return {s.seq_id: Emitted([tok], self.proposer_of(s).after_prompt(s, nodes.get(i), beams.get(i))
-                                  if s.speculative else None) for i, (s, tok) in enumerate(zip(seqs, first))}
+                                  if s.speculative else None, self._logprobs(s, cols[i], 1))
+                for i, (s, tok) in enumerate(zip(seqs, first))}
 
     def _prompt_inputs(self, seqs: list[Sequence], parts: list[list[int]]) -> tuple[torch.Tensor, ...]:
         """A prompt step's inputs on the device: the requests' slots, their `parts` (the tokens this step computes)

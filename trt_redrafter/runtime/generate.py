@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..config import SamplingConfig
+from ..decoding.logprobs import TokenLogprob
 from .engine import Engine
 from .scheduler import Request, Scheduler
 from .sequence import RequestSpec, Sequence
@@ -22,6 +23,7 @@ class GenerationResult:
     ttft_ms: float
     ms_per_token: float  # TPOT: (end - first token) / (output tokens - 1)
     cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (runtime/kv_cache.py)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of output_ids, where the request asked for them
 
     @classmethod
     def of(cls, s: Sequence) -> "GenerationResult":
@@ -30,7 +32,7 @@ class GenerationResult:
         tpot = (st.finish_time - st.first_token_time) * 1e3 / (n - 1) if n > 1 else 0.0
         return cls(s.prompt, list(s.output), s.finish_reason or "", st.steps, st.tokens_per_step,
                    st.accepted_draft_tokens, st.draft_tokens, (st.first_token_time - st.arrival) * 1e3, tpot,
-                   st.cached_tokens)
+                   st.cached_tokens, list(s.output_logprobs))
 
 
 def generate(engine: Engine, prompts: list[list[int]], params: SamplingConfig | list[SamplingConfig],

@@ -34,24 +34,27 @@ class StepVariant:
     """What selects a decode step's compiled graph besides its shapes: an AR step or a tree step, the batch's
     acceptance rule (greedy | exact | apple), and for a tree step whether the device drafter drafts the next trees
     (`draft`), whether its beams come back to the host too (`return_beams`: mixed trees are composed from them) and
-    whether trees composed on the host are packed first (`host_trees`)."""
+    whether trees composed on the host are packed first (`host_trees`); for either kind, whether the emitted tokens'
+    log-probabilities come back too (`logprobs`: some request of the batch asked for them). The warm-up compiles the
+    variants without log-probabilities; one with them compiles when a request first asks."""
 
     tree: bool
     rule: AcceptanceRule = AcceptanceRule.GREEDY
     draft: bool = False
     return_beams: bool = False
     host_trees: bool = False
+    logprobs: bool = False
 
 
-def variant_for(tree: bool, rule: AcceptanceRule, proposers: Iterable[Proposer], may_draft: bool, host_trees: bool
-                ) -> StepVariant:
+def variant_for(tree: bool, rule: AcceptanceRule, proposers: Iterable[Proposer], may_draft: bool, host_trees: bool,
+                logprobs: bool = False) -> StepVariant:
     """The variant of a step over requests with these proposers (the speculative ones'): the device drafter runs
     where the decision lets it (`may_draft`) and some proposer drafts on the device."""
     if not tree:
-        return StepVariant(False, rule)
+        return StepVariant(False, rule, logprobs=logprobs)
     props = list(proposers)
     draft = may_draft and drafts_on_device(props)
-    return StepVariant(True, rule, draft, draft and returns_device_beams(props), host_trees)
+    return StepVariant(True, rule, draft, draft and returns_device_beams(props), host_trees, logprobs)
 
 
 def warmup_variants(proposer: Proposer, rule: AcceptanceRule = AcceptanceRule.GREEDY) -> list[StepVariant]:
@@ -79,10 +82,10 @@ class StepLauncher:
         self._units: dict[object, Callable] = {}
 
     # ---- the two step kinds ------------------------------------------------------------------------------------
-    def ar(self, slots: list[int], longest: int, rule: AcceptanceRule) -> torch.Tensor:
+    def ar(self, slots: list[int], longest: int, rule: AcceptanceRule, logprobs: bool = False) -> torch.Tensor:
         """An AR step for these slots -> their output rows (on the device, maybe still running)."""
         args = self._inputs(slots, 1, longest)
-        return self._unit(False)(*args[:2], rule)[:len(slots)]
+        return self._unit(False)(*args[:2], rule, logprobs)[:len(slots)]
 
     def tree(self, slots: list[int], width: int, keep: list[int], longest: int, variant: StepVariant,
              pending: Optional[list[Optional[Draft]]] = None) -> torch.Tensor:
@@ -93,7 +96,7 @@ class StepLauncher:
         T = self.verify_width(width, max(keep))
         args = self._inputs(slots, T, longest + T, keep)
         host = self._host_inputs(pending, args[0].shape[0]) if variant.host_trees else (None, None, None)
-        call = (*args, variant.rule, variant.draft, variant.return_beams, *host)
+        call = (*args, variant.rule, variant.draft, variant.return_beams, variant.logprobs, *host)
         if self.timer.enabled:  # each phase its own unit, timed
             out = self.steps.redrafter_step(*call, run=self._timed_phase)
             self.timer.end_step()

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Hashable, Optional
 
 from ..config import AcceptanceRule, DecodingMode, SamplingConfig
+from ..decoding.logprobs import TokenLogprob
 
 
 @dataclass
@@ -37,6 +38,7 @@ class StepEvent:
     seq_id: Hashable  # the request's id (Request.request_id), or the engine's own count
     new_tokens: list[int]
     finished: bool
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of new_tokens, where the request asked for them
 
 
 @dataclass
@@ -118,6 +120,7 @@ class Sequence:
     spec: RequestSpec
     max_len: int  # prompt + output limit (engine max_seq_len)
     output: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)  # of `output`, where the request asked for them
     ctx_len: int = 0  # committed KV entries (mirror of the device's SlotState.ctx_len)
     prefix_len: int = 0  # in its prompt phase: the leading tokens whose K/V it holds (prefix cache, earlier chunks)
     prefill_chunk: int = 0  # in its prompt phase: the most tokens its next prompt step computes (0: all the rest)

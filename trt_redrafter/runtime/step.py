@@ -38,6 +38,7 @@ import torch
 
 from ..config import AcceptanceRule
 from ..decoding import acceptance, sampling, tree
+from ..decoding.logprobs import encode as logprob_columns
 from ..decoding.acceptance import Acceptance
 from ..model.attention import AttentionMeta
 from ..model.llama import LlamaRank
@@ -85,6 +86,8 @@ class RowLayout:
         depths [P]       and their depths
         beams [nb * bl]  the device's beams of the next tree, flat, and their scores [nb * dl] (return_beams: the host
                          composes mixed trees from them)
+        logprobs         (steps with log-probabilities) per emitted token, `decoding.logprobs.columns(K)`
+                         columns, bl tokens' worth for a tree step, one for an AR step
     An AR step returns [next token | 1 | 0].
     """
 
@@ -164,9 +167,12 @@ class DecodeStep:
     """The batched step of one engine; holds references to its model, proposer, KV cache and slot state."""
 
     def __init__(self, model: LlamaRank, proposer: Optional[DeviceDrafter], cache: PagedKVCache,
-                 state: SlotState, dist: Dist, kernels: Optional[StepKernels] = None):
+                 state: SlotState, dist: Dist, kernels: Optional[StepKernels] = None, top_logprobs: int = 0):
+        """`top_logprobs`: how many most likely tokens a step with log-probabilities returns per emitted token (the
+        engine's limit; each request takes its own first few)."""
         self.model, self.proposer, self.cache, self.state, self.dist = model, proposer, cache, state, dist
         self.kernels = kernels or StepKernels()
+        self.top_logprobs = top_logprobs
 
     # ---- phases ----------------------------------------------------------------------------------------
     def verify(self, slots: torch.Tensor, key_blocks: torch.Tensor, tokens: torch.Tensor, offsets: torch.Tensor,
@@ -301,8 +307,9 @@ class DecodeStep:
     # ---- whole steps -----------------------------------------------------------------------------------
     def redrafter_step(self, slots: torch.Tensor, key_blocks: torch.Tensor, tree_width: torch.Tensor,
                        keep: torch.Tensor, rule: AcceptanceRule, draft: bool, return_beams: bool = False,
-                       host_beams: Optional[torch.Tensor] = None, host_scores: Optional[torch.Tensor] = None,
-                       host_mask: Optional[torch.Tensor] = None, run: Optional[Callable] = None) -> torch.Tensor:
+                       logprobs: bool = False, host_beams: Optional[torch.Tensor] = None,
+                       host_scores: Optional[torch.Tensor] = None, host_mask: Optional[torch.Tensor] = None,
+                       run: Optional[Callable] = None) -> torch.Tensor:
         """One speculative step for [bs] slots over the first T = len(tree_width) nodes of their trees, of which each
         request keeps keep [bs] -> [bs, RowLayout(...).width] rows (RowLayout).
 
@@ -327,10 +334,19 @@ class DecodeStep:
             out.append(packed[:, 1:])
             if return_beams:
                 out += [beams.flatten(1), scores.flatten(1)]
+        if logprobs:
+            rows = torch.arange(path.shape[0], device=path.device)[:, None]
+            out.append(self.encode_logprobs(v.logits[rows, path], a.emitted[:, :-1]))
         return torch.cat(out, dim=1)
 
-    def ar_step(self, slots: torch.Tensor, key_blocks: torch.Tensor, rule: AcceptanceRule) -> torch.Tensor:
-        """One auto-regressive step for [bs] slots -> [bs, 3]: the next token, 1 (tokens emitted), 0 (no tree)."""
+    def encode_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Row columns of the log-probabilities of tokens [bs, n], chosen from logits [bs, n, V] (logprobs.encode)."""
+        return logprob_columns(logits, tokens, self.top_logprobs)
+
+    def ar_step(self, slots: torch.Tensor, key_blocks: torch.Tensor, rule: AcceptanceRule, logprobs: bool = False
+                ) -> torch.Tensor:
+        """One auto-regressive step for [bs] slots -> [bs, 3]: the next token, 1 (tokens emitted), 0 (no tree); and
+        with `logprobs` the next token's log-probability columns."""
         st = self.state
         bs = slots.shape[0]
         tok = st.true_tok[slots][:, None]  # [bs, 1]
@@ -342,13 +358,17 @@ class DecodeStep:
         nxt, _ = self.targets(slots, v.logits, zeros, rule)  # [bs, 1]
         nxt = self.dist.broadcast(nxt.contiguous())
         st.advance(slots, st.ctx_len[slots] + 1, nxt[:, 0])
-        return torch.cat([nxt, torch.ones_like(nxt), zeros], dim=1)
+        out = [nxt, torch.ones_like(nxt), zeros]
+        if logprobs:
+            out.append(self.encode_logprobs(v.logits, nxt))
+        return torch.cat(out, dim=1)
 
     def prefill(self, slots: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor, rule: AcceptanceRule,
                 prompt_len: Optional[torch.Tensor] = None, start: Optional[torch.Tensor] = None,
-                longest_start: int = 0) -> torch.Tensor:
-        """Prompt step for [bs] new requests: ids [bs, T] right-padded, lengths [bs] -> hidden of the last prompt
-        token [bs, H]; sets ctx_len and the first true token (drawn at position start + lengths).
+                longest_start: int = 0, logprobs: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Prompt step for [bs] new requests: ids [bs, T] right-padded, lengths [bs] -> (hidden of the last prompt
+        token [bs, H], with `logprobs` the first token's log-probability columns [bs, columns] else None); sets
+        ctx_len and the first true token (drawn at position start + lengths).
 
         prompt_len [bs]: how many of each row's tokens are its prompt (default: all of them); fewer when a preempted
         request recomputes its prompt and output (dynamic-NTK RoPE rotates the two differently, see rope.py).
@@ -367,10 +387,11 @@ class DecodeStep:
             put_rows(st.hidden, slots, h)
         # the draw at the last prompt position: same noise as an AR step there (position = start + lengths)
         offsets = last[:, None]  # ctx_len is start, so position = start + offset + 1
-        nxt, _ = self.targets(slots, self.model.logits(h)[:, None], offsets, rule)
+        logits = self.model.logits(h)[:, None]  # [bs, 1, V]
+        nxt, _ = self.targets(slots, logits, offsets, rule)
         nxt = self.dist.broadcast(nxt[:, 0].contiguous())
         st.advance(slots, start + lengths, nxt)
-        return h
+        return h, self.encode_logprobs(logits, nxt[:, None]) if logprobs else None
 
     def prefill_chunk(self, slots: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor, start: torch.Tensor,
                       longest_start: int, prompt_len: Optional[torch.Tensor] = None) -> None:

@@ -37,6 +37,8 @@ class GenerationRequest:
     decoding_mode: Optional[str] = None  # torch engine only: "redrafter" (default) | "ar"
     proposer: Optional[str] = None  # torch engine only: "redrafter" | "ngram" | "mixed" (default: the engine's)
     return_perf_metrics: bool = True  # TensorRT-LLM's C++ backend sends the acceptance statistics only when asked
+    return_log_probs: bool = False  # output_log_probs and cum_log_probs in each response
+    top_logprobs: int = 0  # torch engine model only: the N most likely tokens at each position (top_token_ids, ...)
 
 
 @dataclass
@@ -45,6 +47,8 @@ class Chunk:
     text: str
     output_ids: list[int]
     final: bool
+    log_probs: list[float] = field(default_factory=list)  # output_log_probs: every output token's so far
+    cum_log_prob: Optional[float] = None  # cum_log_probs: their sum
 
 
 @dataclass
@@ -112,6 +116,12 @@ def build_inputs(req: GenerationRequest, model: str = ENSEMBLE_MODEL, stop: bool
     inputs.append(_tensor(n("max_tokens"), np.array([[req.max_tokens]], np.int32)))
     inputs.append(_tensor(n("stream"), np.array([[req.stream]], bool)))
     inputs.append(_tensor("return_perf_metrics", np.array([[req.return_perf_metrics]], bool)))
+    if req.return_log_probs:
+        inputs.append(_tensor("return_log_probs", np.array([[True]], bool)))
+    if req.top_logprobs:
+        if not engine:
+            raise ValueError("top_logprobs is an input of the torch engine model only; send prompt_ids to it")
+        inputs.append(_tensor("top_logprobs", np.array([[req.top_logprobs]], np.int32)))
     for key, value, dtype in (("temperature", req.temperature, np.float32), ("top_k", req.top_k, np.int32),
                               ("top_p", req.top_p, np.float32), ("seed", req.seed, np.uint64),
                               ("end_id", req.end_id, np.int32)):
@@ -135,7 +145,9 @@ def _parse(result, t: float) -> Chunk:
     text_out = result.as_numpy("text_output")
     text = "" if text_out is None else b"".join(text_out.reshape(-1)).decode(errors="replace")
     ids = result.as_numpy("output_ids")
-    return Chunk(t, text, [] if ids is None else ids.reshape(-1).tolist(), final)
+    lps, cum = result.as_numpy("output_log_probs"), result.as_numpy("cum_log_probs")
+    return Chunk(t, text, [] if ids is None else ids.reshape(-1).tolist(), final,
+                 [] if lps is None else lps.reshape(-1).tolist(), None if cum is None else float(cum.reshape(-1)[0]))
 
 
 def generate_one(url: str, req: GenerationRequest, model: str = ENSEMBLE_MODEL, request_id: Optional[str] = None,

@@ -72,7 +72,6 @@ _NEUTRAL = {
     "min_length": (1, "a minimum output length is not implemented (send end_id=-1 to get exactly max_tokens)"),
     "min_tokens": (1, "a minimum output length is not implemented (send end_id=-1 to get exactly max_tokens)"),
     "num_return_sequences": (1, "one sequence per request is returned (send several requests)"),
-    "return_log_probs": (False, "log-probabilities are not returned by the torch engine"),
     "return_context_logits": (False, "context logits are not returned by the torch engine"),
     "return_generation_logits": (False, "generation logits are not returned by the torch engine"),
     "runtime_top_p_min": (0.0, "top-p decay is not implemented"),
@@ -240,7 +239,9 @@ def parse_inputs(inputs: dict[str, np.ndarray], exclude_input_in_output: bool = 
         params = SamplingConfig(max_tokens=int(max_tokens), temperature=temperature,
                                 top_k=int(_scalar(inputs, "runtime_top_k", 0)),
                                 top_p=float(_scalar(inputs, "runtime_top_p", 1.0)) or 1.0,
-                                seed=int(_scalar(inputs, "seed", _scalar(inputs, "random_seed", 0))))
+                                seed=int(_scalar(inputs, "seed", _scalar(inputs, "random_seed", 0))),
+                                logprobs=bool(_scalar(inputs, "return_log_probs", False)),
+                                top_logprobs=int(_scalar(inputs, "top_logprobs", 0)))
         params.validate()
     except UserError as e:
         raise UserError(f"bad sampling parameters: {e}") from e
@@ -307,6 +308,8 @@ def response_tensors(new: list[int], preceding: list[int], seq, state: Optional[
         out["num_input_tokens"] = np.array([[len(state.request.spec.prompt)]], dtype=np.int32)
     if state.request.count_output:
         out["num_output_tokens"] = np.array([[len(preceding) + len(new)]], dtype=np.int32)
+    if seq.sampling.wants_logprobs:
+        out.update(logprob_tensors(seq.output_logprobs, len(preceding), len(new), seq.sampling.top_logprobs))
     if state.request.perf_metrics:
         blocks = req.kv_blocks if req is not None else 0
         reused = min(st.kv_reused_blocks, blocks)  # blocks taken from the prefix cache (runtime/kv_cache.py)
@@ -320,6 +323,21 @@ def response_tensors(new: list[int], preceding: list[int], seq, state: Optional[
             "first_token_time_ns": np.array([[state.first_token_ns or 0]], dtype=np.int64),
             "last_token_time_ns": np.array([[state.last_token_ns or 0]], dtype=np.int64),
         })
+    return out
+
+
+def logprob_tensors(logprobs: list, start: int, n: int, top: int) -> dict[str, np.ndarray]:
+    """The log-probabilities of a response that adds output tokens start..start+n, with Triton's batch dimension, as
+    TensorRT-LLM's backend sends them: output_log_probs [1, beam=1, start + n], every output token's so far (a
+    streamed response too, though its output_ids holds only the new tokens: TensorRT-LLM's `LlmRequest::createResult`
+    slices the tokens and not their log-probabilities), and cum_log_probs [1, beam=1], their sum; with `top` > 0 this
+    model's top_token_ids and top_log_probs [1, n, top], the most likely tokens at the new tokens' positions."""
+    upto, part = logprobs[:start + n], logprobs[start:start + n]
+    out = {"output_log_probs": np.array([t.logprob for t in upto], dtype=np.float32).reshape(1, 1, start + n),
+           "cum_log_probs": np.array([[sum(t.logprob for t in upto)]], dtype=np.float32)}
+    if top:
+        out["top_token_ids"] = np.array([[i for i, _ in t.top] for t in part], dtype=np.int32).reshape(1, n, top)
+        out["top_log_probs"] = np.array([[x for _, x in t.top] for t in part], dtype=np.float32).reshape(1, n, top)
     return out
 
 

@@ -9,6 +9,9 @@ token itself and decodes them one at a time (`IncrementalDecoder`), with the sam
 
 from __future__ import annotations
 
+import functools
+import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +20,7 @@ from ..chat import encode_prompt
 from ..errors import UserError
 
 REPLACEMENT = "\ufffd"  # what an incomplete UTF-8 sequence decodes to
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte tokens
 
 
 def load_tokenizer(path: str | Path):
@@ -53,6 +57,35 @@ class TextCodec:
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=self.skip_special_tokens, clean_up_tokenization_spaces=False)
+
+    @functools.lru_cache(maxsize=1 << 16)
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes one token stands for on its own (OpenAI's logprobs `bytes`): a byte-level BPE token's bytes
+        (which may be part of a UTF-8 character), a SentencePiece byte token's byte, else its piece as UTF-8 with
+        SentencePiece's word marker as a space; a special token is its own text."""
+        piece = self.tok.convert_ids_to_tokens(int(token))
+        if piece is None:
+            return b""
+        m = _BYTE_FALLBACK.fullmatch(piece)
+        if m:
+            return bytes([int(m.group(1), 16)])
+        if self._byte_level and int(token) not in self.tok.all_special_ids:
+            table = _byte_decoder()
+            if all(c in table for c in piece):
+                return bytes(table[c] for c in piece)
+        return piece.replace("\u2581", " ").encode()
+
+    def token_text(self, token: int) -> str:
+        """One token as text (OpenAI's logprobs `token`): its bytes, an incomplete character as U+FFFD."""
+        return self.token_bytes(token).decode(errors="replace")
+
+    @functools.cached_property
+    def _byte_level(self) -> bool:
+        """The tokenizer decodes with a byte-level decoder (GPT-2's byte <-> character table)."""
+        backend = getattr(self.tok, "backend_tokenizer", None)
+        if backend is None:
+            return False
+        return "ByteLevel" in json.dumps(json.loads(backend.to_str()).get("decoder"))
 
     def decode_delta(self, preceding: list[int], new: list[int]) -> str:
         """The text `new` adds after `preceding` (incomplete trailing characters held back)."""
@@ -111,6 +144,15 @@ class IncrementalDecoder:
         after = self.codec.decode(self.ids[self.start:])
         self.start = self.read = len(self.ids)
         return _added(before, after)
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> byte: printable Latin-1 bytes stand for themselves, every other
+    byte for the character 256 + its rank among them (GPT-2's `bytes_to_unicode`, which ByteLevel decoders use)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
 
 
 def _added(before: str, after: str) -> str:

@@ -134,19 +134,22 @@ def create_app(model: ServedModel, grpc_url: str, codec: Optional[TextCodec] = N
         check_model(req.model)
         if req.decoding_mode is not None and model.backend != "torch":
             raise P.unsupported("decoding_mode", "TensorRT-LLM's engine fixes its decoding mode when it is built.")
+        if req.logprobs and model.backend != "torch":
+            raise P.unsupported("logprobs", "TensorRT-LLM's ReDrafter decoding computes no log-probabilities (its "
+                                            "explicit-draft-tokens decoder layer writes none; docs/tensorrt-llm.md).")
         ids = prompt_ids(req)
         engine_req = GenerationRequest(
             prompt_ids=ids, max_tokens=max_tokens(req, len(ids)), temperature=req.temperature, top_p=req.top_p,
             top_k=req.top_k, seed=req.seed, end_id=-1 if req.ignore_eos else codec.end_id,
             # a non-decoupled engine model (make-repo --decoupled false) answers once: a stream is then one chunk
             stream=model.decoupled,
-            decoding_mode=req.decoding_mode)
+            decoding_mode=req.decoding_mode, return_log_probs=req.logprobs, top_logprobs=req.top_logprobs)
         if req.temperature == 0 and model.backend == "tensorrtllm":  # TensorRT-LLM decodes greedily with top_k 1
             engine_req.temperature, engine_req.top_k, engine_req.top_p = None, 1, None
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         steps = app.state.engine.stream(engine_req, rid)
         gen = Generation(codec, req.stop, engine_req.end_id)
-        out = _Answer(rid, int(time.time()), model.name, chat, len(ids), gen, model.kv_block_size)
+        out = _Answer(rid, int(time.time()), model.name, chat, len(ids), gen, model.kv_block_size, req.logprobs)
         try:
             if not req.stream:
                 await until_disconnected(request, collect(steps, gen))
@@ -193,9 +196,9 @@ class _Answer:
     """The response of one request, whole or as server-sent events."""
 
     def __init__(self, rid: str, created: int, model: str, chat: bool, prompt_tokens: int, gen: Generation,
-                 block_size: int = 0):
+                 block_size: int = 0, logprobs: bool = False):
         self.rid, self.created, self.model, self.chat = rid, created, model, chat
-        self.prompt_tokens, self.gen, self.block_size = prompt_tokens, gen, block_size
+        self.prompt_tokens, self.gen, self.block_size, self.logprobs = prompt_tokens, gen, block_size, logprobs
 
     def usage(self) -> dict:
         reused = self.gen.stats.reused_blocks
@@ -205,13 +208,21 @@ class _Answer:
     def body(self) -> dict:
         make = P.chat_body if self.chat else P.completion_body
         return make(self.rid, self.created, self.model, self.gen.text, self.gen.finish_reason, self.usage(),
-                    self.gen.stats.as_dict())
+                    self.gen.stats.as_dict(), self._logprobs())
 
-    def chunk(self, text: Optional[str], finish_reason: Optional[str] = None, role: bool = False) -> dict:
+    def _logprobs(self) -> Optional[dict]:
+        """The logprobs field for the tokens logged since the last chunk (all of them, for a whole answer)."""
+        if not self.logprobs:
+            return None
+        tokens, offset = self.gen.take_logged()
+        return P.chat_logprobs(tokens) if self.chat else P.completion_logprobs(tokens, offset)
+
+    def chunk(self, text: Optional[str], finish_reason: Optional[str] = None, role: bool = False,
+              logprobs: Optional[dict] = None) -> dict:
         if not self.chat:
-            return P.completion_chunk(self.rid, self.created, self.model, text or "", finish_reason)
+            return P.completion_chunk(self.rid, self.created, self.model, text or "", finish_reason, logprobs)
         delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-        return P.chat_chunk(self.rid, self.created, self.model, delta, finish_reason)
+        return P.chat_chunk(self.rid, self.created, self.model, delta, finish_reason, logprobs)
 
     async def events(self, steps: AsyncIterator[Step], first: Optional[Step], include_usage: bool):
         gen = self.gen
@@ -221,8 +232,9 @@ class _Answer:
             step = first
             while step is not None and not gen.done:
                 text = gen.on_step(step)
-                if text:
-                    yield P.sse(self.chunk(text))
+                logprobs = self._logprobs()
+                if text or (logprobs and (logprobs.get("content") or logprobs.get("tokens"))):
+                    yield P.sse(self.chunk(text, logprobs=logprobs))
                 if not gen.done:
                     step = await anext(steps, None)
             if not gen.done:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator, Optional
 
+from ...decoding.logprobs import TokenLogprob
 from ...errors import UserError
 from .. import ENGINE_MODEL
 from ..client import GenerationRequest, build_inputs
@@ -66,6 +67,20 @@ def _value(result, name: str):
     return None if x is None else x.reshape(-1)[0].item()
 
 
+def _logprobs(result, n: int) -> Optional[list[TokenLogprob]]:
+    """The log-probabilities of a response's n new tokens: the last n of its output_log_probs [beam=1, all so far],
+    with its top_token_ids / top_log_probs [n, k] (where sent)."""
+    lps = result.as_numpy("output_log_probs")
+    if lps is None:
+        return None
+    ids, tops = result.as_numpy("top_token_ids"), result.as_numpy("top_log_probs")
+    lps = lps.reshape(-1).tolist()[-n:] if n else []
+    if ids is None or tops is None:
+        return [TokenLogprob(x) for x in lps]
+    ids, tops = ids.reshape(len(lps), -1).tolist(), tops.reshape(len(lps), -1).tolist()
+    return [TokenLogprob(x, tuple(zip(i, t))) for x, i, t in zip(lps, ids, tops)]
+
+
 class TritonEngine:
     """Streams requests to the engine model over one gRPC channel (create it inside the running event loop)."""
 
@@ -103,9 +118,11 @@ class TritonEngine:
                 ids = result.as_numpy("output_ids")
                 params = result.get_response().parameters
                 final = params["triton_final_response"].bool_param if "triton_final_response" in params else False
-                step = Step([] if ids is None else ids.reshape(-1).tolist(), final,
+                ids = [] if ids is None else ids.reshape(-1).tolist()
+                step = Step(ids, final,
                             _value(result, "total_accepted_draft_tokens"), _value(result, "total_draft_tokens"),
-                            _value(result, "acceptance_rate"), _value(result, "kv_cache_reused_blocks"))
+                            _value(result, "acceptance_rate"), _value(result, "kv_cache_reused_blocks"),
+                            _logprobs(result, len(ids)) if req.return_log_probs else None)
                 if final:
                     # Triton ends the call right after the final response (the request side is closed): let it end
                     # before the consumer, which stops here, closes this generator. Cancelling a call whose request

@@ -12,7 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from ...decoding.logprobs import TokenLogprob
 from ..text import IncrementalDecoder, TextCodec
+from .protocol import LoggedToken
 
 
 @dataclass
@@ -25,6 +27,7 @@ class Step:
     draft_tokens: Optional[int] = None
     acceptance_rate: Optional[float] = None
     reused_blocks: Optional[int] = None  # kv_cache_reused_blocks: the prompt's KV blocks taken from the prefix cache
+    logprobs: Optional[list[TokenLogprob]] = None  # of ids (output_log_probs, top_token_ids, top_log_probs)
 
 
 class StopMatcher:
@@ -100,10 +103,26 @@ class Generation:
     finish_reason: Optional[str] = None
     stats: ReDrafterStats = field(default_factory=ReDrafterStats)
 
+    logged: list[LoggedToken] = field(default_factory=list)  # the counted tokens' log-probabilities (when asked)
+
     def __post_init__(self):
         self._decoder = IncrementalDecoder(self.codec)
         self._matcher = StopMatcher(self.stops)
         self._last: Optional[int] = None
+        self._taken = 0  # logged[:_taken] went out in earlier chunks
+        self._offset = 0  # their text's length (completions' text_offset)
+
+    def take_logged(self) -> tuple[list[LoggedToken], int]:
+        """The tokens logged since the last call, and the text offset of the first of them."""
+        new, start = self.logged[self._taken:], self._offset
+        self._taken = len(self.logged)
+        self._offset += sum(len(t.text) for t in new)
+        return new, start
+
+    def _log(self, token: int, lp: TokenLogprob) -> None:
+        c = self.codec
+        self.logged.append(LoggedToken(c.token_text(token), c.token_bytes(token), lp.logprob,
+                                       [(c.token_text(i), c.token_bytes(i), x) for i, x in lp.top]))
 
     @property
     def done(self) -> bool:
@@ -114,9 +133,11 @@ class Generation:
         assert not self.done, "a finished generation got another step"
         self.stats.add(step)
         out = []
-        for token in step.ids:
+        for i, token in enumerate(step.ids):
             self.completion_tokens += 1
             self._last = token
+            if step.logprobs is not None:
+                self._log(token, step.logprobs[i])
             out.append(self._matcher.push(self._decoder.push(token)))
             if self._matcher.hit:
                 self.finish_reason = "stop"

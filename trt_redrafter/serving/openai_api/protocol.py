@@ -15,9 +15,12 @@ What is accepted (a field not listed is ignored, as OpenAI ignores `user`):
     stop               a string or a list of strings; the text ends before the first one found
     stream, stream_options.include_usage
     n, best_of         1 only
+    logprobs           chat: true/false, with `top_logprobs` 0..20 (true needed); completions: 0..20 top tokens. The
+                       model's log-probabilities (docs/serving.md): chat's `logprobs.content`, completions' `tokens`,
+                       `token_logprobs`, `top_logprobs`, `text_offset`; streamed with each chunk's tokens
     extensions         top_k (>= 0, 0 = off), ignore_eos (bool), decoding_mode ("redrafter" | "ar": the torch
                        engine decodes the request auto-regressively)
-Refused with a 400 naming the field: logprobs, echo, suffix, logit_bias, non-zero presence/frequency penalties, tools,
+Refused with a 400 naming the field: echo, suffix, logit_bias, non-zero presence/frequency penalties, tools,
 a response_format other than text: the engine has none of them.
 """
 
@@ -35,6 +38,7 @@ MAX_TEMPERATURE = 2.0  # OpenAI's range
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DECODING_MODES = ("redrafter", "ar")
 CHAT_ROLES = ("system", "developer", "user", "assistant")
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit of top_logprobs (the engine may allow fewer: its max_logprobs)
 
 
 class APIError(Exception):
@@ -74,6 +78,8 @@ class SamplingRequest:
     include_usage: bool = False
     ignore_eos: bool = False
     decoding_mode: Optional[str] = None
+    logprobs: bool = False  # return the output tokens' log-probabilities
+    top_logprobs: int = 0  # and the N most likely tokens at each position
     extra: dict = field(default_factory=dict)
 
 
@@ -137,11 +143,6 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
         raise unsupported("n", "the engine decodes one output per request; send n=1 and repeat the request.")
     if not chat and _integer(body, "best_of", 1, lo=1) != 1:
         raise unsupported("best_of", "the engine decodes one output per request; send best_of=1.")
-    if chat:
-        if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
-            raise unsupported("logprobs", "the engine does not return log-probabilities.")
-    elif body.get("logprobs") is not None:
-        raise unsupported("logprobs", "the engine does not return log-probabilities.")
     if not chat and body.get("echo") not in (None, False):
         raise unsupported("echo", "the prompt is not echoed; prepend it yourself.")
     if not chat and body.get("suffix") not in (None, ""):
@@ -156,6 +157,23 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
     fmt = body.get("response_format")
     if chat and fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
         raise unsupported("response_format", "only plain text ({\"type\": \"text\"}) is produced.")
+
+
+def _logprobs(body: dict, chat: bool) -> tuple[bool, int]:
+    """(logprobs, top_logprobs): chat's `logprobs` (bool) + `top_logprobs` (0..20, needs logprobs), or completions'
+    `logprobs` (0..20 top tokens; null: none)."""
+    if chat:
+        on = _boolean(body, "logprobs")
+        top = _integer(body, "top_logprobs", 0, lo=0)
+        if top and not on:
+            raise bad_value("top_logprobs", "'top_logprobs' needs 'logprobs': true.")
+    else:
+        n = _integer(body, "logprobs", None, lo=0)
+        on, top = n is not None, n or 0
+    if top > MAX_TOP_LOGPROBS:
+        name = "top_logprobs" if chat else "logprobs"
+        raise bad_value(name, f"'{name}' must be at most {MAX_TOP_LOGPROBS}, got {top}.")
+    return on, top
 
 
 def _common(body: dict, chat: bool) -> SamplingRequest:
@@ -181,8 +199,9 @@ def _common(body: dict, chat: bool) -> SamplingRequest:
     if mode is not None and mode not in DECODING_MODES:
         raise bad_value("decoding_mode", f"'decoding_mode' must be one of {', '.join(DECODING_MODES)}, got "
                                          f"{json.dumps(mode)}.")
+    logprobs, top = _logprobs(body, chat)
     return SamplingRequest(
-        model=model, max_tokens=max_tokens,
+        model=model, max_tokens=max_tokens, logprobs=logprobs, top_logprobs=top,
         temperature=_number(body, "temperature", 1.0, 0.0, MAX_TEMPERATURE),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
         top_k=_integer(body, "top_k", 0, lo=0),
@@ -261,28 +280,62 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: Optional[in
 
 
 def completion_body(rid: str, created: int, model: str, text: str, finish_reason: str, use: dict,
-                    redrafter: dict) -> dict:
+                    redrafter: dict, logprobs: Optional[dict] = None) -> dict:
     return {"id": rid, "object": "text_completion", "created": created, "model": model, "system_fingerprint": None,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
             "usage": use, "redrafter": redrafter}
 
 
-def chat_body(rid: str, created: int, model: str, text: str, finish_reason: str, use: dict, redrafter: dict) -> dict:
+def chat_body(rid: str, created: int, model: str, text: str, finish_reason: str, use: dict, redrafter: dict,
+              logprobs: Optional[dict] = None) -> dict:
     return {"id": rid, "object": "chat.completion", "created": created, "model": model, "system_fingerprint": None,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                         "logprobs": None, "finish_reason": finish_reason}],
+                         "logprobs": logprobs, "finish_reason": finish_reason}],
             "usage": use, "redrafter": redrafter}
 
 
-def completion_chunk(rid: str, created: int, model: str, text: str, finish_reason: Optional[str]) -> dict:
+def completion_chunk(rid: str, created: int, model: str, text: str, finish_reason: Optional[str],
+                     logprobs: Optional[dict] = None) -> dict:
     return {"id": rid, "object": "text_completion", "created": created, "model": model, "system_fingerprint": None,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
 
-def chat_chunk(rid: str, created: int, model: str, delta: dict, finish_reason: Optional[str]) -> dict:
+def chat_chunk(rid: str, created: int, model: str, delta: dict, finish_reason: Optional[str],
+               logprobs: Optional[dict] = None) -> dict:
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
             "system_fingerprint": None,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+
+
+@dataclass
+class LoggedToken:
+    """One output token as the logprobs fields show it: its text and bytes, its log-probability, and the most likely
+    tokens at its position ((text, bytes, log-probability), best first)."""
+
+    text: str
+    bytes: bytes
+    logprob: float
+    top: list[tuple[str, bytes, float]] = field(default_factory=list)
+
+
+def chat_logprobs(tokens: list[LoggedToken]) -> dict:
+    """OpenAI chat's `logprobs`: {"content": [{token, logprob, bytes, top_logprobs}], "refusal": null}."""
+    def entry(text: str, raw: bytes, lp: float) -> dict:
+        return {"token": text, "logprob": lp, "bytes": list(raw)}
+
+    return {"content": [{**entry(t.text, t.bytes, t.logprob), "top_logprobs": [entry(*x) for x in t.top]}
+                        for t in tokens], "refusal": None}
+
+
+def completion_logprobs(tokens: list[LoggedToken], text_offset: int) -> dict:
+    """OpenAI completions' `logprobs`: parallel lists tokens, token_logprobs, top_logprobs ({token: logprob}) and
+    text_offset (each token's offset in the output text, from `text_offset`)."""
+    offsets, at = [], text_offset
+    for t in tokens:
+        offsets.append(at)
+        at += len(t.text)
+    return {"tokens": [t.text for t in tokens], "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [{text: lp for text, _, lp in t.top} for t in tokens], "text_offset": offsets}
 
 
 def usage_chunk(chunk: dict, use: dict, redrafter: dict) -> dict:
