@@ -171,3 +171,45 @@ def test_reuse_is_off_where_it_cannot_hold(tiny):
     assert not prefix_reuse(True, 1, True, False)  # dynamic-NTK RoPE rotates a prompt by its length
     assert not prefix_reuse(True, 1, False, True)  # the trainer records every prompt token's hidden state
     assert load_engine(tiny).cache.reuse and not load_engine(tiny, kv_cache_reuse=False).cache.reuse
+
+
+@pytest.mark.server
+def test_bench_reuse_replays_conversations_and_a_shared_prompt_with_reuse_on_and_off(tmp_path):
+    """`trt-redrafter bench-reuse` as a user runs it: two real servers (reuse on and off), the openai client, MT-Bench
+    conversations (turn 2 over turn 1's answer) and requests sharing a system prompt. Turn 2 and the shared prompt
+    find cached tokens only with reuse on, and the outputs are the same on both servers."""
+    import json
+    import subprocess
+    import sys
+
+    from trt_redrafter.serving.launcher import find_tritonserver, package_env
+
+    pytest.importorskip("openai")
+    try:
+        find_tritonserver()
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"no tritonserver binary: {e}")
+    _, engines = build_tiny_engines(tmp_path / "e", seed=5, num_beams=2, draft_len=2, vocab_size=VOCAB,
+                                    max_seq_len=320, kv_block_size=BLOCK, max_batch_size=4,
+                                    build_args=("--max-input-len", 300))
+    engine = engines[1]
+    dataset = tmp_path / "questions.jsonl"  # MT-Bench's layout, short enough for the tiny engine's 300 tokens
+    dataset.write_text("".join(json.dumps({"turns": [f"Question {i}: name a colour.", "And another one?"]}) + "\n"
+                               for i in range(4)))
+    out = tmp_path / "results.json"
+    proc = subprocess.run([sys.executable, "-m", "trt_redrafter", "bench-reuse", "--engine", str(engine),
+                           "--dataset", str(dataset),
+                           "--conversations", "2", "--max-tokens", "24", "--shared-requests", "4",
+                           "--shared-tokens", "60", "--concurrency", "2", "--compile", "off", "--output", str(out)],
+                          capture_output=True, text=True, timeout=600, env=package_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    conv, shared = doc["conversation"], doc["shared_prefix"]
+    assert conv["identical_outputs"] and shared["identical_outputs"]
+    assert "Outputs identical with and without reuse: yes" in proc.stdout
+    cached = {(r["mode"], r["turn"], r["server"]): r["cached_share"] for r in conv["rows"]}
+    assert all(cached[(m, "turn2", "reuse")] > 0 and cached[(m, "turn2", "no-reuse")] == 0 for m in ("ar", "redrafter"))
+    assert len(conv["requests"]) == 2 * 2 * 2 * 2  # conversations x modes x servers x turns
+    rows = {(r["mode"], r["server"]): r for r in shared["rows"]}
+    assert all(rows[(m, "reuse")]["cached_share"] > 0 and rows[(m, "no-reuse")]["cached_share"] == 0
+               for m in ("ar", "redrafter"))

@@ -56,9 +56,16 @@ def _publishable(root: Path) -> None:
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=4)
-        f.write("\n")
+    """Write `obj` as JSON through a temporary file beside `path`, renamed over it at the end (never half-written)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=4)
+            f.write("\n")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def read_json(path: str | os.PathLike, what: str) -> dict:

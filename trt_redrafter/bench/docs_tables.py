@@ -335,6 +335,38 @@ def _soak(docs: list[dict], names: tuple[str, ...]) -> list[str]:
     return out
 
 
+def _reuse(docs: list[dict], names: tuple[str, ...]) -> list[str]:
+    """`bench-reuse`: per workload and mode, the reuse server's TTFT / TPOT / cached share beside the no-reuse one's,
+    and the ratio the workload is judged by (turn-2 TTFT, request throughput)."""
+    out = _head("workload", "mode", "TTFT ms: reuse / off", "TPOT ms: reuse / off", "cached share (reuse)",
+                "reuse / off", "same outputs", "JSON")
+    for name, d in zip(names, docs):
+        c = d.get("conversation")
+        if c:
+            rows = {(r["mode"], r["turn"], r["server"]): r for r in c["rows"]}
+            for mode in d["modes"]:
+                for turn in ("turn1", "turn2"):
+                    on, off = rows[(mode, turn, "reuse")], rows[(mode, turn, "no-reuse")]
+                    ratio = (f"TTFT {_f(c['turn2_ttft_ratio'][mode])}" if turn == "turn2" else "-")
+                    out.append(_row([f"MT-Bench, {on['requests']} conversations, {turn.replace('turn', 'turn ')}",
+                                     mode, f"{_f(on['ttft_ms'], 0)} / {_f(off['ttft_ms'], 0)}",
+                                     f"{_f(on['tpot_ms'], 1)} / {_f(off['tpot_ms'], 1)}",
+                                     f"{100 * on['cached_share']:.0f}%", ratio,
+                                     "yes" if c["identical_outputs"] else "no", _link(name)]))
+        sp = d.get("shared_prefix")
+        if sp:
+            rows = {(r["mode"], r["server"]): r for r in sp["rows"]}
+            for mode in d["modes"]:
+                on, off = rows[(mode, "reuse")], rows[(mode, "no-reuse")]
+                out.append(_row([f"{on['requests']} requests, {sp['shared_tokens']}-token system prompt, "
+                                 f"concurrency {sp['concurrency']}", mode,
+                                 f"{_f(on['ttft_ms'], 0)} / {_f(off['ttft_ms'], 0)}",
+                                 f"{_f(on['tpot_ms'], 1)} / {_f(off['tpot_ms'], 1)}", f"{100 * on['cached_share']:.0f}%",
+                                 f"req/s {_x(sp['throughput_ratio'][mode])}",
+                                 "yes" if sp["identical_outputs"] else "no", _link(name)]))
+    return out
+
+
 # ---- the registry: one current table per topic -------------------------------------------------------------------
 
 _SMOLLM2 = (("policy-smollm2-b1-float32-categories-attention-2026-11-28", 1, ""),
@@ -370,6 +402,7 @@ TABLES = {t.name: t for t in (
                                                    "drafter-mt-bench-80-1024-tokens"), _drafter_categories),
     Table("corpus-throughput", "docs/models.md", ("corpus-throughput",), _corpus),
     Table("soak", "docs/serving.md", ("soak-cpu-small-20min", "soak-cpu-small-20min-faults"), _soak),
+    Table("prefix-reuse", "docs/serving.md", ("reuse-smollm2",), _reuse),
 )}
 
 

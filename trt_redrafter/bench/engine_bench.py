@@ -199,6 +199,13 @@ def memory_roofline(engine: Engine, device: torch.device, buffer_mb: int = 512) 
         if isinstance(m, Linear):
             held = [m.packed if m.packed is not None else m.weight] + ([m.quant[0]] if m.quant else [])
             weight_bytes += sum(t.numel() * t.element_size() for t in held if t is not None and not t.is_mkldnn)
+    gbs = read_bandwidth(buffer_mb)
+    return {"read_gb_s": gbs, "buffer_mb": buffer_mb, "weight_mb": weight_bytes / 1e6,
+            "floor_ms": weight_bytes / 1e6 / gbs}
+
+
+def read_bandwidth(buffer_mb: int = 512) -> float:
+    """This machine's read bandwidth now, GB/s: the median of 5 sums over a buffer much larger than the caches."""
     buf = torch.ones(buffer_mb * 2 ** 20 // 4)
     buf.sum()
     times = []
@@ -206,9 +213,7 @@ def memory_roofline(engine: Engine, device: torch.device, buffer_mb: int = 512) 
         t0 = time.perf_counter()
         buf.sum()
         times.append(time.perf_counter() - t0)
-    gbs = buf.numel() * 4 / statistics.median(times) / 1e9
-    return {"read_gb_s": gbs, "buffer_mb": buffer_mb, "weight_mb": weight_bytes / 1e6,
-            "floor_ms": weight_bytes / 1e6 / gbs}
+    return buf.numel() * 4 / statistics.median(times) / 1e9
 
 
 @dataclass
