@@ -157,6 +157,7 @@ def serve_reuse_pair(engine_dir: str, runtime, log_dir: Optional[Path] = None) -
 
     from ..runtime.distributed import free_port
     from ..serving.launcher import TritonServer
+    from .harness import SERVER_READY_TIMEOUT_S
     from ..serving.openai_api.process import OpenAIFrontend
     from ..serving.repo import make_repo
 
@@ -166,9 +167,9 @@ def serve_reuse_pair(engine_dir: str, runtime, log_dir: Optional[Path] = None) -
             repo = Path(tmp) / server
             make_repo(engine_dir, repo, runtime=runtime.replace(kv_cache_reuse=server == "reuse"))
             log = (log_dir / f"tritonserver-{server}.log") if log_dir else None
-            # a first start compiles the step and measures the cost model: minutes on a small CPU
             triton = stack.enter_context(TritonServer(repo, grpc_port=free_port(), http_port=free_port(),
-                                                      metrics_port=free_port(), log_path=log, ready_timeout=1800))
+                                                      metrics_port=free_port(), log_path=log,
+                                                      ready_timeout=SERVER_READY_TIMEOUT_S))
             api = stack.enter_context(OpenAIFrontend(repo, triton.grpc_url, free_port(), model_name=MODEL))
             clients[server] = openai.OpenAI(base_url=api.url, api_key="none", max_retries=0, timeout=600)
         yield clients

