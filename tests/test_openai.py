@@ -76,6 +76,7 @@ def test_completion_defaults_follow_openai():
     ({"model": "m", "prompt": ["a", "b"]}, "prompt", "a batch of 2 prompts"),
     ({"model": "m", "prompt": ""}, "prompt", "empty"),
     ({"model": "m", "prompt": "x", "decoding_mode": "medusa"}, "decoding_mode", "one of redrafter, ar"),
+    ({"model": "m", "prompt": "x", "cache_salt": ""}, "cache_salt", "non-empty string"),
 ])
 def test_completion_refusals_name_the_field(body, param, match):
     with pytest.raises(APIError, match=match) as e:
@@ -356,6 +357,10 @@ def test_a_repeated_prompt_reports_its_cached_tokens_and_the_same_text(served, c
     assert first.choices[0].text == second.choices[0].text == want
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert second.usage.prompt_tokens_details.cached_tokens == 32
+    salted = [client.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0,
+                                        extra_body={"cache_salt": "tenant-b"}) for _ in range(2)]
+    assert [r.usage.prompt_tokens_details.cached_tokens for r in salted] == [0, 32]  # shared within its salt only
+    assert salted[0].choices[0].text == want
     m = _idle(served)  # and /metrics says so: a hit rate between 0 and 1, and TensorRT-LLM's reused-block count
     assert 0 < sum_metric(m, "trt_redrafter_kv_cache_hit_rate") < 1
     url = f"http://127.0.0.1:{served['ports']['metrics']}/metrics"

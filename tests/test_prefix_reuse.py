@@ -52,6 +52,18 @@ def test_a_prompt_ending_on_a_block_boundary_keeps_its_last_token_to_compute():
     assert c.claim_prefix("c", text + [8]) == 8
 
 
+def test_a_cache_salt_shares_blocks_only_with_requests_of_the_same_salt():
+    c = _cache()
+    text = list(range(9))
+    for sid, salt in (("a", ""), ("b", "tenant-1")):
+        assert c.claim_prefix(sid, text, salt=salt) == 0
+        c.reserve(sid, 9)
+        c.commit(sid, text, salt)
+    assert c.claim_prefix("c", text, salt="tenant-2") == 0  # another salt: nothing
+    assert c.claim_prefix("d", text, salt="tenant-1") == 8 and c.blocks("d") == c.blocks("b")[:2]
+    assert c.claim_prefix("e", text) == 8 and c.blocks("e") == c.blocks("a")[:2]  # no salt: the unsalted blocks
+
+
 def test_released_blocks_stay_cached_until_evicted_least_recently_released_first():
     c = _cache(num_blocks=4)
     for sid, first in (("a", 0), ("b", 100)):
@@ -122,6 +134,23 @@ def test_outputs_are_the_same_with_reuse_on_and_off(tiny, mode, params, proposer
     # answer, written by decode steps (a cold run computes those positions in its prompt step)
     assert cached[0] == 0 and cached[1:4] == [2 * BLOCK] * 3 and cached[4] == 3 * BLOCK
     assert on_engine.cache.stats["reused_blocks"] == 2 * 3 + 3 and on_engine.cache.used_blocks == 0
+
+
+def test_a_request_with_its_own_salt_reuses_nothing_and_decodes_the_same(tiny):
+    """A unique `cache_salt` is how one request opts out of reuse (vLLM's isolation between tenants)."""
+    engine = load_engine(tiny)
+    prompt = SYSTEM + USERS[0]
+
+    def run(salt: str):
+        sched = Scheduler(engine)
+        req = sched.submit(Request(salt or "none", RequestSpec(prompt, greedy(8), "redrafter", cache_salt=salt)))
+        sched.run_until_idle()
+        return req.seq.output, req.seq.stats.cached_tokens
+
+    first = run("")
+    assert run("tenant-a") == (first[0], 0)  # another salt: a cold prefill, the same tokens
+    assert run("tenant-a")[1] == 2 * BLOCK  # the same salt again: its own blocks
+    assert run("")[1] == 2 * BLOCK
 
 
 @pytest.mark.core

@@ -52,6 +52,8 @@ def test_parse_inputs_maps_tensorrt_llm_names():
     assert (p.spec.params.temperature, p.spec.params.top_k, p.spec.params.top_p, p.spec.params.seed) == \
         (0.5, 3, pytest.approx(0.9), 7)
     assert p.spec.stop_ids == (2,) and p.spec.stop_sequences == ((9, 8), (4,))
+    assert p.spec.cache_salt == "" and parse_inputs(_inputs(cache_salt=np.array([[b"Tenant A"]], dtype=object))
+                                                    ).spec.cache_salt == "Tenant A"
     assert parse_inputs(_inputs(end_id=np.array([[-1]], np.int32))).spec.stop_ids == ()
 
 

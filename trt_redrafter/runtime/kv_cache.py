@@ -122,17 +122,22 @@ class PagedKVCache:
         return b
 
     # ---- prefix reuse ---------------------------------------------------------------------------------
-    def _keys(self, tokens: Sequence[int], n_blocks: int) -> list[bytes]:
-        """The hash chain of the first `n_blocks` full blocks of `tokens`."""
-        keys, prev, bs = [], b"", self.block_size
+    def _keys(self, tokens: Sequence[int], n_blocks: int, salt: str = "") -> list[bytes]:
+        """The hash chain of the first `n_blocks` full blocks of `tokens`, started from the request's `salt` (vLLM's
+        `cache_salt`: only requests with the same salt share blocks; none, the empty salt, is a salt of its own)."""
+        bs = self.block_size
+        prev = hashlib.blake2b(salt.encode(), digest_size=16, person=b"cache_salt").digest() if salt else b""
+        keys = []
         for i in range(n_blocks):
             prev = hashlib.blake2b(prev + repr(list(tokens[i * bs:(i + 1) * bs])).encode(), digest_size=16).digest()
             keys.append(prev)
         return keys
 
-    def claim_prefix(self, seq_id: Hashable, tokens: Sequence[int], limit: int | None = None) -> int:
+    def claim_prefix(self, seq_id: Hashable, tokens: Sequence[int], limit: int | None = None, salt: str = ""
+                     ) -> int:
         """For a sequence with no blocks yet: hold the cached blocks of the longest prefix of `tokens` the cache has
-        (whole blocks, leaving at least the last token to compute; at most `limit` tokens) -> the tokens reused."""
+        under `salt` (whole blocks, leaving at least the last token to compute; at most `limit` tokens) -> the tokens
+        reused."""
         assert seq_id not in self._seqs, f"sequence {seq_id} already holds blocks"
         if not self.reuse:
             return 0
@@ -140,7 +145,7 @@ class PagedKVCache:
         if limit is not None:
             most = min(most, limit // self.block_size)
         blocks = []
-        for key in self._keys(tokens, most):
+        for key in self._keys(tokens, most, salt):
             b = self._block_of.get(key)
             if b is None:
                 break
@@ -153,13 +158,13 @@ class PagedKVCache:
             self.stats["reused_blocks"] += len(blocks)
         return len(blocks) * self.block_size
 
-    def commit(self, seq_id: Hashable, tokens: Sequence[int]) -> None:
-        """Key `seq_id`'s full blocks of `tokens`, the tokens whose K/V it has committed. A block whose key another
-        block already has keeps no key (the other one is what later requests get)."""
+    def commit(self, seq_id: Hashable, tokens: Sequence[int], salt: str = "") -> None:
+        """Key `seq_id`'s full blocks of `tokens`, the tokens whose K/V it has committed, under its `salt`. A block
+        whose key another block already has keeps no key (the other one is what later requests get)."""
         if not self.reuse or seq_id not in self._seqs:
             return
         blocks = self._seqs[seq_id].blocks
-        for b, key in zip(blocks, self._keys(tokens, min(len(tokens) // self.block_size, len(blocks)))):
+        for b, key in zip(blocks, self._keys(tokens, min(len(tokens) // self.block_size, len(blocks)), salt)):
             if b in self._key_of:
                 continue
             if key not in self._block_of:

@@ -29,6 +29,7 @@ class RequestSpec:
     proposer: Optional[str] = None  # redrafter | ngram | mixed (config.PROPOSERS); None: the engine's default
     stop_ids: tuple[int, ...] = ()
     stop_sequences: tuple[tuple[int, ...], ...] = ()  # multi-token stop words (TensorRT-LLM `stop_words`)
+    cache_salt: str = ""  # prefix reuse only among requests with the same salt (vLLM's `cache_salt`; kv_cache.py)
 
 
 @dataclass

@@ -39,6 +39,7 @@ class GenerationRequest:
     return_perf_metrics: bool = True  # TensorRT-LLM's C++ backend sends the acceptance statistics only when asked
     return_log_probs: bool = False  # output_log_probs and cum_log_probs in each response
     top_logprobs: int = 0  # torch engine model only: the N most likely tokens at each position (top_token_ids, ...)
+    cache_salt: Optional[str] = None  # torch engine model only: share cached KV blocks only with this salt's requests
 
 
 @dataclass
@@ -127,7 +128,8 @@ def build_inputs(req: GenerationRequest, model: str = ENSEMBLE_MODEL, stop: bool
                               ("end_id", req.end_id, np.int32)):
         if value is not None:
             inputs.append(_tensor(n(key), np.array([[value]], dtype)))
-    for key, value in (("decoding_mode", req.decoding_mode), ("proposer", req.proposer)):
+    for key, value in (("decoding_mode", req.decoding_mode), ("proposer", req.proposer),
+                       ("cache_salt", req.cache_salt if engine else None)):
         if value is not None:
             inputs.append(_tensor(key, np.array([[value.encode()]], dtype=object)))
     if req.stop_words and not engine:

@@ -265,7 +265,12 @@ def parse_inputs(inputs: dict[str, np.ndarray], exclude_input_in_output: bool = 
         raise UserError(f"proposer must be one of {', '.join(PROPOSERS)}, got {proposer!r}.")
     streaming = bool(_scalar(inputs, "streaming", False))
     exclude = bool(_scalar(inputs, "exclude_input_in_output", exclude_input_in_output))
-    spec = RequestSpec(prompt, params, DECODING_MODES[mode], proposer or None, stop_ids, tuple(stop_sequences))
+    salt = inputs.get("cache_salt")
+    if salt is not None and salt.size != 1:
+        raise UserError(f"input 'cache_salt' must hold one value per request, got shape {list(salt.shape)}.")
+    salt = "" if salt is None else salt.reshape(-1)[0]
+    salt = salt.decode(errors="replace") if isinstance(salt, bytes) else str(salt)
+    spec = RequestSpec(prompt, params, DECODING_MODES[mode], proposer or None, stop_ids, tuple(stop_sequences), salt)
     return ParsedRequest(spec, streaming,
                          include_input=not exclude and not streaming,  # streamed responses never carry the prompt
                          perf_metrics=bool(_scalar(inputs, "return_perf_metrics", False)),

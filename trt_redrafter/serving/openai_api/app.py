@@ -134,6 +134,8 @@ def create_app(model: ServedModel, grpc_url: str, codec: Optional[TextCodec] = N
         check_model(req.model)
         if req.decoding_mode is not None and model.backend != "torch":
             raise P.unsupported("decoding_mode", "TensorRT-LLM's engine fixes its decoding mode when it is built.")
+        if req.cache_salt is not None and model.backend != "torch":
+            raise P.unsupported("cache_salt", "TensorRT-LLM's Triton backend takes no cache salt.")
         if req.logprobs and model.backend != "torch":
             raise P.unsupported("logprobs", "TensorRT-LLM's ReDrafter decoding computes no log-probabilities (its "
                                             "explicit-draft-tokens decoder layer writes none; docs/tensorrt-llm.md).")
@@ -143,7 +145,8 @@ def create_app(model: ServedModel, grpc_url: str, codec: Optional[TextCodec] = N
             top_k=req.top_k, seed=req.seed, end_id=-1 if req.ignore_eos else codec.end_id,
             # a non-decoupled engine model (make-repo --decoupled false) answers once: a stream is then one chunk
             stream=model.decoupled,
-            decoding_mode=req.decoding_mode, return_log_probs=req.logprobs, top_logprobs=req.top_logprobs)
+            decoding_mode=req.decoding_mode, return_log_probs=req.logprobs, top_logprobs=req.top_logprobs,
+            cache_salt=req.cache_salt)
         if req.temperature == 0 and model.backend == "tensorrtllm":  # TensorRT-LLM decodes greedily with top_k 1
             engine_req.temperature, engine_req.top_k, engine_req.top_p = None, 1, None
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"

@@ -19,7 +19,8 @@ What is accepted (a field not listed is ignored, as OpenAI ignores `user`):
                        model's log-probabilities (docs/serving.md): chat's `logprobs.content`, completions' `tokens`,
                        `token_logprobs`, `top_logprobs`, `text_offset`; streamed with each chunk's tokens
     extensions         top_k (>= 0, 0 = off), ignore_eos (bool), decoding_mode ("redrafter" | "ar": the torch
-                       engine decodes the request auto-regressively)
+                       engine decodes the request auto-regressively), cache_salt (a non-empty string: the request
+                       shares cached KV blocks only with requests of the same salt, as vLLM's)
 Refused with a 400 naming the field: echo, suffix, logit_bias, non-zero presence/frequency penalties, tools,
 a response_format other than text: the engine has none of them.
 """
@@ -78,6 +79,7 @@ class SamplingRequest:
     include_usage: bool = False
     ignore_eos: bool = False
     decoding_mode: Optional[str] = None
+    cache_salt: Optional[str] = None  # prefix reuse only among requests with this salt
     logprobs: bool = False  # return the output tokens' log-probabilities
     top_logprobs: int = 0  # and the N most likely tokens at each position
     extra: dict = field(default_factory=dict)
@@ -200,7 +202,10 @@ def _common(body: dict, chat: bool) -> SamplingRequest:
         raise bad_value("decoding_mode", f"'decoding_mode' must be one of {', '.join(DECODING_MODES)}, got "
                                          f"{json.dumps(mode)}.")
     logprobs, top = _logprobs(body, chat)
-    return SamplingRequest(
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise bad_value("cache_salt", f"'cache_salt' must be a non-empty string, got {json.dumps(salt)}.")
+    return SamplingRequest(cache_salt=salt,
         model=model, max_tokens=max_tokens, logprobs=logprobs, top_logprobs=top,
         temperature=_number(body, "temperature", 1.0, 0.0, MAX_TEMPERATURE),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
