@@ -165,9 +165,17 @@ def test_asking_for_more_top_logprobs_than_the_engine_allows_is_refused(tiny):
 
 @pytest.mark.slow
 def test_compiled_steps_report_the_eager_logprobs(tiny):
+    """The tree step's log-probability variant under inductor, compiled when first asked for (no warm-up: the only
+    graph compiled is the one this test needs)."""
+    from trt_redrafter.config import RuntimeConfig
+    from trt_redrafter.model.tp import Dist
+    from trt_redrafter.runtime.engine import Engine
+
     base, engines = tiny
-    eager = generate(load_engine(engines[1], speculate="auto"), PROMPTS, GREEDY, "redrafter")
-    compiled = generate(load_engine(engines[1], compile="inductor", speculate="auto"), PROMPTS, GREEDY, "redrafter")
+    eager = generate(load_engine(engines[1]), PROMPTS, GREEDY, "redrafter")
+    engine = Engine.load(engines[1], Dist(0, 1, torch.device("cpu")),
+                         RuntimeConfig(device="cpu", compile="inductor", speculate="full"), warmup=False)
+    compiled = generate(engine, PROMPTS, GREEDY, "redrafter")
     for p, e, c in zip(PROMPTS, eager, compiled):
         assert c.output_ids == e.output_ids
         _check_against_hf(base, p, c)
@@ -175,16 +183,15 @@ def test_compiled_steps_report_the_eager_logprobs(tiny):
 
 @pytest.mark.mpi
 def test_tp2_reports_the_tp1_logprobs(tiny):
-    """`trt-redrafter run --json --top-logprobs` under real mpirun at TP 2 against TP 1."""
+    """`trt-redrafter run --json --top-logprobs` under real mpirun at TP 2 against TP 1 (in process)."""
     _, engines = tiny
-    extra = ("--top-logprobs", str(TOP))
-    one = run_json(engines[1], PROMPTS[:2], "redrafter", extra, max_new=12, full=True)
-    two = run_json(engines[2], PROMPTS[:2], "redrafter", extra, max_new=12, full=True)
+    one = generate(load_engine(engines[1]), PROMPTS[:2], SamplingConfig(max_tokens=12, top_logprobs=TOP), "redrafter")
+    two = run_json(engines[2], PROMPTS[:2], "redrafter", ("--top-logprobs", str(TOP), "--speculate", "full"),
+                   max_new=12, full=True)
     for a, b in zip(one, two):
-        assert a["output_ids"] == b["output_ids"] and len(b["logprobs"]) == 12
-        np.testing.assert_allclose([t["logprob"] for t in b["logprobs"]], [t["logprob"] for t in a["logprobs"]],
-                                   atol=1e-4)
-        assert [[i for i, _ in t["top"]] for t in b["logprobs"]] == [[i for i, _ in t["top"]] for t in a["logprobs"]]
+        assert a.output_ids == b["output_ids"] and len(b["logprobs"]) == 12
+        np.testing.assert_allclose([t["logprob"] for t in b["logprobs"]], [t.logprob for t in a.logprobs], atol=1e-4)
+        assert [[i for i, _ in t["top"]] for t in b["logprobs"]] == [[i for i, _ in t.top] for t in a.logprobs]
 
 
 def test_the_run_command_prints_a_logprob_table(tiny, capsys):
