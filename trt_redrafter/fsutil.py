@@ -55,13 +55,13 @@ def _publishable(root: Path) -> None:
             os.chmod(os.path.join(dirpath, f), 0o666 & ~umask)
 
 
-def write_json(path: str | os.PathLike, obj: Any) -> None:
+def write_json(path: str | os.PathLike, obj: Any, indent: int = 4) -> None:
     """Write `obj` as JSON through a temporary file beside `path`, renamed over it at the end (never half-written)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         with open(tmp, "w") as f:
-            json.dump(obj, f, indent=4)
+            json.dump(obj, f, indent=indent)
             f.write("\n")
         os.replace(tmp, path)
     finally:

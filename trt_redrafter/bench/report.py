@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import subprocess
@@ -12,7 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import UserError
-from ..fsutil import read_json
+from ..fsutil import read_json, write_json
 
 SCHEMA = "trt-redrafter-bench/1"
 
@@ -74,19 +73,6 @@ def baseline_of(doc: dict) -> dict:
     return out
 
 
-def write_json_atomic(path: str | Path, obj: dict) -> None:
-    """Write next to the target and rename, so readers never see half a document."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "w") as f:
-            json.dump(obj, f, indent=1)
-            f.write("\n")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def _f(x, digits: int = 2) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
@@ -125,7 +111,7 @@ def write_outputs(doc: dict, out_dir: str | Path, plots: bool = True) -> dict[st
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     files = {"json": out / "results.json", "markdown": out / "results.md"}
-    write_json_atomic(files["json"], doc)
+    write_json(files["json"], doc, indent=1)
     files["markdown"].write_text(markdown(doc))
     if plots:
         from .plots import plot_all

@@ -29,9 +29,9 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from ..bench.gate import evaluate, load_gate_config
-    from ..bench.report import baseline_of, load_document, write_json_atomic
+    from ..bench.report import baseline_of, load_document
     from ..errors import UserError
-    from ..fsutil import read_json
+    from ..fsutil import read_json, write_json
 
     cfg = load_gate_config(args.config)
     results = load_document(args.results, "--results")
@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
         new = baseline_of(results)
         if engine_doc is not None:
             new["speculation_overheads"] = engine_doc["speculation_overheads"]
-        write_json_atomic(args.baseline, new)
+        write_json(args.baseline, new, indent=1)
         print(f"baseline {args.baseline} updated from {args.results}"
               + (f" and {args.engine_results}" if engine_doc is not None else ""))
         return 0
