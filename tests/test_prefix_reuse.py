@@ -58,7 +58,7 @@ def test_a_cache_salt_shares_blocks_only_with_requests_of_the_same_salt():
     for sid, salt in (("a", ""), ("b", "tenant-1")):
         assert c.claim_prefix(sid, text, salt=salt) == 0
         c.reserve(sid, 9)
-        c.commit(sid, text, salt)
+        c.commit(sid, text)  # under the salt it claimed with
     assert c.claim_prefix("c", text, salt="tenant-2") == 0  # another salt: nothing
     assert c.claim_prefix("d", text, salt="tenant-1") == 8 and c.blocks("d") == c.blocks("b")[:2]
     assert c.claim_prefix("e", text) == 8 and c.blocks("e") == c.blocks("a")[:2]  # no salt: the unsalted blocks

@@ -226,7 +226,7 @@ class Engine:
 
     def release(self, seq: Sequence) -> None:
         """Give back `seq`'s KV blocks (its committed full blocks stay cached for reuse) and batch slot."""
-        self.cache.commit(seq.seq_id, (seq.prompt + seq.output)[:seq.ctx_len], seq.spec.cache_salt)
+        self.cache.commit(seq.seq_id, (seq.prompt + seq.output)[:seq.ctx_len])
         self.cache.free(seq.seq_id)
         seq.pending = seq.tree = None
         seq.tree_fresh = False
@@ -381,7 +381,7 @@ class Engine:
         for s, t in zip(seqs, texts):
             s.prefix_len += len(t)
             s.ctx_len = s.prefix_len
-            self.cache.commit(s.seq_id, (s.prompt + s.output)[:s.prefix_len], s.spec.cache_salt)
+            self.cache.commit(s.seq_id, (s.prompt + s.output)[:s.prefix_len])
 
     def _prefill_last(self, seqs: list[Sequence]) -> dict[Hashable, Emitted]:
         """The prompt step that ends each request's prompt: its last chunk (or all of it) -> its first true token."""
@@ -393,7 +393,7 @@ class Engine:
                                      logprobs=any(s.sampling.wants_logprobs for s in seqs))
         cols = cols.tolist() if cols is not None else [None] * len(seqs)
         for s, t in zip(seqs, texts):  # its prompt's full blocks, reusable by requests that start alike
-            self.cache.commit(s.seq_id, t, s.spec.cache_salt)
+            self.cache.commit(s.seq_id, t)
         nodes, beams = self._first_trees(seqs, slots, h, rule)
         first = self.state.true_tok[slots].tolist()
         return {s.seq_id: Emitted([tok], self.proposer_of(s).after_prompt(s, nodes.get(i), beams.get(i))

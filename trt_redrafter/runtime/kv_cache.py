@@ -65,8 +65,9 @@ class PagedKVCache:
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low block ids first
         self._seqs: dict[Hashable, _SeqBlocks] = {}
         # prefix reuse: the key of each keyed block and back, holders per block, keyed blocks nobody holds (oldest
-        # released first), and counts since the cache was made
+        # released first), each sequence's salt (from its claim until it is freed), and counts since the cache was made
         self.reuse = reuse
+        self._salts: dict[Hashable, str] = {}
         self._key_of: dict[int, bytes] = {}
         self._block_of: dict[bytes, int] = {}
         self._refs: dict[int, int] = {}
@@ -137,10 +138,11 @@ class PagedKVCache:
                      ) -> int:
         """For a sequence with no blocks yet: hold the cached blocks of the longest prefix of `tokens` the cache has
         under `salt` (whole blocks, leaving at least the last token to compute; at most `limit` tokens) -> the tokens
-        reused."""
+        reused. Its later commits key its blocks under the same salt."""
         assert seq_id not in self._seqs, f"sequence {seq_id} already holds blocks"
         if not self.reuse:
             return 0
+        self._salts[seq_id] = salt
         most = (len(tokens) - 1) // self.block_size
         if limit is not None:
             most = min(most, limit // self.block_size)
@@ -158,13 +160,14 @@ class PagedKVCache:
             self.stats["reused_blocks"] += len(blocks)
         return len(blocks) * self.block_size
 
-    def commit(self, seq_id: Hashable, tokens: Sequence[int], salt: str = "") -> None:
-        """Key `seq_id`'s full blocks of `tokens`, the tokens whose K/V it has committed, under its `salt`. A block
-        whose key another block already has keeps no key (the other one is what later requests get)."""
+    def commit(self, seq_id: Hashable, tokens: Sequence[int]) -> None:
+        """Key `seq_id`'s full blocks of `tokens`, the tokens whose K/V it has committed, under the salt it claimed
+        with. A block whose key another block already has keeps no key (the other one is what later requests get)."""
         if not self.reuse or seq_id not in self._seqs:
             return
         blocks = self._seqs[seq_id].blocks
-        for b, key in zip(blocks, self._keys(tokens, min(len(tokens) // self.block_size, len(blocks)), salt)):
+        n = min(len(tokens) // self.block_size, len(blocks))
+        for b, key in zip(blocks, self._keys(tokens, n, self._salts.get(seq_id, ""))):
             if b in self._key_of:
                 continue
             if key not in self._block_of:
@@ -179,6 +182,7 @@ class PagedKVCache:
     def free(self, seq_id: Hashable) -> None:
         """Give back `seq_id`'s blocks: a block nobody else holds becomes free, or cached if it has a key."""
         seq = self._seqs.pop(seq_id, None)
+        self._salts.pop(seq_id, None)
         if seq is not None:
             for b in reversed(seq.blocks):
                 self._refs[b] -= 1
