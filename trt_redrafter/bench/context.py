@@ -16,7 +16,6 @@ decoding: the texts with reuse on and off must be equal, and the run says whethe
 from __future__ import annotations
 
 import contextlib
-import statistics
 import tempfile
 import threading
 import time
@@ -26,6 +25,7 @@ from typing import Iterator, Optional
 
 from ..errors import UserError
 from ..log import get_logger
+from .metrics import median
 
 logger = get_logger(__name__)
 
@@ -175,9 +175,18 @@ def serve_reuse_pair(engine_dir: str, runtime, log_dir: Optional[Path] = None) -
         yield clients
 
 
-def _median(xs: list[float]) -> Optional[float]:
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
+def _stats(ts: list[Turn]) -> dict:
+    """Requests, median TTFT and TPOT, and the share of their prompt tokens that came from the cache."""
+    return {"requests": len(ts), "ttft_ms": median([t.ttft_ms for t in ts]), "tpot_ms": median([t.tpot_ms for t in ts]),
+            "cached_share": sum(t.cached_tokens for t in ts) / max(1, sum(t.prompt_tokens for t in ts))}
+
+
+def _same_texts(turns: list[Turn]) -> bool:
+    """Whether every request's text is the same on both servers."""
+    texts: dict[tuple[str, str], set[str]] = {}
+    for t in turns:
+        texts.setdefault((t.mode, t.key), set()).add(t.text)
+    return all(len(v) == 1 for v in texts.values())
 
 
 def summarize_conversations(turns: list[Turn], modes: list[str]) -> dict:
@@ -188,31 +197,22 @@ def summarize_conversations(turns: list[Turn], modes: list[str]) -> dict:
         for turn in ("turn1", "turn2"):
             for server in REUSE:
                 ts = [t for t in turns if t.mode == mode and t.server == server and t.key.endswith(turn)]
-                rows.append({"mode": mode, "turn": turn, "server": server, "requests": len(ts),
-                             "ttft_ms": _median([t.ttft_ms for t in ts]), "tpot_ms": _median([t.tpot_ms for t in ts]),
-                             "cached_share": sum(t.cached_tokens for t in ts) / max(1, sum(t.prompt_tokens
-                                                                                            for t in ts))})
+                rows.append({"mode": mode, "turn": turn, "server": server, **_stats(ts)})
         on = {t.key: t for t in turns if t.mode == mode and t.server == "reuse"}
         off = {t.key: t for t in turns if t.mode == mode and t.server == "no-reuse"}
-        ratios[mode] = _median([on[k].ttft_ms / off[k].ttft_ms for k in on if k.endswith("turn2") and k in off])
-    same = all(t.text == u.text for t in turns for u in turns
-               if t.key == u.key and t.mode == u.mode and t.server != u.server)
-    return {"rows": rows, "turn2_ttft_ratio": ratios, "identical_outputs": same}
+        ratios[mode] = median([on[k].ttft_ms / off[k].ttft_ms for k in on if k.endswith("turn2") and k in off])
+    return {"rows": rows, "turn2_ttft_ratio": ratios, "identical_outputs": _same_texts(turns)}
 
 
 def summarize_shared(runs: dict[tuple[str, str], tuple[list[Turn], float]]) -> dict:
     """Per (mode, server): requests/s, median TTFT and TPOT, cached share; the throughput ratio reuse / no-reuse."""
-    rows = []
-    for (mode, server), (ts, wall) in runs.items():
-        rows.append({"mode": mode, "server": server, "requests": len(ts), "wall_s": wall, "req_per_s": len(ts) / wall,
-                     "ttft_ms": _median([t.ttft_ms for t in ts]), "tpot_ms": _median([t.tpot_ms for t in ts]),
-                     "cached_share": sum(t.cached_tokens for t in ts) / max(1, sum(t.prompt_tokens for t in ts))})
+    rows = [{"mode": mode, "server": server, "wall_s": wall, "req_per_s": len(ts) / wall, **_stats(ts)}
+            for (mode, server), (ts, wall) in runs.items()]
     modes = sorted({m for m, _ in runs})
-    speedup = {m: runs[(m, "reuse")][1] and runs[(m, "no-reuse")][1] / runs[(m, "reuse")][1] for m in modes
+    speedup = {m: runs[(m, "no-reuse")][1] / runs[(m, "reuse")][1] for m in modes
                if (m, "reuse") in runs and (m, "no-reuse") in runs}
-    texts = {(m, s): {t.key: t.text for t in ts} for (m, s), (ts, _) in runs.items()}
-    same = all(texts[(m, "reuse")] == texts[(m, "no-reuse")] for m in modes)
-    return {"rows": rows, "throughput_ratio": speedup, "identical_outputs": same}
+    return {"rows": rows, "throughput_ratio": speedup,
+            "identical_outputs": _same_texts([t for ts, _ in runs.values() for t in ts])}
 
 
 def markdown(doc: dict) -> str:
