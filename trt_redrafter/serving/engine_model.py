@@ -265,12 +265,8 @@ def parse_inputs(inputs: dict[str, np.ndarray], exclude_input_in_output: bool = 
         raise UserError(f"proposer must be one of {', '.join(PROPOSERS)}, got {proposer!r}.")
     streaming = bool(_scalar(inputs, "streaming", False))
     exclude = bool(_scalar(inputs, "exclude_input_in_output", exclude_input_in_output))
-    salt = inputs.get("cache_salt")
-    if salt is not None and salt.size != 1:
-        raise UserError(f"input 'cache_salt' must hold one value per request, got shape {list(salt.shape)}.")
-    salt = "" if salt is None else salt.reshape(-1)[0]
-    salt = salt.decode(errors="replace") if isinstance(salt, bytes) else str(salt)
-    spec = RequestSpec(prompt, params, DECODING_MODES[mode], proposer or None, stop_ids, tuple(stop_sequences), salt)
+    spec = RequestSpec(prompt, params, DECODING_MODES[mode], proposer or None, stop_ids, tuple(stop_sequences),
+                       _string(inputs, "cache_salt", fold=False))
     return ParsedRequest(spec, streaming,
                          include_input=not exclude and not streaming,  # streamed responses never carry the prompt
                          perf_metrics=bool(_scalar(inputs, "return_perf_metrics", False)),
@@ -278,15 +274,16 @@ def parse_inputs(inputs: dict[str, np.ndarray], exclude_input_in_output: bool = 
                          count_output=bool(_scalar(inputs, "return_num_output_tokens", False)))
 
 
-def _string(inputs: dict[str, np.ndarray], name: str) -> str:
-    """An optional one-value BYTES input, decoded, stripped and lower-cased ('' when absent)."""
+def _string(inputs: dict[str, np.ndarray], name: str, fold: bool = True) -> str:
+    """An optional one-value BYTES input, decoded ('' when absent); `fold`: stripped and lower-cased (a keyword)."""
     x = inputs.get(name)
     if x is None:
         return ""
     if x.size != 1:
         raise UserError(f"input '{name}' must hold one value per request, got shape {list(x.shape)}.")
     v = x.reshape(-1)[0]  # BYTES arrive as an object array of bytes
-    return (v.decode(errors="replace") if isinstance(v, bytes) else str(v)).strip().lower()
+    v = v.decode(errors="replace") if isinstance(v, bytes) else str(v)
+    return v.strip().lower() if fold else v
 
 
 def response_tensors(new: list[int], preceding: list[int], seq, state: Optional["_Open"] = None,

@@ -205,8 +205,8 @@ def _common(body: dict, chat: bool) -> SamplingRequest:
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise bad_value("cache_salt", f"'cache_salt' must be a non-empty string, got {json.dumps(salt)}.")
-    return SamplingRequest(cache_salt=salt,
-        model=model, max_tokens=max_tokens, logprobs=logprobs, top_logprobs=top,
+    return SamplingRequest(
+        model=model, max_tokens=max_tokens, logprobs=logprobs, top_logprobs=top, cache_salt=salt,
         temperature=_number(body, "temperature", 1.0, 0.0, MAX_TEMPERATURE),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
         top_k=_integer(body, "top_k", 0, lo=0),
