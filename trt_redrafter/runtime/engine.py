@@ -303,9 +303,9 @@ class Engine:
             appended = s.append(tokens)
             s.stats.steps += 1
             s.stats.generated_in_steps += len(appended)
-        logprobs = emitted.logprobs[:len(appended)] if emitted.logprobs is not None else []
-        s.output_logprobs += logprobs
-        return StepEvent(s.seq_id, appended, s.finished, logprobs)
+        if emitted.logprobs is not None:  # aligned with `output`: the appended tokens' only
+            s.output_logprobs += emitted.logprobs[:len(appended)]
+        return StepEvent(s.seq_id, appended, s.finished)
 
     def _decode(self, group: list[Sequence], decision: StepDecision) -> dict[Hashable, Emitted]:
         """One decode step for `group`: launch, read back (the step's one host sync), parse each request's row."""

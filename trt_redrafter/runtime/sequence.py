@@ -39,7 +39,6 @@ class StepEvent:
     seq_id: Hashable  # the request's id (Request.request_id), or the engine's own count
     new_tokens: list[int]
     finished: bool
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # of new_tokens, where the request asked for them
 
 
 @dataclass
