@@ -69,6 +69,42 @@ COMPILE_MODES: tuple[str, ...] = get_args(CompileMode)
 KERNEL_CHOICES: tuple[str, ...] = get_args(KernelChoice)
 LINEAR_CHOICES: tuple[str, ...] = get_args(LinearChoice)
 PROPOSERS: tuple[str, ...] = get_args(ProposerName)
+class GuideType(str, enum.Enum):
+    """What constrains a request's output (runtime/grammar.py), in TensorRT-LLM's Triton names
+    (`guided_decoding_guide_type`): any JSON value's object (JSON, no source), a JSON schema, a regular expression, an
+    EBNF grammar (GBNF, as xgrammar and llama.cpp write it) or an xgrammar structural tag (JSON)."""
+
+    JSON = "json"
+    JSON_SCHEMA = "json_schema"
+    REGEX = "regex"
+    EBNF = "ebnf_grammar"
+    STRUCTURAL_TAG = "structural_tag"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class Guide:
+    """A request's output constraint: its type and source (a schema's JSON text, a regex, a grammar; "" for JSON)."""
+
+    kind: GuideType
+    source: str = ""
+
+    @classmethod
+    def parse(cls, kind: str, source: str = "") -> "Guide":
+        """From the wire's names; one sentence naming the accepted ones otherwise."""
+        try:
+            guide_type = GuideType(kind)
+        except ValueError:
+            raise UserError(f"guided decoding type must be one of {', '.join(t.value for t in GuideType)}, got "
+                            f"{kind!r}.") from None
+        if guide_type is not GuideType.JSON and not source.strip():
+            raise UserError(f"guided decoding type {guide_type} needs its source (the schema, regex or grammar); "
+                            f"got an empty one.")
+        return cls(guide_type, source)
+
+
 NGRAM_WHEN = ("auto", "always", "matched")  # ProposerConfig.ngram_when
 
 

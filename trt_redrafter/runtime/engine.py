@@ -44,6 +44,7 @@ from ..checkpoint.engine_config import EngineConfig, load_engine_config
 from . import costs
 from .distributed import Dist
 from .drafter import BeamDrafter
+from .grammar import Grammars
 from .graphs import Compiler
 from .launch import StepLauncher, variant_for, warmup_variants
 from .loading import (keep_inductor_cache, load_drafter, make_kv_cache, make_proposers, ngram_when, plug_kernels,
@@ -92,6 +93,7 @@ class Engine:
         self.device_drafter = BeamDrafter(self.drafter, self.model.embed, tree.num_beams, tree.draft_len_per_beam,
                                           select) if self.drafter is not None else None
         self.max_logprobs = min(runtime.max_logprobs, self.vocab_size)
+        self.grammars = Grammars(engine_dir / "tokenizer" if engine_dir is not None else None, self.vocab_size)
         self.steps = DecodeStep(self.model, self.device_drafter, self.cache, self.state, dist, step_kernels,
                                 self.max_logprobs)
         self.ngram_when = ngram_when(cfg.proposer, dist.device)
@@ -201,10 +203,14 @@ class Engine:
             raise UserError(f"top_logprobs={spec.params.top_logprobs} is above this engine's limit of "
                             f"{self.max_logprobs} (its max_logprobs); ask for at most {self.max_logprobs}, or serve "
                             f"with a larger --max-logprobs.")
+        if spec.guide is not None and spec.params.resolved_acceptance is AcceptanceRule.APPLE:
+            raise UserError("acceptance 'apple' cannot follow a grammar (its residual draws ignore the grammar's "
+                            "masks); use acceptance 'exact', which samples the constrained distribution exactly.")
+        grammar = self.grammars.start(spec.guide, spec.stop_ids) if spec.guide is not None else None
         sid = next(self._ids) if seq_id is None else seq_id
         if self.cache.has(sid):  # two live sequences under one id would share KV blocks
             raise ValueError(f"sequence id {sid!r} already holds KV blocks on this engine; release it first")
-        return Sequence(sid, spec, self.build.max_seq_len, proposer=name)
+        return Sequence(sid, spec, self.build.max_seq_len, proposer=name, grammar=grammar)
 
     def hidden_states(self, seqs: list[Sequence]) -> torch.Tensor:
         """[len(seqs), H] float32 on the CPU: the final-norm hidden state of the token each request's last step
@@ -303,6 +309,8 @@ class Engine:
             appended = s.append(tokens)
             s.stats.steps += 1
             s.stats.generated_in_steps += len(appended)
+        if s.grammar is not None:
+            s.grammar.accept(appended)
         if emitted.logprobs is not None:  # aligned with `output`: the appended tokens' only
             s.output_logprobs += emitted.logprobs[:len(appended)]
         return StepEvent(s.seq_id, appended, s.finished)
@@ -330,6 +338,8 @@ class Engine:
             kept = decision.keep.get(s.seq_id, 1)
             if s.speculative and r is not None and kept > 1 and verified is not None:
                 self._record(s, verified, kept, r.path)
+            if s.grammar is not None and r is not None and r.draft is not None:
+                s.grammar.beams = r.draft.rows
             host = self.proposer_of(s).after_step(s, r, decision.compose) if s.speculative else None
             tokens = r.tokens if r is not None else row[:1]
             emitted[s.seq_id] = Emitted(tokens, host, self._logprobs(s, cols, len(tokens)))
@@ -347,16 +357,31 @@ class Engine:
         None for an AR step)."""
         rule, slots = self._rule(group), [s.slot for s in group]
         longest = max(s.ctx_len for s in group)
+        guided = any(s.grammar is not None for s in group)
         if not decision.is_tree:
-            return self.launcher.ar(slots, longest + 1, rule, with_logprobs), None
+            return self.launcher.ar(slots, longest + 1, rule, with_logprobs,
+                                    self._masks(group, None) if guided else None), None
         pending = [s.pending for s in group]
         variant = variant_for(True, rule, self._speculating_proposers(group), decision.draft,
-                              any(p is not None for p in pending), with_logprobs)
+                              any(p is not None for p in pending), with_logprobs, guided)
         keep = [decision.keep.get(s.seq_id, 1) for s in group]
-        out = self.launcher.tree(slots, decision.width, keep, longest, variant, pending)
+        out = self.launcher.tree(slots, decision.width, keep, longest, variant, pending,
+                                 self._masks(group, keep) if guided else None)
         tree = self.tree
         return out, RowLayout(tree.beam_length, tree.max_tree_tokens, variant.draft,
                               tree.num_beams * tree.beam_length if variant.return_beams else 0)
+
+    def _masks(self, group: list[Sequence], keep: Optional[list[int]]) -> torch.Tensor:
+        """The token bitmasks of a step over `group` (structured output): per request, its next token's (an AR step,
+        keep None) or its tree's nodes' in beam layout (a tree step; only the root's where it keeps the root alone).
+        Requests without a grammar allow every token."""
+        nb, bl = self.tree.num_beams, self.tree.beam_length
+        shape = (nb, bl, self.grammars.words) if keep is not None else (self.grammars.words,)
+        out = torch.full((len(group), *shape), -1, dtype=torch.int32)
+        for i, s in enumerate(group):
+            if s.grammar is not None:
+                out[i] = s.grammar.next_mask() if keep is None else s.grammar.tree_masks(nb, bl, keep[i] > 1)
+        return out
 
     def _prefill(self, seqs: list[Sequence]) -> dict[Hashable, Emitted]:
         """Prompt step (eager) for newly admitted (or preempted) requests -> their first true tokens; their first trees
@@ -389,12 +414,17 @@ class Engine:
         slots, ids, lengths, start, prompt_len = self._prompt_inputs(seqs, [t[s.prefix_len:] for s, t in
                                                                             zip(seqs, texts)])
         rule = self._rule(seqs)
+        guided = any(s.grammar is not None for s in seqs)
         h, cols = self.steps.prefill(slots, ids, lengths, rule, prompt_len, start, max(s.prefix_len for s in seqs),
-                                     logprobs=any(s.sampling.wants_logprobs for s in seqs))
+                                     logprobs=any(s.sampling.wants_logprobs for s in seqs),
+                                     grammar=self._masks(seqs, None).to(slots.device) if guided else None)
         cols = cols.tolist() if cols is not None else [None] * len(seqs)
         for s, t in zip(seqs, texts):  # its prompt's full blocks, reusable by requests that start alike
             self.cache.commit(s.seq_id, t)
         nodes, beams = self._first_trees(seqs, slots, h, rule)
+        for i, d in beams.items():
+            if seqs[i].grammar is not None:
+                seqs[i].grammar.beams = d.rows
         first = self.state.true_tok[slots].tolist()
         return {s.seq_id: Emitted([tok], self.proposer_of(s).after_prompt(s, nodes.get(i), beams.get(i))
                                   if s.speculative else None, self._logprobs(s, cols[i], 1))
@@ -426,7 +456,7 @@ class Engine:
         idx = torch.tensor(rows, device=dev)
         packed = self.steps.draft_from_prompt(slots[idx], h[idx], apple).tolist()
         nodes = {i: TreeNodes(row[1:1 + row[0]], row[1 + P:1 + P + row[0]]) for i, row in zip(rows, packed)}
-        want = [i for i in rows if returns_device_beams([self.proposer_of(seqs[i])])]
+        want = [i for i in rows if returns_device_beams([self.proposer_of(seqs[i])]) or seqs[i].grammar is not None]
         if not want:
             return nodes, {}
         w = slots[torch.tensor(want, device=dev)]  # mixed: the host composes with the device's beams, read once
@@ -463,6 +493,8 @@ class Engine:
             draft = self.proposer_of(s).compose(s, host.device)
             if draft is not None:
                 s.pending, s.tree, s.tree_fresh = draft, draft.nodes(), True
+                if s.grammar is not None:
+                    s.grammar.beams = draft.rows
         took = time.perf_counter() - t0
         self.step_times.add("propose", took)
         self.policy.observe_host(1e3 * took / len(work))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..config import SamplingConfig
+from ..config import Guide, SamplingConfig
 from ..decoding.logprobs import TokenLogprob
 from .engine import Engine
 from .scheduler import Request, Scheduler
@@ -37,16 +37,18 @@ class GenerationResult:
 
 def generate(engine: Engine, prompts: list[list[int]], params: SamplingConfig | list[SamplingConfig],
              mode: str = "redrafter", stop_ids: tuple[int, ...] = (), proposer: str | None = None,
-             last: bool = True) -> list[GenerationResult]:
+             last: bool = True, guide: Guide | list[Guide | None] | None = None) -> list[GenerationResult]:
     """Run requests to completion through the in-flight scheduler (driver rank; followers run `follow`).
-    `proposer` overrides the engine's default proposer for these requests. `last=False` keeps the follower ranks
+    `proposer` overrides the engine's default proposer for these requests; `guide`: the grammar their output
+    follows (one for all, or one per prompt). `last=False` keeps the follower ranks
     in `follow` for more calls (a benchmark's many runs on one engine); the caller then ends them with
     `release_followers`."""
     if isinstance(params, SamplingConfig):
         params = [params] * len(prompts)
+    guides = guide if isinstance(guide, list) else [guide] * len(prompts)
     sched = Scheduler(engine)
-    reqs = [sched.submit(Request(i, RequestSpec(p, sp, mode, proposer, tuple(stop_ids))))
-            for i, (p, sp) in enumerate(zip(prompts, params))]
+    reqs = [sched.submit(Request(i, RequestSpec(p, sp, mode, proposer, tuple(stop_ids), guide=g)))
+            for i, (p, sp, g) in enumerate(zip(prompts, params, guides))]
     sched.run_until_idle()
     if last:
         release_followers(engine)

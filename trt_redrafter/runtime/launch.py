@@ -35,8 +35,9 @@ class StepVariant:
     acceptance rule (greedy | exact | apple), and for a tree step whether the device drafter drafts the next trees
     (`draft`), whether its beams come back to the host too (`return_beams`: mixed trees are composed from them) and
     whether trees composed on the host are packed first (`host_trees`); for either kind, whether the emitted tokens'
-    log-probabilities come back too (`logprobs`: some request of the batch asked for them). The warm-up compiles the
-    variants without log-probabilities; one with them compiles when a request first asks."""
+    log-probabilities come back too (`logprobs`: some request of the batch asked for them) and whether token bitmasks
+    constrain the choice (`grammar`: some request has a grammar). The warm-up compiles the variants without
+    log-probabilities or grammars; one with them compiles when a request first asks."""
 
     tree: bool
     rule: AcceptanceRule = AcceptanceRule.GREEDY
@@ -44,17 +45,20 @@ class StepVariant:
     return_beams: bool = False
     host_trees: bool = False
     logprobs: bool = False
+    grammar: bool = False
 
 
 def variant_for(tree: bool, rule: AcceptanceRule, proposers: Iterable[Proposer], may_draft: bool, host_trees: bool,
-                logprobs: bool = False) -> StepVariant:
+                logprobs: bool = False, grammar: bool = False) -> StepVariant:
     """The variant of a step over requests with these proposers (the speculative ones'): the device drafter runs
-    where the decision lets it (`may_draft`) and some proposer drafts on the device."""
+    where the decision lets it (`may_draft`) and some proposer drafts on the device. Its beams come back to the host
+    where a proposer composes from them, or a grammar masks the tree they make (the host walks it)."""
     if not tree:
-        return StepVariant(False, rule, logprobs=logprobs)
+        return StepVariant(False, rule, logprobs=logprobs, grammar=grammar)
     props = list(proposers)
     draft = may_draft and drafts_on_device(props)
-    return StepVariant(True, rule, draft, draft and returns_device_beams(props), host_trees, logprobs)
+    return StepVariant(True, rule, draft, draft and (grammar or returns_device_beams(props)), host_trees, logprobs,
+                       grammar)
 
 
 def warmup_variants(proposer: Proposer, rule: AcceptanceRule = AcceptanceRule.GREEDY) -> list[StepVariant]:
@@ -82,21 +86,25 @@ class StepLauncher:
         self._units: dict[object, Callable] = {}
 
     # ---- the two step kinds ------------------------------------------------------------------------------------
-    def ar(self, slots: list[int], longest: int, rule: AcceptanceRule, logprobs: bool = False) -> torch.Tensor:
-        """An AR step for these slots -> their output rows (on the device, maybe still running)."""
+    def ar(self, slots: list[int], longest: int, rule: AcceptanceRule, logprobs: bool = False,
+           grammar: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """An AR step for these slots -> their output rows (on the device, maybe still running). grammar
+        [len(slots), words]: token bitmasks (structured output)."""
         args = self._inputs(slots, 1, longest)
-        return self._unit(False)(*args[:2], rule, logprobs)[:len(slots)]
+        return self._unit(False)(*args[:2], rule, logprobs, self._padded(grammar, args[0].shape[0]))[:len(slots)]
 
     def tree(self, slots: list[int], width: int, keep: list[int], longest: int, variant: StepVariant,
-             pending: Optional[list[Optional[Draft]]] = None) -> torch.Tensor:
+             pending: Optional[list[Optional[Draft]]] = None, grammar: Optional[torch.Tensor] = None) -> torch.Tensor:
         """A tree step: the first `width` nodes of each slot's tree (each counting keep[i] of them), over contexts up
-        to `longest` committed positions; `pending`: the trees the host composed, per slot (None: the stored one)."""
+        to `longest` committed positions; `pending`: the trees the host composed, per slot (None: the stored one);
+        grammar [len(slots), nb, bl, words]: the token bitmasks of the trees' nodes, in beam layout."""
         if variant.rule is AcceptanceRule.APPLE:
             self.state.ensure_draft_logp(self.vocab_size)
         T = self.verify_width(width, max(keep))
         args = self._inputs(slots, T, longest + T, keep)
         host = self._host_inputs(pending, args[0].shape[0]) if variant.host_trees else (None, None, None)
-        call = (*args, variant.rule, variant.draft, variant.return_beams, variant.logprobs, *host)
+        call = (*args, variant.rule, variant.draft, variant.return_beams, variant.logprobs, *host,
+                self._padded(grammar, args[0].shape[0]))
         if self.timer.enabled:  # each phase its own unit, timed
             out = self.steps.redrafter_step(*call, run=self._timed_phase)
             self.timer.end_step()
@@ -173,6 +181,16 @@ class StepLauncher:
         mask_t = torch.tensor(mask).to(self.device)
         self.compiler.mark_dynamic(beams, scores, mask_t)
         return beams, scores, mask_t
+
+    def _padded(self, grammar: Optional[torch.Tensor], n: int) -> Optional[torch.Tensor]:
+        """Token bitmasks on the device, padded to the step's n rows (padding rows allow every token)."""
+        if grammar is None:
+            return None
+        if grammar.shape[0] < n:
+            grammar = torch.cat([grammar, grammar.new_full((n - grammar.shape[0], *grammar.shape[1:]), -1)])
+        grammar = grammar.to(self.device)
+        self.compiler.mark_dynamic(grammar)
+        return grammar
 
     def _unit(self, tree: bool) -> Callable:
         unit = self._units.get(tree)

@@ -13,8 +13,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Hashable, Optional
 
-from ..config import AcceptanceRule, DecodingMode, SamplingConfig
+from ..config import AcceptanceRule, DecodingMode, Guide, SamplingConfig
 from ..decoding.logprobs import TokenLogprob
+from .grammar import GrammarState
 
 
 @dataclass
@@ -30,6 +31,7 @@ class RequestSpec:
     stop_ids: tuple[int, ...] = ()
     stop_sequences: tuple[tuple[int, ...], ...] = ()  # multi-token stop words (TensorRT-LLM `stop_words`)
     cache_salt: str = ""  # prefix reuse only among requests with the same salt (vLLM's `cache_salt`; kv_cache.py)
+    guide: Optional[Guide] = None  # the grammar its output follows (structured output; runtime/grammar.py)
 
 
 @dataclass
@@ -131,6 +133,7 @@ class Sequence:
     tree_fresh: bool = False  # `tree` was drafted after its last step (else a step since made it stale)
     pending: Optional[Draft] = None  # the next tree as the host composed it, packed by the next step
     proposer_state: Optional[ProposerState] = None  # its proposer's own (ngram.NgramState for N-gram requests)
+    grammar: Optional[GrammarState] = None  # its guide's matcher and next tree's beams (runtime/grammar.py)
     finished: bool = False
     finish_reason: Optional[str] = None  # "stop" | "length" | "cancelled" | "stopped" (a stop request: early stopping)
     stats: SeqStats = field(default_factory=SeqStats)

@@ -37,7 +37,7 @@ from typing import Callable, Optional
 import torch
 
 from ..config import AcceptanceRule
-from ..decoding import acceptance, sampling, tree
+from ..decoding import acceptance, bitmask, sampling, tree
 from ..decoding.logprobs import encode as logprob_columns
 from ..decoding.acceptance import Acceptance
 from ..model.attention import AttentionMeta
@@ -159,6 +159,18 @@ class StepKernels:
         return kernels
 
 
+def node_rows(beam_rows: torch.Tensor, unpacker: torch.Tensor, T: int) -> torch.Tensor:
+    """Per-beam-position rows [bs, nb, bl, ...] -> per tree node [bs, T, ...] for the first T nodes (the row of any
+    beam position the unpacker maps to the node: positions through one node carry the same row)."""
+    bs = unpacker.shape[0]
+    flat = unpacker.flatten(1)  # [bs, nb * bl]
+    dst = torch.where(flat < T, flat, T)  # positions of nodes past T go to a dropped column
+    src = torch.arange(flat.shape[1], device=flat.device).expand(bs, -1)
+    first = torch.zeros(bs, T + 1, dtype=torch.long, device=flat.device).scatter(1, dst, src)[:, :T]
+    rows = beam_rows.flatten(1, 2)  # [bs, nb * bl, ...]
+    return rows.gather(1, first.view(bs, T, *[1] * (rows.dim() - 2)).expand(bs, T, *rows.shape[2:]))
+
+
 def _call(name: str, phase: Callable, *args):
     return phase(*args)
 
@@ -208,13 +220,16 @@ class DecodeStep:
         return self.verify(slots, key_blocks, tokens, st.tree_offsets[slots].index_select(1, w),
                            st.tree_mask[slots].index_select(1, w).index_select(2, w))
 
-    def targets(self, slots: torch.Tensor, logits: torch.Tensor, offsets: torch.Tensor, rule: AcceptanceRule
-                ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def targets(self, slots: torch.Tensor, logits: torch.Tensor, offsets: torch.Tensor, rule: AcceptanceRule,
+                grammar: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """The target's token after each of the [bs, T] nodes -> (tokens [bs, T], probs [bs, T, V] or None).
 
         greedy: argmax. Any other rule: process the logits with each request's parameters and draw with the noise
         of the drawn token's position, ctx_len + depth + 1 (greedy rows get their argmax through a one-hot).
+        grammar [bs, T, words]: each node's token bitmask (decoding/bitmask.py), applied to its logits first.
         """
+        if grammar is not None:
+            logits = bitmask.apply(logits, grammar)
         if rule is AcceptanceRule.GREEDY:
             return logits.argmax(dim=-1), None
         st = self.state
@@ -225,15 +240,18 @@ class DecodeStep:
         tokens = self.kernels.draw(probs, rep(st.seed), position).view(bs, T)
         return tokens, probs.view(bs, T, V)
 
-    def accept(self, slots: torch.Tensor, logits: torch.Tensor, rule: AcceptanceRule, keep: torch.Tensor) -> Accepted:
+    def accept(self, slots: torch.Tensor, logits: torch.Tensor, rule: AcceptanceRule, keep: torch.Tensor,
+               grammar: Optional[torch.Tensor] = None) -> Accepted:
         """Choose beam, accepted count and next token for every request among its first keep [bs] (<= T) tree nodes;
         pack the emitted tokens. A node past `keep` is never accepted: its drafted token is replaced by -1, which no
-        target token equals (`apple` rows verify whole trees: the policy gives them keep = T = P)."""
+        target token equals (`apple` rows verify whole trees: the policy gives them keep = T = P). grammar
+        [bs, nb, bl, words]: the token bitmask of the tree node at each beam position (runtime/grammar.py)."""
         st = self.state
         P = logits.shape[1]
         beams, unpacker = st.beams[slots], st.unpacker[slots]  # [bs, nb, bl]
         offsets = st.tree_offsets[slots].index_select(1, torch.arange(P, device=slots.device))
-        node_tok, probs = self.targets(slots, logits, offsets, rule)  # [bs, P]
+        node_mask = node_rows(grammar, unpacker, P) if grammar is not None else None
+        node_tok, probs = self.targets(slots, logits, offsets, rule, node_mask)  # [bs, P]
         beams = torch.where(unpacker < keep[:, None, None], beams, -1)
         unpacker = unpacker.clamp(max=P - 1)  # pruned positions read some verified node's value: never used
         acc = self.kernels.accept_tokens(beams, tree.unpack(unpacker, node_tok))  # tokens in beam layout
@@ -309,7 +327,7 @@ class DecodeStep:
                        keep: torch.Tensor, rule: AcceptanceRule, draft: bool, return_beams: bool = False,
                        logprobs: bool = False, host_beams: Optional[torch.Tensor] = None,
                        host_scores: Optional[torch.Tensor] = None, host_mask: Optional[torch.Tensor] = None,
-                       run: Optional[Callable] = None) -> torch.Tensor:
+                       grammar: Optional[torch.Tensor] = None, run: Optional[Callable] = None) -> torch.Tensor:
         """One speculative step for [bs] slots over the first T = len(tree_width) nodes of their trees, of which each
         request keeps keep [bs] -> [bs, RowLayout(...).width] rows (RowLayout).
 
@@ -317,13 +335,14 @@ class DecodeStep:
         and `host_scores` [bs, nb, dl] (quantized) for the rows in `host_mask` [bs] and are packed first. `draft` runs
         the device proposer after rewind and packs its beams into the next trees; `return_beams` also returns them,
         for the host to compose mixed trees with. `run(name, phase, *args)` calls each phase: directly by default;
-        the engine's phase profile passes one that runs each phase as its own timed unit.
+        the engine's phase profile passes one that runs each phase as its own timed unit. `grammar`
+        [bs, nb, bl, words]: token bitmasks of the tree's nodes, in beam layout (structured output; `accept`).
         """
         run = run or _call
         if host_beams is not None:
             run("pack", self.pack_host, slots, host_beams, host_scores, host_mask)
         v = run("verify", self.verify_tree, slots, key_blocks, tree_width)
-        a = run("accept", self.accept, slots, v.logits, rule, keep)
+        a = run("accept", self.accept, slots, v.logits, rule, keep, grammar)
         path = run("rewind", self.rewind, slots, a.decision)
         out = [a.emitted, torch.zeros_like(slots)[:, None], path]
         if draft:
@@ -343,10 +362,10 @@ class DecodeStep:
         """Row columns of the log-probabilities of tokens [bs, n], chosen from logits [bs, n, V] (logprobs.encode)."""
         return logprob_columns(logits, tokens, self.top_logprobs)
 
-    def ar_step(self, slots: torch.Tensor, key_blocks: torch.Tensor, rule: AcceptanceRule, logprobs: bool = False
-                ) -> torch.Tensor:
+    def ar_step(self, slots: torch.Tensor, key_blocks: torch.Tensor, rule: AcceptanceRule, logprobs: bool = False,
+                grammar: Optional[torch.Tensor] = None) -> torch.Tensor:
         """One auto-regressive step for [bs] slots -> [bs, 3]: the next token, 1 (tokens emitted), 0 (no tree); and
-        with `logprobs` the next token's log-probability columns."""
+        with `logprobs` the next token's log-probability columns. grammar [bs, words]: the token bitmasks."""
         st = self.state
         bs = slots.shape[0]
         tok = st.true_tok[slots][:, None]  # [bs, 1]
@@ -355,7 +374,7 @@ class DecodeStep:
         v = self.verify(slots, key_blocks, tok, zeros, mask)
         if st.hidden is not None:  # the hidden state that predicted `nxt` (a distillation corpus reads it back)
             put_rows(st.hidden, slots, v.hidden[:, 0])
-        nxt, _ = self.targets(slots, v.logits, zeros, rule)  # [bs, 1]
+        nxt, _ = self.targets(slots, v.logits, zeros, rule, grammar[:, None] if grammar is not None else None)
         nxt = self.dist.broadcast(nxt.contiguous())
         st.advance(slots, st.ctx_len[slots] + 1, nxt[:, 0])
         out = [nxt, torch.ones_like(nxt), zeros]
@@ -365,7 +384,8 @@ class DecodeStep:
 
     def prefill(self, slots: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor, rule: AcceptanceRule,
                 prompt_len: Optional[torch.Tensor] = None, start: Optional[torch.Tensor] = None,
-                longest_start: int = 0, logprobs: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                longest_start: int = 0, logprobs: bool = False, grammar: Optional[torch.Tensor] = None
+                ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Prompt step for [bs] new requests: ids [bs, T] right-padded, lengths [bs] -> (hidden of the last prompt
         token [bs, H], with `logprobs` the first token's log-probability columns [bs, columns] else None); sets
         ctx_len and the first true token (drawn at position start + lengths).
@@ -373,7 +393,8 @@ class DecodeStep:
         prompt_len [bs]: how many of each row's tokens are its prompt (default: all of them); fewer when a preempted
         request recomputes its prompt and output (dynamic-NTK RoPE rotates the two differently, see rope.py).
         start [bs] (default 0): positions whose K/V the request already holds (a reused prefix, kv_cache.py): its
-        ids are the tokens after them, attending to them as to committed context; `longest_start` is their max."""
+        ids are the tokens after them, attending to them as to committed context; `longest_start` is their max.
+        grammar [bs, words]: the first token's bitmasks (structured output)."""
         st = self.state
         bs = ids.shape[0]
         dev = ids.device
@@ -388,7 +409,7 @@ class DecodeStep:
         # the draw at the last prompt position: same noise as an AR step there (position = start + lengths)
         offsets = last[:, None]  # ctx_len is start, so position = start + offset + 1
         logits = self.model.logits(h)[:, None]  # [bs, 1, V]
-        nxt, _ = self.targets(slots, logits, offsets, rule)
+        nxt, _ = self.targets(slots, logits, offsets, rule, grammar[:, None] if grammar is not None else None)
         nxt = self.dist.broadcast(nxt[:, 0].contiguous())
         st.advance(slots, start + lengths, nxt)
         return h, self.encode_logprobs(logits, nxt[:, None]) if logprobs else None

@@ -1,0 +1,209 @@
+"""Structured output (runtime/grammar.py, decoding/bitmask.py): grammars through AR steps and draft trees.
+
+The reference is constrained AR decoding, the grammar's mask applied to the logits at every position. Constrained
+ReDrafter must give its tokens exactly (greedy and sampled, every proposer, eager and compiled) with drafts made and
+accepted, and the output must follow the grammar. The API surfaces (Triton, OpenAI, CLI) have their tests in
+test_serving_modes.py, test_openai.py and test_build_and_run_cli.py.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+import xgrammar
+
+from engine_utils import OracleProposer, build_tiny_engines, load_engine, random_prompts
+from trt_redrafter.config import Guide, GuideType, SamplingConfig
+from trt_redrafter.decoding import bitmask
+from trt_redrafter.errors import UserError
+from trt_redrafter.runtime.generate import generate
+from trt_redrafter.runtime.grammar import Grammars
+from trt_redrafter.runtime.step import node_rows
+
+VOCAB = 512
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                          "n": {"type": "integer", "minimum": 0, "maximum": 999}},
+          "required": ["name", "n"], "additionalProperties": False}
+REGEX = r"[0-9]{3}-[a-z]{2,5}\."
+GUIDES = {"regex": Guide(GuideType.REGEX, REGEX), "schema": Guide(GuideType.JSON_SCHEMA, json.dumps(SCHEMA)),
+          "ebnf": Guide(GuideType.EBNF, 'root ::= "(" word ("," word)? ")"\nword ::= [a-z] [a-z]? [a-z]?')}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    base, engines = build_tiny_engines(tmp_path_factory.mktemp("grammar"), seed=3, num_beams=4, draft_len=3,
+                                       vocab_size=VOCAB, max_seq_len=200, kv_block_size=16)
+    from transformers import AutoTokenizer
+
+    return engines[1], AutoTokenizer.from_pretrained(str(engines[1] / "tokenizer"))
+
+
+PROMPTS = random_prompts(VOCAB, [7, 20], seed=1)
+
+
+def _run(engine_dir, tok, guide, mode="ar", proposer=None, params=None, **runtime):
+    params = params or SamplingConfig(max_tokens=60)
+    return generate(load_engine(engine_dir, proposer, **runtime), PROMPTS, params, mode, guide=guide,
+                    stop_ids=(tok.eos_token_id,))
+
+
+def _follows(guide: Guide, text: str) -> bool:
+    if guide.kind is GuideType.REGEX:
+        return re.fullmatch(REGEX, text) is not None
+    if guide.kind is GuideType.JSON_SCHEMA:
+        # strict=False: xgrammar's JSON strings admit raw control characters (a tab), which strict JSON escapes
+        jsonschema.validate(json.loads(text, strict=False), SCHEMA)
+        return True
+    return re.fullmatch(r"\([a-z]{1,3}(,[a-z]{1,3})?\)", text) is not None
+
+
+# ---- the pieces ---------------------------------------------------------------------------------------------------
+
+def test_bitmask_apply_is_xgrammars():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5, 100, generator=g)
+    mask = torch.randint(-2**31, 2**31 - 1, (3, 5, bitmask.words(100)), dtype=torch.int32, generator=g)
+    want = logits.clone().view(15, 100)
+    xgrammar.apply_token_bitmask_inplace(want, mask.view(15, -1))
+    torch.testing.assert_close(bitmask.apply(logits, mask), want.view(3, 5, 100))
+    assert bitmask.allowed(bitmask.full(2, 70), 70).all()
+
+
+def test_node_rows_give_each_node_the_row_of_its_beam_positions():
+    # two beams sharing their first draft: packed nodes 0 (root), 1 (shared), 2, 3 (beam 0), 4 (beam 1)
+    unpacker = torch.tensor([[[0, 1, 2, 3], [0, 1, 4, 5]]])
+    rows = unpacker * 10  # a beam position's row names its node
+    assert node_rows(rows, unpacker, 6).tolist() == [[0, 10, 20, 30, 40, 50]]
+    assert node_rows(rows, unpacker, 3).tolist() == [[0, 10, 20]]  # nodes past T are dropped
+
+
+def test_tree_masks_are_the_masks_along_each_beam(tiny):
+    engine_dir, tok = tiny
+    grammars = Grammars(engine_dir / "tokenizer", VOCAB)
+    state = grammars.start(GUIDES["schema"], [tok.eos_token_id])
+    state.accept(tok.encode('{"name"', add_special_tokens=False))
+    good = tok.encode(': "ab', add_special_tokens=False)
+    beams = [[7] + good[:3] + [0] * (3 - len(good[:3])), [7] + tok.encode("}}}", add_special_tokens=False)[:3]]
+    beams = [b + [0] * (4 - len(b)) for b in beams]
+    state.beams = beams
+    masks = state.tree_masks(2, 4, fresh=True)
+    for b, beam in enumerate(beams):
+        m = xgrammar.GrammarMatcher(grammars.compile(GUIDES["schema"]))
+        m.accept_string('{"name"')
+        for j in range(4):
+            want = xgrammar.allocate_token_bitmask(1, VOCAB)
+            m.fill_next_token_bitmask(want)
+            if j and not ok:
+                break  # below a forbidden draft: never accepted, its rows allow everything
+            assert torch.equal(masks[b, j], want[0]), (b, j)
+            ok = j + 1 < 4 and m.accept_token(beam[j + 1])
+        else:
+            continue
+        assert (masks[b, j:] == -1).all()
+    assert not masks.eq(-1).all()
+
+
+# ---- the engine ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", list(GUIDES))
+def test_constrained_ar_follows_the_grammar(tiny, name):
+    engine_dir, tok = tiny
+    for r in _run(engine_dir, tok, GUIDES[name]):
+        assert r.finish_reason == "stop" and r.output_ids[-1] == tok.eos_token_id
+        assert _follows(GUIDES[name], tok.decode(r.output_ids[:-1]))
+    free = _run(engine_dir, tok, None)
+    assert not any(_follows(GUIDES["regex"], tok.decode(r.output_ids)) for r in free)  # the model alone does not
+
+
+@pytest.mark.parametrize("name", ["regex", "schema"])
+def test_constrained_redrafter_gives_constrained_ar_tokens(tiny, name):
+    """Drafting the constrained continuation is accepted; drafting the unconstrained one (tokens the grammar forbids,
+    which the unmasked argmax would accept) is not, and the output is still constrained AR's."""
+    engine_dir, tok = tiny
+    guide = GUIDES[name]
+    ar = _run(engine_dir, tok, guide)
+    free = _run(engine_dir, tok, None)
+    for continuations, corrupt, accepted in [(ar, 2, True), (free, 0, False)]:
+        oracle = OracleProposer(engine_dir, {i: r.output_ids for i, r in enumerate(continuations)},
+                                corrupt_every=corrupt)
+        rd = _run(engine_dir, tok, guide, "redrafter", oracle)
+        assert [r.output_ids for r in rd] == [r.output_ids for r in ar]
+        assert all(r.draft_tokens > 0 for r in rd)
+        if accepted:
+            assert all(r.accepted_draft_tokens > 0 and r.steps < len(r.output_ids) - 1 for r in rd)
+
+
+def test_constrained_sampling_is_constrained_ar_sampling(tiny):
+    engine_dir, tok = tiny
+    params = SamplingConfig(max_tokens=60, temperature=1.0, top_k=50, seed=11)
+    ar = _run(engine_dir, tok, GUIDES["schema"], params=params)
+    oracle = OracleProposer(engine_dir, {i: r.output_ids for i, r in enumerate(ar)}, corrupt_every=3)
+    rd = _run(engine_dir, tok, GUIDES["schema"], "redrafter", oracle, params=params)
+    assert [r.output_ids for r in rd] == [r.output_ids for r in ar]
+    assert all(r.accepted_draft_tokens > 0 for r in rd)
+    for r in ar:
+        assert r.finish_reason == "length" or _follows(GUIDES["schema"], tok.decode(r.output_ids[:-1]))
+
+
+def test_the_device_drafter_and_ngram_trees_under_a_grammar(tiny):
+    """The tiny engine's own drafter (its beams come back to the host, which masks the tree they make) and the N-gram
+    proposer, with the policy choosing widths: constrained AR's tokens."""
+    engine_dir, tok = tiny
+    ar = _run(engine_dir, tok, GUIDES["schema"])
+    for proposer in ("redrafter", "ngram", "mixed"):
+        rd = generate(load_engine(engine_dir, speculate="full"), PROMPTS, SamplingConfig(max_tokens=60), "redrafter",
+                      proposer=proposer, guide=GUIDES["schema"], stop_ids=(tok.eos_token_id,))
+        assert [r.output_ids for r in rd] == [r.output_ids for r in ar], proposer
+        assert sum(r.draft_tokens for r in rd) > 0, proposer
+
+
+def test_guides_mixed_with_free_requests_in_one_batch(tiny):
+    engine_dir, tok = tiny
+    guides = [GUIDES["regex"], None]
+    one = [_run(engine_dir, tok, g)[i].output_ids for i, g in enumerate(guides)]
+    both = generate(load_engine(engine_dir), PROMPTS, SamplingConfig(max_tokens=60), "ar", guide=guides,
+                    stop_ids=(tok.eos_token_id,))
+    assert [r.output_ids for r in both] == one
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_constrained_redrafter_compiled_gives_eager_tokens(tiny):
+    engine_dir, tok = tiny
+    ar = _run(engine_dir, tok, GUIDES["schema"])
+    oracle = OracleProposer(engine_dir, {i: r.output_ids for i, r in enumerate(ar)}, corrupt_every=2)
+    rd = _run(engine_dir, tok, GUIDES["schema"], "redrafter", oracle, compile="inductor")
+    assert [r.output_ids for r in rd] == [r.output_ids for r in ar]
+    assert all(r.accepted_draft_tokens > 0 for r in rd)
+
+
+# ---- refusals -----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("guide, words", [
+    (Guide(GuideType.JSON_SCHEMA, '{"type": "objec"}'), "invalid json_schema guide"),
+    (Guide(GuideType.JSON_SCHEMA, "{not json"), "not JSON"),
+    (Guide(GuideType.JSON_SCHEMA, '{"type": "object", "required": "name"}'), "is not of type 'array'"),
+    (Guide(GuideType.REGEX, "[a-"), "invalid regex guide"),
+    (Guide(GuideType.EBNF, 'root ::= "a" |'), "invalid ebnf_grammar guide"),
+])
+def test_a_bad_guide_is_refused_in_one_sentence(tiny, guide, words):
+    engine_dir, tok = tiny
+    with pytest.raises(UserError, match=re.escape(words)):
+        _run(engine_dir, tok, guide)
+
+
+def test_guides_refused_where_they_cannot_hold(tiny, tmp_path):
+    engine_dir, tok = tiny
+    with pytest.raises(UserError, match="apple"):
+        _run(engine_dir, tok, GUIDES["regex"], "redrafter", params=SamplingConfig(temperature=1.0, acceptance="apple"))
+    with pytest.raises(UserError, match="guided decoding type must be one of json, json_schema"):
+        Guide.parse("xml", "<a/>")
+    with pytest.raises(UserError, match="needs its source"):
+        Guide.parse("regex", " ")
+    assert Grammars(None, VOCAB).words == bitmask.words(VOCAB)
+    with pytest.raises(UserError, match="rebuild the engine with build-engine --tokenizer"):
+        Grammars(tmp_path / "none", VOCAB).compile(GUIDES["regex"])
