@@ -340,6 +340,44 @@ def test_fixed_modes_and_apple_verify_what_they_say():
     assert not Policy(Speculation.parse("auto"), 13, costs).decide([Candidate(9, False, None)], True).is_tree
 
 
+def test_the_decision_is_a_function_that_changes_nothing():
+    """`decide` answers from its arguments alone: the state it was given is the same after (it returns the next one),
+    and the same arguments give the same answer; Policy.decide keeps the state it returns."""
+    costs, widths = pol.StepCosts(flat_costs()), tree_buckets(13)
+    state = pol.PolicyState(phase=pol.Phase.SPECULATING, mean_batch=1, mean_gain=1.2, mean_cost=1.1)
+    kept = pol.PolicyState(**vars(state))
+    weak = cands(1, [0, q(0.01)], never_right())
+    d, after = pol.decide(state, weak, True, costs, widths, None)
+    assert state == kept and after != state
+    assert pol.decide(state, weak, True, costs, widths, None) == (d, after)
+    policy = Policy(Speculation.parse("auto"), 13, flat_costs())
+    assert policy.decide(weak, True) == pol.decide(pol.PolicyState(), weak, True, costs, widths, None)[0]
+    assert policy.state == pol.decide(pol.PolicyState(), weak, True, costs, widths, None)[1]
+
+
+def test_a_rest_ends_in_a_probe_whose_trees_start_speculating():
+    """resting -> (stale trees that would pay, probe_every reached) probing -> (the probe's fresh trees, verified by
+    their claims) resting -> (fresh trees that pay) speculating; a batch of host trees that do not pay meanwhile rests
+    from composing and keeps the device's phase."""
+    costs, widths = pol.StepCosts(flat_costs()), tree_buckets(13)
+    good = [0, q(0.9), q(0.8)]
+    s = pol.PolicyState(rest=PROBE_MIN - 2)
+    d, s = pol.decide(s, cands(1, good, Calibration(), fresh=False), True, costs, widths, None)
+    assert not d.is_tree and s.phase is pol.Phase.RESTING and s.rest == PROBE_MIN - 1
+    d, s = pol.decide(s, cands(1, good, Calibration(), fresh=False), True, costs, widths, None)
+    assert d.width == 1 and d.draft and s.phase is pol.Phase.PROBING
+    assert s.rest == 0 and s.probe_every == 2 * PROBE_MIN
+    d, s = pol.decide(s, cands(1, good, never_right()), True, costs, widths, None)  # the claims, not the calibration
+    assert d.is_tree and d.keep == {0: 3} and s.phase is pol.Phase.RESTING
+    d, s = pol.decide(s, cands(1, good, Calibration()), True, costs, widths, None)
+    assert d.is_tree and d.draft and s.phase is pol.Phase.SPECULATING and s.probe_every == PROBE_MIN
+    dear = pol.StepCosts(flat_costs(), host_ms=50.0)
+    d, s = pol.decide(s, cands(1, good, Calibration()), False, dear, widths, None)
+    assert d is pol.AR_REST and s.host_resting and s.phase is pol.Phase.SPECULATING
+    d, s = pol.decide(s, cands(1, good, Calibration()), True, dear, widths, None)
+    assert d.is_tree and not s.host_resting and s.phase is pol.Phase.SPECULATING
+
+
 def test_speculate_setting_is_validated():
     assert RuntimeConfig(speculate="7").speculate == "7"
     for bad in ("0", "-1", "some", "2.5"):

@@ -33,16 +33,22 @@ again to probe after PROBE_MIN AR steps, backing off to PROBE_MAX.
 The published anchors: EAGLE-2 (trees from draft confidence), SpecDec++ (stop drafting when acceptance is unlikely),
 SmartSpec and vLLM's dynamic speculation (speculate only while goodput gains: less under load).
 
+The decision is a pure function, `decide`: (the policy's state, the batch, what steps cost) -> (the step, the next
+state). Its state, `PolicyState`, holds the phase (speculating, resting, probing; resting from host trees apart) and
+its counters, and `decide`'s docstring tables every transition; `Policy` holds what is measured (the cost model and
+its running scale, the host's composing time, the calibrations) and the current state, and calls it.
+
 Every TP rank runs the decisions rank 0 made (the scheduler broadcasts them with the step plan), so a cost model
 measured per rank, or a float rounded differently, can never make ranks disagree.
 """
 
 from __future__ import annotations
 
+import enum
 import itertools
 import math
-from dataclasses import dataclass, field
-from typing import Hashable, Optional
+from dataclasses import dataclass, field, replace
+from typing import Hashable, Optional, Sequence
 
 from ..config import Speculation
 from .calibration import Calibration
@@ -94,19 +100,195 @@ AR_STEP = StepDecision(0, {}, False)
 AR_REST = StepDecision(0, {}, False, compose=False)  # resting from host trees: an AR step, and no tree composed
 
 
+class Phase(enum.Enum):
+    """Where the policy stands on drafting on the device (`decide` tables the transitions)."""
+
+    RESTING = "resting"  # no verdict that drafting pays (as it starts): stale trees get AR steps, now and then a probe
+    PROBING = "probing"  # a probe drafted: the next fresh trees are verified where the proposer's claims say they pay
+    SPECULATING = "speculating"  # drafting pays, by the running means of its gain and cost at `mean_batch`
+
+
+@dataclass(frozen=True)
+class PolicyState:
+    """What the policy carries from one decision to the next; `decide` makes a new one, never changes one.
+    `host_resting` is apart from `phase`: trees composed on the host come and go with the batch's requests, and a
+    batch that cannot draft on the device keeps the device's phase for when it can again."""
+
+    phase: Phase = Phase.RESTING
+    host_resting: bool = False  # resting from host trees: AR steps that compose nothing (but the one before a probe)
+    rest: int = 0  # AR steps while resting, since it began or since the last probe
+    probe_every: int = PROBE_MIN  # ... after which the next probe comes (doubling while probes find nothing)
+    # the stale trees, weighed once per rest, would not pay: no probe before PROBE_MAX (until a probe, or drafting that
+    # stops paying, clears it)
+    hopeless: bool = False
+    mean_gain: float = 1.0  # SPECULATING: running means of a drafting step's tokens and cost, in AR steps, ...
+    mean_cost: float = 1.0
+    mean_batch: int = 0  # ... at this batch size (they hold for one)
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """What a decision weighs steps by, read-only: the measured cost model scaled by the steps as they run (`scale`:
+    AR steps, tree steps; Policy.observe_step) and the host's time to compose one request's tree (Policy.observe_host).
+    `model` is None where the policy decides by no cost model (fixed widths)."""
+
+    model: Optional[CostModel]
+    scale: tuple[float, float] = (1.0, 1.0)
+    host_ms: float = 0.0
+
+    def ar_ms(self, batch: int, context: float) -> float:
+        return self.model.ar_ms(batch, context) * self.scale[0]
+
+    def tree_ms(self, batch: int, width: int, context: float) -> float:
+        return self.model.tree_ms(batch, width, context) * self.scale[1]
+
+
+def decide(state: PolicyState, cands: list[Candidate], can_draft: bool, costs: StepCosts, widths: Sequence[int],
+           fixed: Optional[int]) -> tuple[StepDecision, PolicyState]:
+    """The step for these decoding requests, and the state after it; nothing is changed. `can_draft`: some request's
+    next tree is drafted on the device (a tree step drafts, an AR step does not; without it, trees come from the host,
+    composed after any step the decision does not rest). `widths`: the widths a tree step may verify (tree_buckets:
+    1 first, the whole tree last); `fixed`: the width every step verifies (None: the cost model decides).
+
+    Trees are fresh (drafted after the request's last step) or stale (its last tree again, or none). The transitions,
+    all of them here (`rest` counts AR steps, `probe_every` doubles up to PROBE_MAX):
+
+      phase        on                                                   -> phase        the step; counters
+      any          no speculative request                               -> same         AR step
+      any          a fixed width (the setting, or an `apple` request)   -> same         that width (1 for stale trees
+                                                                                        that can draft; else AR step)
+      any          stale trees (no fresh one), cannot draft, or         -> same         AR step; rest + 1
+                   rest + 1 < probe_every
+      any          stale trees, can draft, rest + 1 >= probe_every, and -> PROBING      a probe: width 1, drafts; rest
+                   the trees, drafted again, would nearly pay (asked                    0, probe_every doubled,
+                   once per rest: `hopeless`) or rest + 1 >= PROBE_MAX                  hopeless cleared
+                   ... neither                                          -> same         AR step; rest + 1, hopeless
+                                                                                        set where they would not pay
+      PROBING      fresh trees, can draft, their claims pay             -> RESTING      verify them by their claims
+      PROBING      fresh trees, can draft, their claims do not pay      -> as RESTING below
+      RESTING      fresh trees, can draft: the running means start      -> SPECULATING  tree step, drafts; rest 0,
+      SPECULATING  (go on at the same batch size) and pay                               probe_every PROBE_MIN
+                   ... and do not pay                                   -> RESTING      AR step; rest 0, hopeless
+                                                                                        cleared
+      any          fresh trees, cannot draft (from the host), that pay  -> same         tree step, no drafting; rest
+                   for their verify and their composing                                 0, probe_every PROBE_MIN,
+                                                                                        host_resting off
+                   ... that do not                                      -> same         AR step; rest 0, host_resting
+                                                                                        on (probe_every doubled where
+                                                                                        it was on already)
+      any          can draft                                            host_resting off (before all the above)
+
+    While host_resting, an AR step composes nothing (AR_REST) but the last before rest reaches probe_every: that one
+    composes the trees that probe whether host trees pay again."""
+    d, state = _decide(state, cands, can_draft, costs, widths, fixed)
+    if d is AR_STEP and state.host_resting and state.rest + 1 < state.probe_every:
+        return AR_REST, state  # the next step is an AR step too: nothing to compose for it
+    return d, state
+
+
+def _decide(s: PolicyState, cands: list[Candidate], can_draft: bool, costs: StepCosts, widths: Sequence[int],
+            fixed: Optional[int]) -> tuple[StepDecision, PolicyState]:
+    if can_draft and s.host_resting:
+        s = replace(s, host_resting=False)
+    spec = [c for c in cands if c.speculative]
+    if not spec:
+        return AR_STEP, s
+    fresh = [c for c in spec if c.scores and c.fresh]
+    if any(c.whole_tree for c in spec):
+        fixed = widths[-1]
+    if fixed is not None:
+        if not fresh and not can_draft:
+            return AR_STEP, s
+        width = fixed if fresh else 1
+        return StepDecision(width, _keep(cands, width), can_draft), s
+    B = len(cands)
+    context = sum(c.context for c in cands) / B
+    ar_ms = costs.ar_ms(B, context)
+    if not fresh:  # resting: AR steps, and a probe (a step that drafts) when trees might pay again
+        rest = s.rest + 1
+        if not can_draft or rest < s.probe_every:
+            return AR_STEP, replace(s, rest=rest)
+        hopeful, hopeless = False, s.hopeless
+        if not hopeless:  # asked once per rest: the stale trees do not change while nothing drafts
+            stale = [c for c in spec if c.scores]  # their last trees, as if drafted again now
+            width, expected, ms = _best(stale, B, context, widths, costs)
+            hopeful = (B + expected) / ms >= PROBE_HOPE * B / ar_ms
+            hopeless = not hopeful
+        if hopeful or rest >= PROBE_MAX:
+            probe = StepDecision(1, {c.seq_id: 1 for c in cands}, True)
+            return probe, replace(s, phase=Phase.PROBING, rest=0, probe_every=min(2 * s.probe_every, PROBE_MAX),
+                                  hopeless=False)
+        return AR_STEP, replace(s, rest=rest, hopeless=hopeless)
+    if not can_draft:  # trees from the host: verify the best part of them, or take AR steps and rest from them
+        width, expected, ms = _best(fresh, B, context, widths[1:], costs)  # width 1 would verify nothing
+        host = costs.host_ms * len(fresh)  # what composing these trees again costs, whatever width is verified
+        if (B + expected) / (ms + host) > B / ar_ms:
+            return (StepDecision(width, _keep(cands, width), False, expected / B),
+                    replace(s, host_resting=False, rest=0, probe_every=PROBE_MIN))
+        # a probe that found nothing worth it (resting already): wait twice as long for the next
+        probe_every = min(2 * s.probe_every, PROBE_MAX) if s.host_resting else s.probe_every
+        return AR_STEP, replace(s, host_resting=True, rest=0, probe_every=probe_every)
+    if s.phase is Phase.PROBING:  # the probe's second step: verify the fresh trees if their claims would pay
+        s = replace(s, phase=Phase.RESTING)
+        width, expected, ms = _best(fresh, B, context, widths[1:], costs, claims=True)
+        if (B + expected) / ms > B / ar_ms:
+            return StepDecision(width, _keep(cands, width), True, expected / B), s
+    # drafting: worth its cost while the trees it makes pay on average (running means, at this batch size, of what a
+    # step emits and costs in AR steps); a run of trees with nothing worth verifying stops it. Width 1: verify
+    # nothing, draft the next trees
+    width, expected, ms = _best(fresh, B, context, widths, costs)
+    gain, cost = 1 + expected / B, ms / ar_ms
+    if s.phase is not Phase.SPECULATING or B != s.mean_batch:  # the means hold for one batch size
+        mean_gain, mean_cost = gain, cost
+    else:
+        mean_gain = MEAN_DECAY * s.mean_gain + (1 - MEAN_DECAY) * gain
+        mean_cost = MEAN_DECAY * s.mean_cost + (1 - MEAN_DECAY) * cost
+    s = replace(s, mean_gain=mean_gain, mean_cost=mean_cost, mean_batch=B, rest=0)
+    if mean_gain >= mean_cost:
+        return (StepDecision(width, _keep(cands, width), True, expected / B),
+                replace(s, phase=Phase.SPECULATING, probe_every=PROBE_MIN))
+    return AR_STEP, replace(s, phase=Phase.RESTING, hopeless=False)
+
+
+def _best(cands: list[Candidate], B: int, context: float, widths: Sequence[int], costs: StepCosts,
+          claims: bool = False) -> tuple[int, float, float]:
+    """The width whose step emits the most tokens per millisecond for these trees -> (width, expected drafted tokens
+    accepted over the batch, step ms). `claims`: by the proposer's own scores, not the calibration."""
+    gains = [_gains(c, claims) for c in cands]
+    best = None
+    for w in widths:
+        expected = sum(g[min(w, len(g)) - 1] for g in gains)
+        ms = costs.tree_ms(B, w, context)
+        if best is None or (B + expected) / ms > (B + best[1]) / best[2]:
+            best = (w, expected, ms)
+    return best
+
+
+def _gains(c: Candidate, claims: bool = False) -> list[float]:
+    """g[k - 1]: tokens expected from the request's first k nodes (the root adds none)."""
+    p = (lambda s: math.exp(s / SCORE_SCALE)) if claims else c.calibration.probability
+    return list(itertools.accumulate(map(p, c.scores[1:]), initial=0.0))
+
+
+def _keep(cands: list[Candidate], width: int) -> dict[Hashable, int]:
+    return {c.seq_id: (min(width, len(c.scores)) if c.speculative and c.scores and c.fresh else 1) for c in cands}
+
+
+# ---- the policy ---------------------------------------------------------------------------------------------------
+
 class Policy:
     """Chooses each step's StepDecision, as `speculation` says: auto (by the cost model), full (every tree whole,
-    every step: what TensorRT-LLM does) or an integer T (the T best nodes of every tree, every step)."""
+    every step: what TensorRT-LLM does) or an integer T (the T best nodes of every tree, every step). It holds what is
+    measured and the decision's state; `decide` (the function) decides."""
 
     def __init__(self, speculation: Speculation, max_tree_tokens: int, costs: Optional[CostModel] = None):
         self.speculation = speculation
         self.P = max_tree_tokens
         self.widths = tree_buckets(max_tree_tokens)
         self.costs = costs  # what `auto` decides by (the engine measures or loads it)
-        self.rest, self.probe_every, self.probing, self.hopeless = 0, PROBE_MIN, False, False
-        self.speculating, self.mean_gain, self.mean_cost, self.mean_batch = False, 1.0, 1.0, 0
+        self.state = PolicyState()
         self.calibrations: dict[tuple[str, bool], Calibration] = {}
-        self.host_ms, self.host_resting = 0.0, False  # ms to compose one request's tree on the host (running mean)
+        self.host_ms = 0.0  # ms to compose one request's tree on the host (running mean)
         self.step_scale = [1.0, 1.0]  # measured / modelled step time, running means: AR steps, tree steps
         self._last_kind: Optional[int] = None  # the kind of the last step observed (0 AR, 1 tree)
 
@@ -152,96 +334,8 @@ class Policy:
         return self.speculation.fixed_width(self.P)
 
     def decide(self, cands: list[Candidate], can_draft: bool) -> StepDecision:
-        """The step for these decoding requests. `can_draft`: some request's next tree is drafted on the device (a
-        tree step drafts, an AR step does not; without it, trees come from the host, composed after any step the
-        decision does not rest)."""
-        d = self._decide(cands, can_draft)
-        if d is AR_STEP and self.host_resting and self.rest + 1 < self.probe_every:
-            return AR_REST  # the next step is an AR step too: nothing to compose for it
+        """The step for these decoding requests (the function `decide`, on the costs as measured now); the policy's
+        state moves on."""
+        costs = StepCosts(self.costs, (self.step_scale[0], self.step_scale[1]), self.host_ms)
+        d, self.state = decide(self.state, cands, can_draft, costs, self.widths, self.fixed_width())
         return d
-
-    def _decide(self, cands: list[Candidate], can_draft: bool) -> StepDecision:
-        if can_draft:
-            self.host_resting = False
-        spec = [c for c in cands if c.speculative]
-        if not spec:
-            return AR_STEP
-        fresh = [c for c in spec if c.scores and c.fresh]
-        whole = any(c.whole_tree for c in spec)
-        fixed = self.P if whole else self.fixed_width()
-        if fixed is not None:
-            if not fresh and not can_draft:
-                return AR_STEP
-            width = fixed if fresh else 1
-            return StepDecision(width, self._keep(cands, width), can_draft)
-        B = len(cands)
-        context = sum(c.context for c in cands) / B
-        costs = self.costs
-        ar_ms = costs.ar_ms(B, context) * self.step_scale[0]
-        if not fresh:  # resting: AR steps, and a probe (a step that drafts) when trees might pay again
-            self.rest += 1
-            if not can_draft or self.rest < self.probe_every:
-                return AR_STEP
-            hopeful = False
-            if not self.hopeless:  # asked once per rest: the stale trees do not change while nothing drafts
-                stale = [c for c in spec if c.scores]  # their last trees, as if drafted again now
-                width, expected, ms = self._best(stale, B, context, widths=self.widths)
-                hopeful = (B + expected) / ms >= PROBE_HOPE * B / ar_ms
-                self.hopeless = not hopeful
-            if hopeful or self.rest >= PROBE_MAX:
-                self.rest, self.probe_every = 0, min(2 * self.probe_every, PROBE_MAX)
-                self.speculating, self.probing, self.hopeless = False, True, False
-                return StepDecision(1, {c.seq_id: 1 for c in cands}, True)
-            return AR_STEP
-        widths = self.widths if can_draft else self.widths[1:]  # width 1: verify nothing, draft the next trees
-        if self.probing and can_draft:  # the probe's second step: verify the fresh trees if their claims would pay
-            self.probing = False
-            width, expected, ms = self._best(fresh, B, context, self.widths[1:], claims=True)
-            if (B + expected) / ms > B / ar_ms:
-                return StepDecision(width, self._keep(cands, width), True, expected / B)
-        width, expected, ms = self._best(fresh, B, context, widths)
-        if not can_draft:  # trees from the host: verify the best part of them, or take AR steps and rest from them
-            host = self.host_ms * len(fresh)  # what composing these trees again costs, whatever width is verified
-            if (B + expected) / (ms + host) > B / ar_ms:
-                self.host_resting, self.rest, self.probe_every = False, 0, PROBE_MIN
-                return StepDecision(width, self._keep(cands, width), False, expected / B)
-            if self.host_resting:  # a probe that found nothing worth it: wait twice as long for the next
-                self.probe_every = min(2 * self.probe_every, PROBE_MAX)
-            self.host_resting, self.rest = True, 0
-            return AR_STEP
-        # drafting: worth its cost while the trees it makes pay on average (running means, at this batch size, of
-        # what a step emits and costs in AR steps); a run of trees with nothing worth verifying stops it
-        gain, cost = 1 + expected / B, ms / ar_ms
-        if not self.speculating or B != self.mean_batch:  # the means hold for one batch size
-            self.mean_gain, self.mean_cost, self.mean_batch, self.speculating = gain, cost, B, True
-        else:
-            self.mean_gain = MEAN_DECAY * self.mean_gain + (1 - MEAN_DECAY) * gain
-            self.mean_cost = MEAN_DECAY * self.mean_cost + (1 - MEAN_DECAY) * cost
-        if self.mean_gain >= self.mean_cost:
-            self.rest, self.probe_every = 0, PROBE_MIN
-            return StepDecision(width, self._keep(cands, width), True, expected / B)
-        self.rest, self.speculating, self.hopeless = 0, False, False
-        return AR_STEP
-
-    def _best(self, cands: list[Candidate], B: int, context: float, widths: list[int], claims: bool = False
-              ) -> tuple[int, float, float]:
-        """The width whose step emits the most tokens per millisecond for these trees -> (width, expected drafted
-        tokens accepted over the batch, step ms). `claims`: by the proposer's own scores, not the calibration."""
-        gains = [self._gains(c, claims) for c in cands]
-        best = None
-        for w in widths:
-            expected = sum(g[min(w, len(g)) - 1] for g in gains)
-            ms = self.costs.tree_ms(B, w, context) * self.step_scale[1]
-            if best is None or (B + expected) / ms > (B + best[1]) / best[2]:
-                best = (w, expected, ms)
-        return best
-
-    def _gains(self, c: Candidate, claims: bool = False) -> list[float]:
-        """g[k - 1]: tokens expected from the request's first k nodes (the root adds none)."""
-        p = (lambda s: math.exp(s / SCORE_SCALE)) if claims else c.calibration.probability
-        return list(itertools.accumulate(map(p, c.scores[1:]), initial=0.0))
-
-    @staticmethod
-    def _keep(cands: list[Candidate], width: int) -> dict[Hashable, int]:
-        return {c.seq_id: (min(width, len(c.scores)) if c.speculative and c.scores and c.fresh else 1)
-                for c in cands}
