@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -41,6 +42,23 @@ def test_run_json_reports_the_documented_fields(engine, capsys):
     assert len(doc["output_ids"]) == 8 and doc["steps"] == 7
 
 
+@pytest.mark.parametrize("flag, check", [
+    ("--regex", lambda text: re.fullmatch(r"[a-z]{2,4}-[0-9]{2}", text)),
+    ("--json-object", lambda text: isinstance(json.loads(text, strict=False), dict)),
+])
+def test_run_follows_a_guide(engine, capsys, flag, check):
+    """`run --regex R` / `--json-object`, ReDrafter and AR: the same text, following the guide, ended by EOS."""
+    args = {"--regex": ["--regex", "[a-z]{2,4}-[0-9]{2}"], "--json-object": ["--json-object"]}[flag]
+    texts = []
+    for mode in ("redrafter", "ar"):
+        assert cli(["run", "--engine", str(engine), "--prompt", "def f(x):", "--max-tokens", "40", "--json",
+                    "--mode", mode, *args]) == 0
+        doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert doc["finish_reason"] == "stop", doc
+        texts.append(doc["text"])
+    assert texts[0] == texts[1] and check(texts[0]), texts
+
+
 def _refused(argv, capsys, *needles):
     rc = cli(argv)
     err = capsys.readouterr().err
@@ -73,6 +91,8 @@ def test_build_refuses_missing_checkpoint_and_existing_output(engine, tmp_path, 
     (["--prompt-ids", "5,99999"], "outside the vocabulary"),
     (["--prompt-ids", "5", "--temperature", "-1"], "temperature"),
     (["--prompt-ids", "5", "--top-p", "0"], "top_p"),
+    (["--prompt-ids", "5", "--regex", "[a-"], "invalid regex guide"),
+    (["--prompt-ids", "5", "--json-schema", "/nonexistent.json"], "--json-schema /nonexistent.json: no such file"),
 ])
 def test_run_refuses_bad_requests(engine, capsys, argv, needle):
     _refused(["run", "--engine", str(engine), *argv], capsys, needle)

@@ -618,3 +618,66 @@ def test_engine_errors_map_to_client_or_server_status_with_a_fake_error(status, 
 
     engine.ready = ready
     assert asyncio.run(engine._refused(FakeError())).status == want
+
+
+def test_structured_output_fields_parse_to_one_guide():
+    user = [{"role": "user", "content": "q"}]
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    cases = [
+        ({"response_format": {"type": "text"}}, (None, None)),
+        ({"response_format": {"type": "json_object"}}, ("json", "")),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}},
+         ("json_schema", json.dumps(schema))),
+        ({"guided_json": schema}, ("json_schema", json.dumps(schema))),
+        ({"guided_regex": "[a-z]+"}, ("regex", "[a-z]+")),
+        ({"guided_grammar": 'root ::= "a"'}, ("ebnf_grammar", 'root ::= "a"')),
+        ({"guided_choice": ["yes", "no."]}, ("regex", r"(yes|no\.)")),
+        ({"structured_outputs": {"regex": "[0-9]"}}, ("regex", "[0-9]")),
+    ]
+    for extra, want in cases:
+        r = parse_chat({"model": "m", "messages": user, **extra})
+        assert (r.guide_type, r.guide) == want, extra
+    assert parse_completion({"model": "m", "prompt": "x", "guided_regex": "a"}).guide_type == "regex"
+    for extra, param in (({"response_format": {"type": "xml"}}, "response_format"),
+                         ({"response_format": {"type": "json_schema"}}, "response_format"),
+                         ({"guided_choice": []}, "guided_choice"),
+                         ({"guided_json": schema, "guided_regex": "a"}, "guided_regex")):
+        with pytest.raises(APIError) as e:
+            parse_chat({"model": "m", "messages": user, **extra})
+        assert e.value.status == 400 and e.value.param == param, extra
+
+
+GUIDE_SCHEMA = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99},
+                                                 "tag": {"type": "string", "maxLength": 4}},
+                "required": ["id", "tag"], "additionalProperties": False}
+
+
+@pytest.mark.server
+def test_response_format_json_schema_through_the_openai_client(client, engine, codec):
+    """A JSON schema as OpenAI's response_format, whole and streamed, ReDrafter and AR: every answer parses and
+    validates, the texts agree, and equal the offline engine's constrained output; a bad schema is a 400."""
+    import jsonschema
+    import openai
+
+    from trt_redrafter.config import Guide
+
+    messages = [{"role": "user", "content": "Describe an item."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "item", "schema": GUIDE_SCHEMA}}
+    texts = []
+    for mode in ("redrafter", "ar"):
+        r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0,
+                                           response_format=fmt, extra_body={"decoding_mode": mode})
+        texts.append(r.choices[0].message.content)
+        assert r.choices[0].finish_reason == "stop"
+        stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0,
+                                                response_format=fmt, stream=True, extra_body={"decoding_mode": mode})
+        texts.append("".join(c.choices[0].delta.content or "" for c in stream if c.choices))
+    assert len(set(texts)) == 1, texts
+    jsonschema.validate(json.loads(texts[0], strict=False), GUIDE_SCHEMA)
+    ids = chat_ids(load_tokenizer(engine[2]), messages)
+    want = generate(load_engine(engine[0]), [ids], SamplingConfig(max_tokens=40), stop_ids=(codec.end_id,),
+                    guide=Guide.parse("json_schema", json.dumps(GUIDE_SCHEMA)))[0]
+    assert codec.decode(want.output_ids) == texts[0]
+    with pytest.raises(openai.BadRequestError, match="invalid json_schema guide"):
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, response_format={
+            "type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "objec"}}})

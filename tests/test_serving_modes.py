@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -616,3 +617,32 @@ def test_a_batch_to_the_engine_model_splits_rows_with_their_own_parameters(setup
     with pytest.raises(InferenceServerException, match="needs a decoupled model") as e:
         g.infer("tensorrt_llm", _tensors(grpcclient, values))
     assert "INVALID_ARG" in str(e.value.status())
+
+
+@pytest.mark.server
+def test_guided_decoding_inputs_constrain_the_engine_model(setup, stream_server):
+    """TensorRT-LLM's guided decoding inputs on the engine model, from the stock gRPC client: the output matches the
+    regex (the tiny model alone does not write it) and equals the offline engine's constrained output; a regex that
+    does not parse gets one INVALID_ARG naming it."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    from trt_redrafter.config import Guide
+
+    _, codec, _ = setup
+    regex = r"[0-9]{3}-[a-z]{2,4}"
+    ids = codec.encode(PROMPTS[0])
+    values = {"input_ids": np.array([ids], np.int32), "input_lengths": np.array([[len(ids)]], np.int32),
+              "request_output_len": np.array([[24]], np.int32), "end_id": np.array([[codec.end_id]], np.int32),
+              "guided_decoding_guide_type": np.array([[b"regex"]], dtype=object),
+              "guided_decoding_guide": np.array([[regex.encode()]], dtype=object)}
+    results = _stream_all(stream_server.grpc_url, "tensorrt_llm", _tensors(grpcclient, values))
+    assert not any(isinstance(r, Exception) for r in results), results
+    out = [t for r in results if r.as_numpy("output_ids") is not None for t in r.as_numpy("output_ids").reshape(-1)]
+    assert re.fullmatch(regex, codec.decode([t for t in out if t != codec.end_id]))
+    want = generate(load_engine(setup[0][True].parent / "engine-tp1"), [ids], SamplingConfig(max_tokens=24),
+                    stop_ids=(codec.end_id,), guide=Guide.parse("regex", regex))[0].output_ids
+    assert [int(t) for t in out] == want
+    bad = dict(values, guided_decoding_guide=np.array([[b"[0-"]], dtype=object))
+    [err] = _stream_all(stream_server.grpc_url, "tensorrt_llm", _tensors(grpcclient, bad))
+    assert isinstance(err, InferenceServerException) and "invalid regex guide" in str(err), err

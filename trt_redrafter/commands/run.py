@@ -6,8 +6,11 @@ import argparse
 import dataclasses
 import json
 import subprocess
+from pathlib import Path
+from typing import Optional
 
-from ..config import DECODING_MODES, PROPOSERS, RuntimeConfig, SamplingConfig
+from ..config import DECODING_MODES, PROPOSERS, Guide, GuideType, RuntimeConfig, SamplingConfig
+from ..errors import UserError
 from ..log import rank0_print
 from ..prompt_args import load_prompts, resolve_end_id
 
@@ -31,6 +34,12 @@ def register(sub) -> None:
     p.add_argument("--tokenizer", help="tokenizer directory (default: ENGINE/tokenizer)")
     p.add_argument("--end-id", type=int, help="stop token id (default: the tokenizer's EOS)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
+    guide = p.add_argument_group("structured output (one of them; the output follows it exactly, with or without "
+                                 "speculation)").add_mutually_exclusive_group()
+    guide.add_argument("--json-schema", metavar="FILE", help="a JSON schema the output validates against")
+    guide.add_argument("--json-object", action="store_true", help="any JSON object")
+    guide.add_argument("--regex", metavar="R", help="a regular expression the whole output matches")
+    guide.add_argument("--grammar", metavar="FILE", help="an EBNF (GBNF) grammar, root rule 'root'")
     RuntimeConfig.add_cli_args(p.add_argument_group("runtime (how this process runs the engine)"))
     p.add_argument("--json", action="store_true", help="one JSON document per prompt")
     p.set_defaults(func=run)
@@ -53,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
     if runtime.compile == "auto" and not _cuda(runtime.device):
         # a one-shot run on the CPU: compiling the step (tens of seconds) costs more than it saves
         runtime = runtime.replace(compile="off")
+    guide = _guide(args)
     tokenizer, prompts = load_prompts(args)
     end_id = resolve_end_id(args, tokenizer)
     stop = () if end_id is None else (end_id,)
@@ -65,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         engine = Engine.load(args.engine, dist, runtime)
         if dist.is_driver:
-            results = generate(engine, prompts, params, args.mode, stop, proposer=args.proposer)
+            results = generate(engine, prompts, params, args.mode, stop, proposer=args.proposer, guide=guide)
         else:
             follow(engine)
             results = []
@@ -100,3 +110,19 @@ def _cuda(device: str) -> bool:
     import torch
 
     return device == "cuda" or (device == "auto" and torch.cuda.is_available())
+
+
+def _guide(args: argparse.Namespace) -> Optional[Guide]:
+    """--json-schema / --json-object / --regex / --grammar -> the requests' Guide (None: free text)."""
+    if args.json_object:
+        return Guide(GuideType.JSON)
+    if args.regex is not None:
+        return Guide.parse("regex", args.regex)
+    for path, kind in ((args.json_schema, GuideType.JSON_SCHEMA), (args.grammar, GuideType.EBNF)):
+        if path is not None:
+            if not Path(path).is_file():
+                raise UserError(f"--{'json-schema' if kind is GuideType.JSON_SCHEMA else 'grammar'} {path}: no such "
+                                f"file.")
+            return Guide.parse(kind.value, Path(path).read_text())
+    return None
+

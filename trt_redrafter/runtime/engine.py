@@ -53,7 +53,7 @@ from .policy import AR_STEP, Candidate, Policy, StepDecision
 from .proposer import HostCompose, Proposer, drafts_on_device, returns_device_beams
 from .sequence import Draft, RequestSpec, Sequence, StepEvent, TreeNodes
 from .state import SlotState
-from .step import DecodeStep, RowLayout
+from .step import SCORE_FLOOR, DecodeStep, RowLayout
 from .timing import PhaseTimer, StepTimes
 
 logger = get_logger(__name__)
@@ -280,6 +280,7 @@ class Engine:
             out.update(self._prefill(prompt))
         events = [self._commit(s, out[s.seq_id]) for s in seqs]
         self._compose_on_host([(s, out[s.seq_id].host) for s in seqs if out[s.seq_id].host and not s.finished])
+        self._follow_grammars([s for s in seqs if s.grammar is not None and s.tree_fresh and not s.finished])
         self.policy.end_step()
         return events
 
@@ -339,7 +340,7 @@ class Engine:
             if s.speculative and r is not None and kept > 1 and verified is not None:
                 self._record(s, verified, kept, r.path)
             if s.grammar is not None and r is not None and r.draft is not None:
-                s.grammar.beams = r.draft.rows
+                s.grammar.beams, s.grammar.scores = r.draft.rows, r.draft.scores
             host = self.proposer_of(s).after_step(s, r, decision.compose) if s.speculative else None
             tokens = r.tokens if r is not None else row[:1]
             emitted[s.seq_id] = Emitted(tokens, host, self._logprobs(s, cols, len(tokens)))
@@ -424,7 +425,7 @@ class Engine:
         nodes, beams = self._first_trees(seqs, slots, h, rule)
         for i, d in beams.items():
             if seqs[i].grammar is not None:
-                seqs[i].grammar.beams = d.rows
+                seqs[i].grammar.beams, seqs[i].grammar.scores = d.rows, d.scores
         first = self.state.true_tok[slots].tolist()
         return {s.seq_id: Emitted([tok], self.proposer_of(s).after_prompt(s, nodes.get(i), beams.get(i))
                                   if s.speculative else None, self._logprobs(s, cols[i], 1))
@@ -494,10 +495,22 @@ class Engine:
             if draft is not None:
                 s.pending, s.tree, s.tree_fresh = draft, draft.nodes(), True
                 if s.grammar is not None:
-                    s.grammar.beams = draft.rows
+                    s.grammar.beams, s.grammar.scores = draft.rows, draft.scores
         took = time.perf_counter() - t0
         self.step_times.add("propose", took)
         self.policy.observe_host(1e3 * took / len(work))
+
+    def _follow_grammars(self, seqs: list[Sequence]) -> None:
+        """Grammar-aware drafting: each constrained request's fresh tree repaired to follow its grammar (forbidden
+        drafts cut, forced tokens put in: GrammarState.repair), composed on the host and packed by its next step."""
+        for s in seqs:
+            g = s.grammar
+            if g.beams is None or g.scores is None:
+                continue
+            rows, scores = g.repair(g.beams, g.scores, SCORE_FLOOR)
+            if rows != g.beams or scores != g.scores:
+                s.pending = Draft(rows, scores)
+                s.tree, g.beams, g.scores = s.pending.nodes(), rows, scores
 
     def _rule(self, group: list[Sequence]) -> AcceptanceRule:
         """The batch's acceptance rule, in the requests' vocabulary (config.ACCEPTANCE_RULES): apple (some speculative

@@ -22,6 +22,7 @@ recompiles the step.
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -42,24 +43,30 @@ class Grammars:
         self.tokenizer_dir, self.vocab_size = tokenizer_dir, vocab_size
         self.words = bitmask.words(vocab_size)
         self._compiler = None
+        self._lock = threading.Lock()  # requests are submitted (and their grammars compiled) from serving threads
 
     def _backend(self):
-        if self._compiler is None:
-            try:
-                import xgrammar
-            except ImportError as e:  # a dependency; only a broken install lacks it
-                raise UserError(f"guided decoding needs xgrammar, which does not import here ({e}); "
-                                f"pip install 'xgrammar>=0.2,<0.3'.") from e
-            from transformers import AutoTokenizer
-
-            d = self.tokenizer_dir
-            if d is None or not d.is_dir():
-                raise UserError(f"guided decoding needs the engine's tokenizer (each token's text), and "
-                                f"{d or 'this engine'} has none; rebuild the engine with build-engine --tokenizer DIR.")
-            info = xgrammar.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(str(d)),
-                                                           vocab_size=self.vocab_size)
-            self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=True)
+        with self._lock:
+            if self._compiler is None:
+                self._compiler = self._load()
         return self._compiler
+
+    def _load(self):
+        """xgrammar's tokenizer info (each token's text, from the engine's tokenizer/) and a compiler over it."""
+        try:
+            import xgrammar
+        except ImportError as e:  # a dependency; only a broken install lacks it
+            raise UserError(f"guided decoding needs xgrammar, which does not import here ({e}); "
+                            f"pip install 'xgrammar>=0.2,<0.3'.") from e
+        from transformers import AutoTokenizer
+
+        d = self.tokenizer_dir
+        if d is None or not d.is_dir():
+            raise UserError(f"guided decoding needs the engine's tokenizer (each token's text), and "
+                            f"{d or 'this engine'} has none; rebuild the engine with build-engine --tokenizer DIR.")
+        info = xgrammar.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(str(d)),
+                                                       vocab_size=self.vocab_size)
+        return xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=True)
 
     def compile(self, guide: Guide):
         """The compiled grammar of `guide` (cached by its source); one sentence for a source xgrammar refuses. JSON
@@ -131,12 +138,58 @@ class GrammarState:
         self.matcher, self.vocab_size = matcher, vocab_size
         self.words = bitmask.words(vocab_size)
         self.beams: Optional[list[list[int]]] = None  # rows [nb][bl] of the tree the next tree step verifies
+        self.scores: Optional[list[list[int]]] = None  # and their scores [nb][dl], where the host has them
 
     def accept(self, tokens: Sequence[int]) -> None:
         """The request emitted `tokens` (chosen under this grammar's masks, so each is allowed)."""
         for t in tokens:
             if not self.matcher.accept_token(int(t)):
                 raise RuntimeError(f"token {t} was emitted under a grammar that does not allow it")
+
+    def repair(self, rows: list[list[int]], scores: list[list[int]], floor: int
+               ) -> tuple[list[list[int]], list[list[int]]]:
+        """A drafted tree made to follow the grammar (grammar-aware drafting), beams rows [nb][bl] (column 0 the
+        request's true token, already emitted) with their prefix scores [nb][dl]:
+            - a beam keeps its drafted tokens up to the first the grammar forbids (which could never be accepted);
+              from there it takes the tokens the grammar forces (xgrammar's jump-forward: the only continuation of
+              the text), each as sure as its parent; what is left of it scores `floor`;
+            - where the grammar forces tokens right after the root and no beam starts with them, they take the
+              place of the lowest-ranked beam, certain (score 0).
+        The tree stays a set of candidates: the step verifies them against the masked target, so output is
+        unchanged, and only acceptance grows."""
+        nb, bl = len(rows), len(rows[0])
+        out_rows, out_scores = [], []
+        for row, sc in zip(rows, scores):
+            new, new_sc, parent, taken = [row[0]], [], 0, 0
+            for t, score in zip(row[1:], sc):
+                if not self._take(t):
+                    break
+                taken += 1
+                new.append(t)
+                new_sc.append(score)
+                parent = score
+            if len(new) < bl:
+                forced = self.matcher.find_jump_forward_tokens()[:bl - len(new)]
+                new += forced
+                new_sc += [parent] * len(forced)
+            self.matcher.rollback(taken)
+            out_rows.append(new + row[len(new):])
+            out_scores.append(new_sc + [floor] * (bl - len(new)))
+        forced = self.matcher.find_jump_forward_tokens()[:bl - 1]
+        if forced and not any(r[1:1 + len(forced)] == forced for r in out_rows):
+            worst = min(range(nb), key=lambda b: out_scores[b][0])
+            out_rows[worst] = [rows[0][0]] + forced + rows[worst][1 + len(forced):]
+            out_scores[worst] = [0] * len(forced) + [floor] * (bl - 1 - len(forced))
+        return out_rows, out_scores
+
+    def _take(self, t: int) -> bool:
+        """Advance the matcher by drafted token t where the grammar allows it and does not end there."""
+        if not 0 <= t < self.vocab_size or not self.matcher.accept_token(int(t)):
+            return False
+        if self.matcher.is_terminated():  # a stop token: nothing follows it
+            self.matcher.rollback(1)
+            return False
+        return True
 
     def next_mask(self) -> torch.Tensor:
         """[words] int32: the tokens allowed next (an AR step's, a prompt step's)."""
@@ -169,10 +222,7 @@ class GrammarState:
         depth = len(prefix)
         children = dict.fromkeys(b[depth + 1] for b in beams if len(b) > depth + 1 and tuple(b[1:depth + 1]) == prefix)
         for t in children:
-            if not 0 <= t < self.vocab_size or not self.matcher.accept_token(int(t)):
-                continue
-            if self.matcher.is_terminated():  # a stop token: the request ends there, nothing follows it
-                self.matcher.rollback(1)
+            if not self._take(t):  # forbidden (never accepted) or a stop token (the request ends there)
                 continue
             child = prefix + (t,)
             rows[child] = self.next_mask()

@@ -32,7 +32,7 @@ from typing import Callable, Optional, Protocol
 
 import numpy as np
 
-from ..config import PROPOSERS, SamplingConfig
+from ..config import PROPOSERS, Guide, SamplingConfig
 from ..errors import ServerBusy, UserError
 from ..log import get_logger
 from ..runtime.sequence import RequestSpec
@@ -98,7 +98,6 @@ _UNSUPPORTED = {
     "retention_token_range_priorities": "KV-cache retention",
     "retention_token_range_durations_ms": "KV-cache retention", "retention_decode_priority": "KV-cache retention",
     "retention_decode_duration_ms": "KV-cache retention",
-    "guided_decoding_guide_type": "guided decoding", "guided_decoding_guide": "guided decoding",
     "lookahead_window_size": "lookahead decoding", "lookahead_ngram_size": "lookahead decoding",
     "lookahead_verification_set_size": "lookahead decoding",
 }
@@ -266,12 +265,24 @@ def parse_inputs(inputs: dict[str, np.ndarray], exclude_input_in_output: bool = 
     streaming = bool(_scalar(inputs, "streaming", False))
     exclude = bool(_scalar(inputs, "exclude_input_in_output", exclude_input_in_output))
     spec = RequestSpec(prompt, params, DECODING_MODES[mode], proposer or None, stop_ids, tuple(stop_sequences),
-                       _string(inputs, "cache_salt", fold=False))
+                       _string(inputs, "cache_salt", fold=False), _guide(inputs))
     return ParsedRequest(spec, streaming,
                          include_input=not exclude and not streaming,  # streamed responses never carry the prompt
                          perf_metrics=bool(_scalar(inputs, "return_perf_metrics", False)),
                          count_input=bool(_scalar(inputs, "return_num_input_tokens", False)),
                          count_output=bool(_scalar(inputs, "return_num_output_tokens", False)))
+
+
+def _guide(inputs: dict[str, np.ndarray]) -> Optional[Guide]:
+    """TensorRT-LLM's guided decoding inputs (`guided_decoding_guide_type`, `guided_decoding_guide`) -> the request's
+    grammar, or None; the engine compiles it when the request is submitted."""
+    kind, source = _string(inputs, "guided_decoding_guide_type"), _string(inputs, "guided_decoding_guide", fold=False)
+    if not kind:
+        if source:
+            raise UserError("input 'guided_decoding_guide' needs 'guided_decoding_guide_type' too (json, json_schema, "
+                            "regex, ebnf_grammar or structural_tag).")
+        return None
+    return Guide.parse(kind, source)
 
 
 def _string(inputs: dict[str, np.ndarray], name: str, fold: bool = True) -> str:

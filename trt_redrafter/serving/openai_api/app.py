@@ -136,6 +136,10 @@ def create_app(model: ServedModel, grpc_url: str, codec: Optional[TextCodec] = N
             raise P.unsupported("decoding_mode", "TensorRT-LLM's engine fixes its decoding mode when it is built.")
         if req.cache_salt is not None and model.backend != "torch":
             raise P.unsupported("cache_salt", "TensorRT-LLM's Triton backend takes no cache salt.")
+        if req.guide_type is not None and model.backend != "torch":
+            raise P.unsupported("response_format", "TensorRT-LLM's C++ runtime does not apply a grammar to ReDrafter's "
+                                                   "draft tokens (its guided decoder masks one logits row per step; "
+                                                   "docs/tensorrt-llm.md); serve a torch engine for structured output.")
         if req.logprobs and model.backend != "torch":
             raise P.unsupported("logprobs", "TensorRT-LLM's ReDrafter decoding computes no log-probabilities (its "
                                             "explicit-draft-tokens decoder layer writes none; docs/tensorrt-llm.md).")
@@ -146,7 +150,7 @@ def create_app(model: ServedModel, grpc_url: str, codec: Optional[TextCodec] = N
             # a non-decoupled engine model (make-repo --decoupled false) answers once: a stream is then one chunk
             stream=model.decoupled,
             decoding_mode=req.decoding_mode, return_log_probs=req.logprobs, top_logprobs=req.top_logprobs,
-            cache_salt=req.cache_salt)
+            cache_salt=req.cache_salt, guide_type=req.guide_type, guide=req.guide)
         if req.temperature == 0 and model.backend == "tensorrtllm":  # TensorRT-LLM decodes greedily with top_k 1
             engine_req.temperature, engine_req.top_k, engine_req.top_p = None, 1, None
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"

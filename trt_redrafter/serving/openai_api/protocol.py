@@ -21,8 +21,12 @@ What is accepted (a field not listed is ignored, as OpenAI ignores `user`):
     extensions         top_k (>= 0, 0 = off), ignore_eos (bool), decoding_mode ("redrafter" | "ar": the torch
                        engine decodes the request auto-regressively), cache_salt (a non-empty string: the request
                        shares cached KV blocks only with requests of the same salt, as vLLM's)
-Refused with a 400 naming the field: echo, suffix, logit_bias, non-zero presence/frequency penalties, tools,
-a response_format other than text: the engine has none of them.
+    structured output  response_format {"type": "json_object"} | {"type": "json_schema", "json_schema": {"schema"}}
+                       | {"type": "structural_tag", "structures", "triggers"}; vLLM's extensions guided_json,
+                       guided_regex, guided_grammar, guided_choice and structured_outputs {json | regex | grammar |
+                       choice}: one of them per request (runtime/grammar.py)
+Refused with a 400 naming the field: echo, suffix, logit_bias, non-zero presence/frequency penalties, tools: the
+engine has none of them.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
@@ -82,6 +87,8 @@ class SamplingRequest:
     cache_salt: Optional[str] = None  # prefix reuse only among requests with this salt
     logprobs: bool = False  # return the output tokens' log-probabilities
     top_logprobs: int = 0  # and the N most likely tokens at each position
+    guide_type: Optional[str] = None  # the output constraint, as guided_decoding_guide_type (json, json_schema, ...)
+    guide: Optional[str] = None  # and its source
     extra: dict = field(default_factory=dict)
 
 
@@ -156,9 +163,52 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
             raise unsupported(name, "the engine applies no penalties; send 0.")
     if chat and (body.get("tools") or body.get("functions")):
         raise unsupported("tools", "tool calling is not supported.")
+
+
+def _guide(body: dict) -> tuple[Optional[str], Optional[str]]:
+    """The request's output constraint as the engine model's inputs (guided_decoding_guide_type, _guide), from
+    OpenAI's response_format or vLLM's spellings; (None, None) for free text."""
+    found = []
     fmt = body.get("response_format")
-    if chat and fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise unsupported("response_format", "only plain text ({\"type\": \"text\"}) is produced.")
+    if fmt is not None:
+        if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema", "structural_tag"):
+            raise bad_value("response_format", "'response_format' must be {\"type\": \"text\"}, "
+                                               "{\"type\": \"json_object\"}, {\"type\": \"json_schema\", "
+                                               "\"json_schema\": {\"name\": ..., \"schema\": {...}}} or a structural tag.")
+        if fmt["type"] == "json_object":
+            found.append(("response_format", "json", ""))
+        elif fmt["type"] == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
+                raise bad_value("response_format", "'response_format' of type json_schema needs "
+                                                   "\"json_schema\": {\"name\": ..., \"schema\": {...}}.")
+            found.append(("response_format", "json_schema", json.dumps(spec["schema"])))
+        elif fmt["type"] == "structural_tag":
+            found.append(("response_format", "structural_tag",
+                          json.dumps({k: v for k, v in fmt.items() if k != "type"})))
+    vllm = {f"guided_{k}": body.get(f"guided_{k}") for k in ("json", "regex", "grammar", "choice")}
+    so = body.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise bad_value("structured_outputs", "'structured_outputs' must be an object such as {\"regex\": ...}.")
+        vllm.update({f"structured_outputs.{k}": so.get(k) for k in ("json", "regex", "grammar", "choice")})
+    for name, v in vllm.items():
+        if v is None:
+            continue
+        kind = name.rsplit("_", 1)[-1].rsplit(".", 1)[-1]
+        if kind == "json":
+            found.append((name, "json_schema", v if isinstance(v, str) else json.dumps(v)))
+        elif kind == "choice":
+            if not isinstance(v, list) or not v or not all(isinstance(c, str) for c in v):
+                raise bad_value(name, f"'{name}' must be a non-empty list of strings.")
+            found.append((name, "regex", "(" + "|".join(re.escape(c) for c in v) + ")"))
+        else:
+            if not isinstance(v, str) or not v:
+                raise bad_value(name, f"'{name}' must be a non-empty string.")
+            found.append((name, "regex" if kind == "regex" else "ebnf_grammar", v))
+    if len(found) > 1:
+        raise bad_value(found[1][0], f"ask for one output constraint per request; got {', '.join(f[0] for f in found)}.")
+    return (found[0][1], found[0][2]) if found else (None, None)
 
 
 def _logprobs(body: dict, chat: bool) -> tuple[bool, int]:
@@ -202,11 +252,13 @@ def _common(body: dict, chat: bool) -> SamplingRequest:
         raise bad_value("decoding_mode", f"'decoding_mode' must be one of {', '.join(DECODING_MODES)}, got "
                                          f"{json.dumps(mode)}.")
     logprobs, top = _logprobs(body, chat)
+    guide_type, guide = _guide(body)
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise bad_value("cache_salt", f"'cache_salt' must be a non-empty string, got {json.dumps(salt)}.")
     return SamplingRequest(
         model=model, max_tokens=max_tokens, logprobs=logprobs, top_logprobs=top, cache_salt=salt,
+        guide_type=guide_type, guide=guide,
         temperature=_number(body, "temperature", 1.0, 0.0, MAX_TEMPERATURE),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
         top_k=_integer(body, "top_k", 0, lo=0),
