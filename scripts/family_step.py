@@ -44,7 +44,7 @@ def build(root: Path, family: str) -> Path:
 def steps(engine: Engine) -> dict:
     """An AR step and a 5-node tree step on a throw-away request of CONTEXT tokens."""
     launcher = engine.launcher
-    slots = sorted(engine._free_slots)[:1]
+    slots = sorted(engine.slots.free)[:1]
     launcher.cache.reserve(-1, CONTEXT + 64)
     launcher.cache.bind(-1, slots[0])
     launcher.cache.sync()

@@ -142,7 +142,7 @@ def test_cuda_cost_model_is_measured_under_cuda_graphs(tiny):
     tensors, so the measurement must run in inference mode), and a tree step verifies more than an AR step."""
     _, engine_dir, _, _ = tiny
     engine = load_engine(engine_dir, device="cuda", compile="cudagraphs")
-    model = costs.measure(engine.launcher, engine.dist, engine._free_slots, engine.build.max_seq_len, True)
+    model = costs.measure(engine.launcher, engine.dist, engine.slots.free, engine.build.max_seq_len, True)
     assert model.batches[0] == 1 and model.widths[0] == 1
     assert all(o["ar_ms"] > 0 and o["width1_ms"] > 0 for o in model.overheads())
 

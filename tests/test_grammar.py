@@ -207,3 +207,34 @@ def test_guides_refused_where_they_cannot_hold(tiny, tmp_path):
     assert Grammars(None, VOCAB).words == bitmask.words(VOCAB)
     with pytest.raises(UserError, match="rebuild the engine with build-engine --tokenizer"):
         Grammars(tmp_path / "none", VOCAB).compile(GUIDES["regex"])
+
+
+def test_a_grammars_end_ends_the_request_even_with_eos_ignored(tiny):
+    """With no stop ids (eos ignored, Triton's end_id -1) the grammar still ends the output at its stop token."""
+    engine_dir, tok = tiny
+    guide = GUIDES["regex"]
+    for mode in ("ar", "redrafter"):
+        [r] = generate(load_engine(engine_dir), PROMPTS[:1], SamplingConfig(max_tokens=60), mode, guide=guide)
+        assert r.finish_reason == "stop" and r.output_ids[-1] == tok.eos_token_id
+        assert _follows(guide, tok.decode(r.output_ids[:-1]))
+
+
+@pytest.mark.mpi
+def test_tp2_constrained_gives_the_tp1_tokens(tiny, tmp_path_factory):
+    """`trt-redrafter run --regex` under real mpirun at TP 2 against TP 1 (in process), with the tiny drafter."""
+    from engine_utils import run_json
+
+    _, engines = build_tiny_engines(tmp_path_factory.mktemp("grammar-tp"), seed=3, num_beams=4, draft_len=3,
+                                    vocab_size=VOCAB, max_seq_len=200, kv_block_size=16, tps=(1, 2))
+    one = generate(load_engine(engines[1], speculate="full"), PROMPTS, SamplingConfig(max_tokens=30), "redrafter",
+                   guide=GUIDES["schema"])
+    two = run_json(engines[2], PROMPTS, "redrafter", ("--json-schema", str(_schema_file(tmp_path_factory)),
+                                                      "--speculate", "full"), max_new=30, full=True)
+    assert [d["output_ids"] for d in two] == [r.output_ids for r in one]
+    assert sum(d["draft_tokens"] for d in two) > 0
+
+
+def _schema_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("schema") / "schema.json"
+    path.write_text(json.dumps(SCHEMA))
+    return path

@@ -251,7 +251,7 @@ def test_mixed_keeps_the_drafters_best_beams(pair):
     rows = s.pending.rows
     assert ctx and rows[:4 - len(ctx)] == device.rows[:4 - len(ctx)] and rows[4 - len(ctx):] == ctx
     assert s.pending.scores[:4 - len(ctx)] == device.scores[:4 - len(ctx)]
-    engine.release(s)
+    engine.slots.release(s)
 
 
 def test_refusals(pair):

@@ -678,6 +678,9 @@ def test_response_format_json_schema_through_the_openai_client(client, engine, c
     want = generate(load_engine(engine[0]), [ids], SamplingConfig(max_tokens=40), stop_ids=(codec.end_id,),
                     guide=Guide.parse("json_schema", json.dumps(GUIDE_SCHEMA)))[0]
     assert codec.decode(want.output_ids) == texts[0]
+    short = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, temperature=0,
+                                           response_format=fmt)
+    assert short.choices[0].finish_reason == "length" and texts[0].startswith(short.choices[0].message.content)
     with pytest.raises(openai.BadRequestError, match="invalid json_schema guide"):
         client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, response_format={
             "type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "objec"}}})

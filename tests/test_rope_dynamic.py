@@ -105,7 +105,7 @@ def _engine_ar(engine, prompt: list[int], n: int) -> tuple[list[int], torch.Tens
             engine.step([s])
     finally:
         engine.model.logits = orig
-        engine.release(s)
+        engine.slots.release(s)
     return s.output, torch.stack(logits)
 
 

@@ -11,7 +11,7 @@ from .errors import EXIT_USER_ERROR, UserError
 
 # subcommand -> module under trt_redrafter.commands exposing `register(subparsers)`
 COMMANDS = ("convert", "make_tiny", "import_gguf", "build_engine", "run", "train_drafter", "make_repo", "serve",
-            "generate", "bench", "bench_engine", "bench_reuse", "gate")
+            "generate", "bench", "bench_engine", "bench_reuse", "bench_structured", "gate")
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -11,6 +11,7 @@ Serving templates read their values from here, so nothing is stated twice.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +41,12 @@ class EngineConfig:
     @property
     def has_drafter(self) -> bool:
         return self.checkpoint.drafter is not None
+
+    def shape_key(self) -> str:
+        """What identifies the engine's step costs (runtime/costs.py): its shapes, limits and tree, as JSON."""
+        ck = self.checkpoint
+        return json.dumps({"build": self.build.to_dict(), "tree": self.tree.to_dict(), "model": ck.model.to_dict(),
+                           "drafter": ck.drafter.to_dict() if ck.drafter else None}, sort_keys=True)
 
 
 def engine_config_dict(info: CheckpointInfo, build: BuildConfig, backend: str,

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +38,6 @@ from ..decoding.logprobs import TokenLogprob
 from ..errors import UserError
 from ..log import get_logger
 from ..model.linear import resolve_linear
-from ..model.llama import LlamaRank
 from ..checkpoint.engine_config import EngineConfig, load_engine_config
 from . import costs
 from .distributed import Dist
@@ -47,12 +45,12 @@ from .drafter import BeamDrafter
 from .grammar import Grammars
 from .graphs import Compiler
 from .launch import StepLauncher, variant_for, warmup_variants
-from .loading import (keep_inductor_cache, load_drafter, make_kv_cache, make_proposers, ngram_when, plug_kernels,
-                      prefix_reuse, resolve_kernels)
+from .loading import keep_inductor_cache, load_models, make_proposers, ngram_when, plug_kernels, resolve_kernels
 from .policy import AR_STEP, Candidate, Policy, StepDecision
+from .prompt import PromptPhase
 from .proposer import HostCompose, Proposer, drafts_on_device, returns_device_beams
 from .sequence import Draft, RequestSpec, Sequence, StepEvent, TreeNodes
-from .state import SlotState
+from .slots import BatchSlots
 from .step import SCORE_FLOOR, DecodeStep, RowLayout
 from .timing import PhaseTimer, StepTimes
 
@@ -86,14 +84,18 @@ class Engine:
         m = cfg.checkpoint.model
         self.dtype = torch_dtype(runtime.dtype or self.build.dtype or m.dtype)
         self.vocab_size = m.vocab_size
-        self._load_models(tensors, record_hidden)
+        self.linear = resolve_linear(runtime.linear, dist.device, self.dtype)  # "torch" | "onednn" | "avx512"
+        self.model, self.drafter, self.cache, self.state = load_models(cfg, tensors, dist, runtime, self.dtype,
+                                                                       self.linear, record_hidden)
         del tensors
+        self.slots = BatchSlots(self.cache, self.state, tree.max_tree_tokens)
         self.kernels = resolve_kernels(runtime.kernels, dist.device, self.dtype, self.model.D)
         step_kernels, select = plug_kernels(self.kernels, self.model, self.cache, runtime.compile)
         self.device_drafter = BeamDrafter(self.drafter, self.model.embed, tree.num_beams, tree.draft_len_per_beam,
                                           select) if self.drafter is not None else None
         self.max_logprobs = min(runtime.max_logprobs, self.vocab_size)
-        self.grammars = Grammars(engine_dir / "tokenizer" if engine_dir is not None else None, self.vocab_size)
+        self.grammars = Grammars(engine_dir / "tokenizer" if engine_dir is not None else None, self.vocab_size,
+                                 (tree.num_beams, tree.beam_length))
         self.steps = DecodeStep(self.model, self.device_drafter, self.cache, self.state, dist, step_kernels,
                                 self.max_logprobs)
         self.ngram_when = ngram_when(cfg.proposer, dist.device)
@@ -109,6 +111,7 @@ class Engine:
         if "inductor" in self.compiler.mode:
             keep_inductor_cache(engine_dir, dist.rank, dist.world_size)
         self.timer = PhaseTimer(dist.device, enabled=runtime.profile_phases)
+        self.prompts = PromptPhase(self.steps, self.cache, self.state, tree, self.vocab_size, dist.device)
         self.launcher = StepLauncher(self.steps, self.compiler, self.cache, self.state, tree,
                                      self.build.max_batch_size, self.vocab_size, self.timer,
                                      trims_key_blocks=self.kernels == "torch")
@@ -134,24 +137,6 @@ class Engine:
             raise UserError(f"engine {engine_dir} has no {path.name}; rebuild it with build-engine.")
         return cls(cfg, load_file(str(path)), dist, runtime, proposer, warmup, record_hidden, engine_dir)
 
-    # ---- loading ------------------------------------------------------------------------------------------------
-    def _load_models(self, tensors: dict[str, torch.Tensor], record_hidden: bool) -> None:
-        """The base model's rank, the drafter's, the paged KV cache and the slot state."""
-        info, runtime, dist, tree = self.cfg.checkpoint, self.runtime, self.dist, self.tree
-        per_seq = self.build.max_seq_len + tree.max_tree_tokens  # a full request plus one draft tree
-        self.linear = resolve_linear(runtime.linear, dist.device, self.dtype)  # "torch" | "onednn" | "avx512"
-        t0 = time.perf_counter()
-        self.model = LlamaRank(info.model, tensors, dist, self.dtype, per_seq, self.linear, info.quant)
-        self.drafter = load_drafter(info.drafter, tensors, dist, runtime, self.build, self.dtype, self.linear)
-        logger.info("model loaded in %.1fs (%s, linear layers: %s)", time.perf_counter() - t0, self.dtype, self.linear)
-        m, num_slots = info.model, self.build.max_batch_size + 1  # + the padding slot
-        reuse = prefix_reuse(runtime.kv_cache_reuse, dist.world_size, self.model.rope.dynamic, record_hidden)
-        self.cache = make_kv_cache(m, self.build, runtime.kv_cache_tokens, per_seq, num_slots, self.dtype, dist, reuse)
-        self.state = SlotState.allocate(num_slots, tree.num_beams, tree.draft_len_per_beam, dist.device)
-        if record_hidden:
-            self.state.record_hidden(m.hidden_size, self.dtype)
-        self._free_slots = list(range(num_slots - 2, -1, -1))  # pop() hands out slot 0 first
-
     # ---- warm-up and the cost model -------------------------------------------------------------------------------
     @property
     def default_proposer(self) -> Proposer:
@@ -166,19 +151,13 @@ class Engine:
     def cost_model(self) -> costs.CostModel:
         """The step cost model of this engine on this machine: cached beside it, or measured now (every rank calls
         it: the measurement's steps are collective)."""
-        key = costs.fingerprint(device=self.dist.device, engine=self._identity(), dtype=str(self.dtype),
+        key = costs.fingerprint(device=self.dist.device, engine=self.cfg.shape_key(), dtype=str(self.dtype),
                                 drafter_dtype=str(self.drafter.dtype) if self.drafter is not None else None,
                                 drafter_weights=self.drafter.weights if self.drafter is not None else None,
                                 kernels=self.kernels, linear=self.linear, compile=self.compiler.mode,
                                 threads=torch.get_num_threads(), tp=self.dist.world_size)
-        return costs.load_or_measure(self.launcher, self.dist, self.engine_dir, key, self._free_slots,
+        return costs.load_or_measure(self.launcher, self.dist, self.engine_dir, key, self.slots.free,
                                      self.build.max_seq_len, self.default_proposer.drafter is not None)
-
-    def _identity(self) -> str:
-        """What identifies the engine's step costs: its configuration (shapes, limits, tree)."""
-        ck = self.cfg.checkpoint
-        return json.dumps({"build": self.build.to_dict(), "tree": self.tree.to_dict(), "model": ck.model.to_dict(),
-                           "drafter": ck.drafter.to_dict() if ck.drafter else None}, sort_keys=True)
 
     # ---- requests -------------------------------------------------------------------------------------------------
     def proposer_of(self, seq: Sequence) -> Proposer:
@@ -221,38 +200,6 @@ class Engine:
         idx = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=self.state.hidden.device)
         return self.state.hidden[idx].float().cpu()
 
-    def reserve(self, seq: Sequence) -> None:
-        """KV for `seq`'s next step. A request's first reservation in its prompt phase claims the cached prefix of its
-        text, which its prompt step then skips (prefix reuse, kv_cache.py)."""
-        if seq.in_prompt_phase and not self.cache.has(seq.seq_id):
-            seq.prefix_len = self.cache.claim_prefix(seq.seq_id, seq.prompt + seq.output, salt=seq.spec.cache_salt)
-            seq.stats.cached_tokens = seq.prefix_len
-            seq.stats.kv_reused_blocks += seq.prefix_len // self.cache.block_size
-        self.cache.reserve(seq.seq_id, self.tokens_needed(seq))
-
-    def release(self, seq: Sequence) -> None:
-        """Give back `seq`'s KV blocks (its committed full blocks stay cached for reuse) and batch slot."""
-        self.cache.commit(seq.seq_id, (seq.prompt + seq.output)[:seq.ctx_len])
-        self.cache.free(seq.seq_id)
-        seq.pending = seq.tree = None
-        seq.tree_fresh = False
-        if seq.slot >= 0:
-            self._free_slots.append(seq.slot)
-            seq.slot = -1
-
-    def restart(self, seq: Sequence) -> None:
-        """Forget `seq`'s KV state (after preemption); its next step recomputes prompt + output so far."""
-        self.release(seq)
-        seq.ctx_len, seq.prefilled = 0, False
-
-    def tokens_needed(self, seq: Sequence) -> int:
-        """KV positions `seq` needs for its next step."""
-        if seq.in_prompt_phase:
-            return len(seq.prompt) + len(seq.output)
-        if seq.speculative:
-            return seq.ctx_len + self.tree.max_tree_tokens  # the padded tree is written whole
-        return seq.ctx_len + 1  # a tree step writes its other positions to the cache's scratch block (kv_cache.py)
-
     # ---- the step -------------------------------------------------------------------------------------------------
     def decide(self, seqs: list[Sequence]) -> StepDecision:
         """The policy's step for these requests (all past their prompt); the scheduler calls it on rank 0 and
@@ -270,7 +217,7 @@ class Engine:
         """One step for every given request, as `decision` says (default: this rank's policy decides; under TP every
         rank is given rank 0's): plan (slots and KV) -> launch and parse (decode, prompt) -> commit -> next trees."""
         assert seqs and all(not s.finished for s in seqs), [s.seq_id for s in seqs]
-        self._admit(seqs)
+        self.slots.admit(seqs)
         prompt = [s for s in seqs if s.in_prompt_phase]
         decode = [s for s in seqs if not s.in_prompt_phase]
         out: dict[Hashable, Emitted] = {}
@@ -280,20 +227,9 @@ class Engine:
             out.update(self._prefill(prompt))
         events = [self._commit(s, out[s.seq_id]) for s in seqs]
         self._compose_on_host([(s, out[s.seq_id].host) for s in seqs if out[s.seq_id].host and not s.finished])
-        self._follow_grammars([s for s in seqs if s.grammar is not None and s.tree_fresh and not s.finished])
+        self._follow_grammars([s for s in seqs if s.grammar is not None and s.speculative and not s.finished])
         self.policy.end_step()
         return events
-
-    def _admit(self, seqs: list[Sequence]) -> None:
-        """KV for this step, and a batch slot with the request's sampling parameters for each one new to the batch."""
-        for s in seqs:
-            self.reserve(s)
-            if s.slot < 0:
-                assert self._free_slots, "more admitted requests than batch slots"
-                s.slot = self._free_slots.pop()
-                self.cache.bind(s.seq_id, s.slot)
-                self.state.set_params([s.slot], [s.sampling], [s.apple])
-        self.cache.sync()
 
     def _commit(self, s: Sequence, emitted: Emitted) -> StepEvent:
         """Append a step's tokens (and their log-probabilities) to `s` (stops and limits applied) and count them. A
@@ -310,8 +246,6 @@ class Engine:
             appended = s.append(tokens)
             s.stats.steps += 1
             s.stats.generated_in_steps += len(appended)
-        if s.grammar is not None:
-            s.grammar.accept(appended)
         if emitted.logprobs is not None:  # aligned with `output`: the appended tokens' only
             s.output_logprobs += emitted.logprobs[:len(appended)]
         return StepEvent(s.seq_id, appended, s.finished)
@@ -340,7 +274,7 @@ class Engine:
             if s.speculative and r is not None and kept > 1 and verified is not None:
                 self._record(s, verified, kept, r.path)
             if s.grammar is not None and r is not None and r.draft is not None:
-                s.grammar.beams, s.grammar.scores = r.draft.rows, r.draft.scores
+                s.grammar.hold(r.draft.rows, r.draft.scores)
             host = self.proposer_of(s).after_step(s, r, decision.compose) if s.speculative else None
             tokens = r.tokens if r is not None else row[:1]
             emitted[s.seq_id] = Emitted(tokens, host, self._logprobs(s, cols, len(tokens)))
@@ -358,111 +292,45 @@ class Engine:
         None for an AR step)."""
         rule, slots = self._rule(group), [s.slot for s in group]
         longest = max(s.ctx_len for s in group)
-        guided = any(s.grammar is not None for s in group)
         if not decision.is_tree:
-            return self.launcher.ar(slots, longest + 1, rule, with_logprobs,
-                                    self._masks(group, None) if guided else None), None
+            return self.launcher.ar(slots, longest + 1, rule, with_logprobs, self._masks(group, None)), None
         pending = [s.pending for s in group]
-        variant = variant_for(True, rule, self._speculating_proposers(group), decision.draft,
-                              any(p is not None for p in pending), with_logprobs, guided)
         keep = [decision.keep.get(s.seq_id, 1) for s in group]
-        out = self.launcher.tree(slots, decision.width, keep, longest, variant, pending,
-                                 self._masks(group, keep) if guided else None)
+        masks = self._masks(group, keep)
+        variant = variant_for(True, rule, self._speculating_proposers(group), decision.draft,
+                              any(p is not None for p in pending), with_logprobs, masks is not None)
+        out = self.launcher.tree(slots, decision.width, keep, longest, variant, pending, masks)
         tree = self.tree
         return out, RowLayout(tree.beam_length, tree.max_tree_tokens, variant.draft,
                               tree.num_beams * tree.beam_length if variant.return_beams else 0)
 
-    def _masks(self, group: list[Sequence], keep: Optional[list[int]]) -> torch.Tensor:
-        """The token bitmasks of a step over `group` (structured output): per request, its next token's (an AR step,
-        keep None) or its tree's nodes' in beam layout (a tree step; only the root's where it keeps the root alone).
-        Requests without a grammar allow every token."""
-        nb, bl = self.tree.num_beams, self.tree.beam_length
-        shape = (nb, bl, self.grammars.words) if keep is not None else (self.grammars.words,)
-        out = torch.full((len(group), *shape), -1, dtype=torch.int32)
-        for i, s in enumerate(group):
-            if s.grammar is not None:
-                out[i] = s.grammar.next_mask() if keep is None else s.grammar.tree_masks(nb, bl, keep[i] > 1)
-        return out
+    def _masks(self, group: list[Sequence], keep: Optional[list[int]]) -> Optional[torch.Tensor]:
+        """The token bitmasks of a step over `group` (grammar.py: keep None for a prompt or AR step), where some
+        request has a grammar."""
+        return self.grammars.masks(group, keep) if any(s.grammar is not None for s in group) else None
 
     def _prefill(self, seqs: list[Sequence]) -> dict[Hashable, Emitted]:
-        """Prompt step (eager) for newly admitted (or preempted) requests -> their first true tokens; their first trees
+        """Prompt step (prompt.py) for newly admitted (or preempted) requests -> their first tokens, their first trees
         drafted on the device and handed to their proposers. A request whose `prefill_chunk` ends before its prompt
         does computes only that chunk (chunked prefill): it emits nothing and continues from there next step."""
-        ends = [not s.prefill_chunk or s.prefix_len + s.prefill_chunk >= len(s.prompt) + len(s.output) for s in seqs]
-        partial = [s for s, end in zip(seqs, ends) if not end]
-        whole = [s for s, end in zip(seqs, ends) if end]
-        out = {}
+        partial = [s for s in seqs if not PromptPhase.ends(s)]
+        whole = [s for s in seqs if PromptPhase.ends(s)]
         if partial:
-            self._prefill_chunks(partial)
-            out.update({s.seq_id: Emitted([]) for s in partial})
-        if whole:
-            out.update(self._prefill_last(whole))
+            self.prompts.chunks(partial)
+        out = {s.seq_id: Emitted([]) for s in partial}
+        if not whole:
+            return out
+        rule = self._rule(whole)
+        slots, h, first, cols = self.prompts.last(whole, rule, any(s.sampling.wants_logprobs for s in whole),
+                                                  self._masks(whole, None))
+        nodes, beams = self.prompts.first_trees(slots, h, rule, [self._drafting([s]) for s in whole], [
+            s.grammar is not None or returns_device_beams([self.proposer_of(s)]) for s in whole])
+        for i, s in enumerate(whole):
+            if s.grammar is not None and i in beams:
+                s.grammar.hold(beams[i].rows, beams[i].scores)
+            host = self.proposer_of(s).after_prompt(s, nodes.get(i), beams.get(i)) if s.speculative else None
+            out[s.seq_id] = Emitted([first[i]], host, self._logprobs(s, cols[i], 1))
         return out
-
-    def _prefill_chunks(self, seqs: list[Sequence]) -> None:
-        """The K/V of each request's next prompt chunk, `prefill_chunk` tokens from `prefix_len` on: no draw."""
-        texts = [(s.prompt + s.output)[s.prefix_len:s.prefix_len + s.prefill_chunk] for s in seqs]
-        slots, ids, lengths, start, prompt_len = self._prompt_inputs(seqs, texts)
-        self.steps.prefill_chunk(slots, ids, lengths, start, max(s.prefix_len for s in seqs), prompt_len)
-        for s, t in zip(seqs, texts):
-            s.prefix_len += len(t)
-            s.ctx_len = s.prefix_len
-            self.cache.commit(s.seq_id, (s.prompt + s.output)[:s.prefix_len])
-
-    def _prefill_last(self, seqs: list[Sequence]) -> dict[Hashable, Emitted]:
-        """The prompt step that ends each request's prompt: its last chunk (or all of it) -> its first true token."""
-        texts = [s.prompt + s.output for s in seqs]
-        slots, ids, lengths, start, prompt_len = self._prompt_inputs(seqs, [t[s.prefix_len:] for s, t in
-                                                                            zip(seqs, texts)])
-        rule = self._rule(seqs)
-        guided = any(s.grammar is not None for s in seqs)
-        h, cols = self.steps.prefill(slots, ids, lengths, rule, prompt_len, start, max(s.prefix_len for s in seqs),
-                                     logprobs=any(s.sampling.wants_logprobs for s in seqs),
-                                     grammar=self._masks(seqs, None).to(slots.device) if guided else None)
-        cols = cols.tolist() if cols is not None else [None] * len(seqs)
-        for s, t in zip(seqs, texts):  # its prompt's full blocks, reusable by requests that start alike
-            self.cache.commit(s.seq_id, t)
-        nodes, beams = self._first_trees(seqs, slots, h, rule)
-        for i, d in beams.items():
-            if seqs[i].grammar is not None:
-                seqs[i].grammar.beams, seqs[i].grammar.scores = d.rows, d.scores
-        first = self.state.true_tok[slots].tolist()
-        return {s.seq_id: Emitted([tok], self.proposer_of(s).after_prompt(s, nodes.get(i), beams.get(i))
-                                  if s.speculative else None, self._logprobs(s, cols[i], 1))
-                for i, (s, tok) in enumerate(zip(seqs, first))}
-
-    def _prompt_inputs(self, seqs: list[Sequence], parts: list[list[int]]) -> tuple[torch.Tensor, ...]:
-        """A prompt step's inputs on the device: the requests' slots, their `parts` (the tokens this step computes)
-        right-padded [bs, T] with their lengths, the positions each already holds (`prefix_len`: a reused prefix,
-        earlier chunks), and each prompt's length (< the text's after a preemption, for dynamic-NTK RoPE)."""
-        dev = self.dist.device
-        ids = torch.zeros(len(parts), max(len(p) for p in parts), dtype=torch.long)
-        for i, p in enumerate(parts):
-            ids[i, :len(p)] = torch.tensor(p)
-        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev)  # noqa: E731
-        return (as_tensor([s.slot for s in seqs]), ids.to(dev), as_tensor([len(p) for p in parts]),
-                as_tensor([s.prefix_len for s in seqs]), as_tensor([len(s.prompt) for s in seqs]))
-
-    def _first_trees(self, seqs: list[Sequence], slots: torch.Tensor, h: torch.Tensor, rule: AcceptanceRule
-                     ) -> tuple[dict[int, TreeNodes], dict[int, Draft]]:
-        """The device drafter's first trees for the prompt step's requests that draft on the device -> per row index:
-        the packed tree's nodes, and its beams where the proposer composes from them."""
-        rows = [i for i, s in enumerate(seqs) if self._drafting([s])]
-        if not rows:
-            return {}, {}
-        P, dev = self.tree.max_tree_tokens, self.dist.device
-        apple = rule is AcceptanceRule.APPLE
-        if apple:
-            self.state.ensure_draft_logp(self.vocab_size)
-        idx = torch.tensor(rows, device=dev)
-        packed = self.steps.draft_from_prompt(slots[idx], h[idx], apple).tolist()
-        nodes = {i: TreeNodes(row[1:1 + row[0]], row[1 + P:1 + P + row[0]]) for i, row in zip(rows, packed)}
-        want = [i for i in rows if returns_device_beams([self.proposer_of(seqs[i])]) or seqs[i].grammar is not None]
-        if not want:
-            return nodes, {}
-        w = slots[torch.tensor(want, device=dev)]  # mixed: the host composes with the device's beams, read once
-        flat = zip(self.state.beams[w].flatten(1).tolist(), self.state.scores[w].flatten(1).tolist())
-        return nodes, {i: Draft.of_flat(b, sc, self.tree.num_beams) for i, (b, sc) in zip(want, flat)}
 
     def _record(self, s: Sequence, verified: TreeNodes, kept: int, path: list[int]) -> None:
         """Statistics and the policy's calibration from one verified tree: its first `kept` nodes were verified, the
@@ -495,22 +363,18 @@ class Engine:
             if draft is not None:
                 s.pending, s.tree, s.tree_fresh = draft, draft.nodes(), True
                 if s.grammar is not None:
-                    s.grammar.beams, s.grammar.scores = draft.rows, draft.scores
+                    s.grammar.hold(draft.rows, draft.scores)
         took = time.perf_counter() - t0
         self.step_times.add("propose", took)
         self.policy.observe_host(1e3 * took / len(work))
 
     def _follow_grammars(self, seqs: list[Sequence]) -> None:
-        """Grammar-aware drafting: each constrained request's fresh tree repaired to follow its grammar (forbidden
-        drafts cut, forced tokens put in: GrammarState.repair), composed on the host and packed by its next step."""
-        for s in seqs:
-            g = s.grammar
-            if g.beams is None or g.scores is None:
-                continue
-            rows, scores = g.repair(g.beams, g.scores, SCORE_FLOOR)
-            if rows != g.beams or scores != g.scores:
-                s.pending = Draft(rows, scores)
-                s.tree, g.beams, g.scores = s.pending.nodes(), rows, scores
+        """Grammar-aware drafting: the fresh trees of constrained requests repaired to follow their grammars (forbidden
+        drafts cut, forced tokens put in), and trees of forced tokens for those the step drafted none for (grammar.py);
+        composed on the host and packed by their next tree steps."""
+        for s, rows, scores in self.grammars.follow(seqs, SCORE_FLOOR):
+            s.pending = Draft(rows, scores)
+            s.tree, s.tree_fresh = s.pending.nodes(), True
 
     def _rule(self, group: list[Sequence]) -> AcceptanceRule:
         """The batch's acceptance rule, in the requests' vocabulary (config.ACCEPTANCE_RULES): apple (some speculative

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -37,11 +38,15 @@ ANY_OBJECT = '{"type": "object"}'  # a `json` guide: any JSON object (OpenAI's j
 
 
 class Grammars:
-    """An engine's grammar backend: built on first use (an engine that never sees a guided request never loads it)."""
+    """An engine's grammar backend (built on first use: an engine that never sees a guided request never loads it),
+    and its host work for a batch's steps: the token bitmasks and the trees repaired to follow each grammar (their
+    time adds up in `seconds`)."""
 
-    def __init__(self, tokenizer_dir: Optional[Path], vocab_size: int):
-        self.tokenizer_dir, self.vocab_size = tokenizer_dir, vocab_size
+    def __init__(self, tokenizer_dir: Optional[Path], vocab_size: int, tree_shape: tuple[int, int] = (1, 1)):
+        """`tree_shape`: (beams, beam length) of the engine's draft trees."""
+        self.tokenizer_dir, self.vocab_size, self.tree_shape = tokenizer_dir, vocab_size, tree_shape
         self.words = bitmask.words(vocab_size)
+        self.seconds = 0.0
         self._compiler = None
         self._lock = threading.Lock()  # requests are submitted (and their grammars compiled) from serving threads
 
@@ -87,6 +92,43 @@ class Grammars:
         except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's parse errors: first line, without its prefix
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise UserError(f"invalid {guide.kind} guide: {reason.split('] ', 1)[-1]}") from None
+
+    def masks(self, seqs: list, keep: Optional[list[int]] = None) -> torch.Tensor:
+        """The token bitmasks of a step over `seqs` (sequence.Sequence, each with its GrammarState or None): per
+        request, its next token's ([len, words]: a prompt or AR step, keep None) or its tree's nodes' in beam layout
+        ([len, nb, bl, words]: a tree step; the root's alone where it keeps the root alone). Requests without a
+        grammar allow every token."""
+        t0 = time.perf_counter()
+        nb, bl = self.tree_shape
+        out = torch.full((len(seqs), *((nb, bl) if keep is not None else ()), self.words), -1, dtype=torch.int32)
+        for i, s in enumerate(seqs):
+            if s.grammar is not None:
+                out[i] = s.grammar.next_mask() if keep is None else s.grammar.tree_masks(nb, bl, keep[i] > 1)
+        self.seconds += time.perf_counter() - t0
+        return out
+
+    def follow(self, seqs: list, floor: int) -> list[tuple[object, list[list[int]], list[list[int]]]]:
+        """Grammar-aware drafting for speculative requests after a step: a fresh tree (its beams and scores, held by
+        the grammar state) repaired to follow the grammar (`GrammarState.repair`); without one (the step drafted
+        none: an AR step, a probe's rest), a tree of the tokens the grammar forces next, where it forces any
+        (`GrammarState.forced_tree`) -> (request, rows, scores) of each new or changed tree."""
+        t0 = time.perf_counter()
+        out = []
+        nb, bl = self.tree_shape
+        for s in seqs:
+            g = s.grammar
+            if not s.tree_fresh:
+                tree = g.forced_tree(s.true_token, nb, bl, floor)
+            elif g.beams is not None and g.scores is not None:
+                tree = g.repair(g.beams, g.scores, floor)
+                tree = tree if tree != (g.beams, g.scores) else None
+            else:
+                tree = None
+            if tree is not None:
+                g.hold(*tree)
+                out.append((s, *tree))
+        self.seconds += time.perf_counter() - t0
+        return out
 
     def start(self, guide: Guide, stop_ids: Sequence[int]) -> "GrammarState":
         """A new request's grammar state. The grammar ends with one of `stop_ids` (default: the tokenizer's EOS)."""
@@ -140,6 +182,15 @@ class GrammarState:
         self.beams: Optional[list[list[int]]] = None  # rows [nb][bl] of the tree the next tree step verifies
         self.scores: Optional[list[list[int]]] = None  # and their scores [nb][dl], where the host has them
 
+    def hold(self, rows: list[list[int]], scores: list[list[int]]) -> None:
+        """The beams (and their scores) of the tree the request's next tree step verifies."""
+        self.beams, self.scores = rows, scores
+
+    @property
+    def terminated(self) -> bool:
+        """The grammar has ended (it accepted one of its stop tokens): nothing may follow."""
+        return self.matcher.is_terminated()
+
     def accept(self, tokens: Sequence[int]) -> None:
         """The request emitted `tokens` (chosen under this grammar's masks, so each is allowed)."""
         for t in tokens:
@@ -181,6 +232,17 @@ class GrammarState:
             out_rows[worst] = [rows[0][0]] + forced + rows[worst][1 + len(forced):]
             out_scores[worst] = [0] * len(forced) + [floor] * (bl - 1 - len(forced))
         return out_rows, out_scores
+
+    def forced_tree(self, root: int, nb: int, bl: int, floor: int
+                    ) -> Optional[tuple[list[list[int]], list[list[int]]]]:
+        """A tree of one beam (the others copies: one path) holding the tokens the grammar forces after `root` (the
+        request's last token, already accepted), certain; None where it forces none."""
+        forced = self.matcher.find_jump_forward_tokens()[:bl - 1]
+        if not forced:
+            return None
+        pad = bl - 1 - len(forced)
+        row, scores = [root] + forced + [0] * pad, [0] * len(forced) + [floor] * pad
+        return [list(row) for _ in range(nb)], [list(scores) for _ in range(nb)]
 
     def _take(self, t: int) -> bool:
         """Advance the matcher by drafted token t where the grammar allows it and does not end there."""

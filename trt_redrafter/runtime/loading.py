@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -27,6 +28,7 @@ from .drafter import DeviceDrafter
 from .kv_cache import PagedKVCache
 from .ngram import NGRAMS_FILE, ModelNgrams, NgramProposer
 from .proposer import MixedProposer, Proposer, ReDrafterProposer
+from .state import SlotState
 from .step import StepKernels
 
 logger = get_logger(__name__)
@@ -200,3 +202,22 @@ def make_proposers(cfg: ProposerConfig, tree: ReDrafterConfig, drafter: Optional
                                       "mixed": MixedProposer(drafter, ngram, cfg.ngram_beams, cfg.mixed_min_match)}
     assert set(proposers) == set(PROPOSERS)
     return proposers
+
+
+def load_models(cfg, tensors: dict[str, torch.Tensor], dist: Dist, runtime: RuntimeConfig, dtype: torch.dtype,
+                linear: str, record_hidden: bool) -> tuple[LlamaRank, Optional[DrafterRank], PagedKVCache, SlotState]:
+    """An engine's base-model rank, its drafter's (None without one), the paged KV cache and the slot state
+    (`cfg`: the engine's EngineConfig; `record_hidden`: the slot state keeps each request's last hidden state)."""
+    info, build, tree = cfg.checkpoint, cfg.build, cfg.tree
+    per_seq = build.max_seq_len + tree.max_tree_tokens  # a full request plus one draft tree
+    t0 = time.perf_counter()
+    model = LlamaRank(info.model, tensors, dist, dtype, per_seq, linear, info.quant)
+    drafter = load_drafter(info.drafter, tensors, dist, runtime, build, dtype, linear)
+    logger.info("model loaded in %.1fs (%s, linear layers: %s)", time.perf_counter() - t0, dtype, linear)
+    num_slots = build.max_batch_size + 1  # + the padding slot
+    reuse = prefix_reuse(runtime.kv_cache_reuse, dist.world_size, model.rope.dynamic, record_hidden)
+    cache = make_kv_cache(info.model, build, runtime.kv_cache_tokens, per_seq, num_slots, dtype, dist, reuse)
+    state = SlotState.allocate(num_slots, tree.num_beams, tree.draft_len_per_beam, dist.device)
+    if record_hidden:
+        state.record_hidden(info.model.hidden_size, dtype)
+    return model, drafter, cache, state

@@ -262,7 +262,7 @@ class Scheduler:
             self._finish_cancelled(req)
         for req in [r for r in self._running if r.cancelled]:
             self._running.remove(req)
-            self.engine.release(req.seq)
+            self.engine.slots.release(req.seq)
             self._finish_cancelled(req)
 
     def _finish_cancelled(self, req: Request) -> None:
@@ -274,7 +274,7 @@ class Scheduler:
         req.done.set()
 
     def _step_tokens(self, seq: Sequence) -> int:
-        return self.engine.tokens_needed(seq) - seq.ctx_len
+        return self.engine.slots.tokens_needed(seq) - seq.ctx_len
 
     def _chunks(self, running: list[Request]) -> list[Request]:
         """The requests of this step and, with chunked prefill, how much of each prompt it computes: decode steps
@@ -308,7 +308,7 @@ class Scheduler:
             if self.chunked:  # a prompt joins as soon as the step has room for a chunk of it
                 need_tokens = min(need_tokens, max(budget, 1))
             # the prompt, plus room for one draft tree so the request can take its first generation step
-            need_blocks = cache.blocks_needed(req.seq.seq_id, self.engine.tokens_needed(req.seq)
+            need_blocks = cache.blocks_needed(req.seq.seq_id, self.engine.slots.tokens_needed(req.seq)
                                               + self.engine.tree.max_tree_tokens)
             if need_tokens > budget or need_blocks > free:
                 break
@@ -325,7 +325,7 @@ class Scheduler:
         while True:
             try:
                 for req in self._running:
-                    self.engine.reserve(req.seq)
+                    self.engine.slots.reserve(req.seq)
                     req.kv_blocks = max(req.kv_blocks, len(self.engine.cache.blocks(req.seq.seq_id)))
                 return list(self._running)
             except KVCacheFull:
@@ -338,9 +338,9 @@ class Scheduler:
             self._running.remove(req)
             self._waiting.appendleft(req)
             self._preemptions += 1
-        self.engine.release(req.seq)
+        self.engine.slots.release(req.seq)
         self.engine.dist.broadcast_object(("free", req.seq.seq_id))
-        self.engine.restart(req.seq)
+        self.engine.slots.restart(req.seq)
         logger.info("preempted request %s (KV cache full); it will resume by recomputation", req.request_id)
 
     def _retire(self, req: Request) -> None:
@@ -351,7 +351,7 @@ class Scheduler:
             self._finished += 1
             self._accepted += st.accepted_draft_tokens
             self._gen_steps += st.steps
-        self.engine.release(req.seq)
+        self.engine.slots.release(req.seq)
         req.done.set()
 
 
@@ -368,7 +368,7 @@ def follow(engine: Engine) -> None:
         if kind == "free":
             s = seqs.pop(body, None)
             if s is not None:
-                engine.release(s)
+                engine.slots.release(s)
             continue
         batch = []
         for r in body.requests:
@@ -381,4 +381,4 @@ def follow(engine: Engine) -> None:
             batch.append(s)
         for ev in engine.step(batch, body.decision):
             if ev.finished:
-                engine.release(seqs.pop(ev.seq_id))
+                engine.slots.release(seqs.pop(ev.seq_id))

@@ -183,15 +183,19 @@ class Sequence:
         return self.output[-1]
 
     def append(self, tokens: list[int]) -> list[int]:
-        """Append emitted tokens, applying stop tokens and max_tokens; returns what was actually appended."""
+        """Append emitted tokens, applying stop tokens, the end of its grammar and max_tokens; returns what was
+        actually appended."""
         out = []
         for t in tokens:
             if self.finished:
                 break
             self.output.append(t)
             out.append(t)
-            if t in self.stop_ids or any(len(q) <= len(self.output) and tuple(self.output[-len(q):]) == q
-                                         for q in self.stop_sequences):
+            if self.grammar is not None:
+                self.grammar.accept([t])
+            ended = self.grammar is not None and self.grammar.terminated  # its grammar's stop token, eos ignored or not
+            if ended or t in self.stop_ids or any(len(q) <= len(self.output) and tuple(self.output[-len(q):]) == q
+                                                  for q in self.stop_sequences):
                 self.finish("stop")
             elif len(self.output) >= self.sampling.max_tokens or len(self.prompt) + len(self.output) >= self.max_len:
                 self.finish("length")

@@ -139,7 +139,7 @@ class EngineGenerator:
             still = []
             for key, s, rows in active:
                 if s.finished:
-                    engine.release(s)
+                    engine.slots.release(s)
                     yield key, Answer(s.prompt, list(s.output),
                                       torch.stack(rows) if rows else torch.zeros(len(s.output), 0))
                 else:
