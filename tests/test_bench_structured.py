@@ -20,14 +20,16 @@ def test_every_task_schema_is_valid_and_its_strings_bounded():
 
 
 def test_the_summary_pairs_each_task_with_ar():
-    runs = [S.Run("a", "ar", 0, "{}", 11, 0.11, True, steps=10), S.Run("a", "redrafter", 0, "{}", 11, 0.055, True,
-                                                                       steps=5),
-            S.Run("b", "ar", 0, "{}", 21, 0.21, True, steps=20), S.Run("b", "redrafter", 0, "[", 21, 0.07, False,
-                                                                       steps=4)]
+    run = S.Run
+    runs = [run("a", "ar", 0, "{}", 11, 0.11, True, 10.0, steps=10), run("a", "redrafter", 0, "{}", 11, 0.055, True,
+                                                                      5.0, steps=5),
+            run("b", "ar", 0, "{}", 21, 0.21, True, 10.0, steps=20), run("b", "redrafter", 0, "[", 21, 0.07, False,
+                                                                      10 / 3, steps=4)]
     ar, rd = S.summarize(runs)
     assert (ar.mode, ar.valid, ar.tokens_per_step) == ("ar", "2/2", 1.0)
     assert rd.valid == "1/2" and rd.same_text_as_ar == "1/2" and rd.tokens_per_step == 30 / 9
     assert rd.vs_ar == 2.5 and rd.vs_ar_quartiles[0] <= 2.5 <= rd.vs_ar_quartiles[1]  # per task: 2 and 3
+    assert rd.vs_ar_end_to_end == 2.5  # wall time over tokens: 10 / 5 and 10 / 3.33
     assert "| redrafter | 1/2 |" in S.table([ar, rd])
 
 

@@ -367,6 +367,23 @@ def _reuse(docs: list[dict], names: tuple[str, ...]) -> list[str]:
     return out
 
 
+def _structured(docs: list[dict], names: tuple[str, ...]) -> list[str]:
+    """`bench-structured`: per decoder, validity, ms/token, tokens per step, the host's grammar time per step and the
+    paired ratio to constrained AR, with the machine's load and read bandwidth."""
+    out = _head("decoder", "valid (parse + schema)", "TPOT ms", "x constrained AR (quartiles)", "end-to-end ms/token",
+                "x AR", "tokens/step", "grammar ms/step", "same text as AR", "load, GB/s", "JSON")
+    for name, d in zip(names, docs):
+        m = d["machine"]
+        for s in d["summary"]:
+            q = s.get("vs_ar_quartiles") or []
+            ratio = f"{_x(s['vs_ar'])} ({_f(q[0])}-{_f(q[1])})" if s.get("vs_ar") and q else "-"
+            out.append(_row([s["mode"], s["valid"], _f(s["tpot_ms"]), ratio, _f(s["ms_per_token"]),
+                             _x(s.get("vs_ar_end_to_end")), _f(s.get("tokens_per_step")),
+                             _f(s.get("grammar_ms_per_step"), 3), s.get("same_text_as_ar") or "-",
+                             f"{m['loadavg_before'][0]:.1f}, {m['read_gb_s_before']:.0f}", _link(name)]))
+    return out
+
+
 # ---- the registry: one current table per topic -------------------------------------------------------------------
 
 _SMOLLM2 = (("policy-smollm2-b1-float32-categories-attention-2026-11-28", 1, ""),
@@ -403,6 +420,7 @@ TABLES = {t.name: t for t in (
     Table("corpus-throughput", "docs/models.md", ("corpus-throughput",), _corpus),
     Table("soak", "docs/serving.md", ("soak-cpu-small-20min", "soak-cpu-small-20min-faults"), _soak),
     Table("prefix-reuse", "docs/serving.md", ("reuse-smollm2",), _reuse),
+    Table("structured-output", "docs/serving.md", ("structured-smollm2",), _structured),
 )}
 
 

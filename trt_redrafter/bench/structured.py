@@ -3,9 +3,10 @@ with constrained AR and constrained ReDrafter on one engine, and by llama.cpp wi
 from the schema), at batch 1, greedy.
 
 Each round runs every task in both engine modes, the order flipped from task to task and round to round, so a shift
-in the machine's speed hits both; the ReDrafter / AR ratio is the median of the per-task ratios (each task's median
-over rounds), with its quartiles. ms/token is end to end: the request's wall time over its output tokens (the prompt
-step included, as for llama.cpp). Every output is parsed and validated against its schema (`jsonschema`).
+in the machine's speed hits both; the ratios to AR are medians of per-task ratios (each task's median over rounds),
+with their quartiles. Two speeds per decoder: TPOT (decoding: first token to last over the tokens between, what
+bench-engine reports) and end to end (the request's wall time over its output tokens, the prompt step included).
+Every output is parsed and validated against its schema (`jsonschema`).
 """
 
 from __future__ import annotations
@@ -109,8 +110,9 @@ class Run:
     round: int
     text: str
     tokens: int
-    seconds: float
+    seconds: float  # the whole request
     valid: bool
+    tpot_ms: float = 0.0  # (last token - first token) / (tokens - 1)
     steps: int = 0
     grammar_ms: float = 0.0  # the host's grammar work (masks, repaired trees) over the request
     error: Optional[str] = None
@@ -155,8 +157,8 @@ def run_engine(engine, tokenizer, tasks: list[dict], rounds: int, max_tokens: in
                 took = time.perf_counter() - t0
                 text = tokenizer.decode(res.output_ids, skip_special_tokens=True)
                 ok, why = valid(text, task["schema"])
-                runs.append(Run(task["name"], mode, r, text, len(res.output_ids), took, ok, res.steps,
-                                1e3 * (engine.grammars.seconds - before), why))
+                runs.append(Run(task["name"], mode, r, text, len(res.output_ids), took, ok, res.ms_per_token,
+                                res.steps, 1e3 * (engine.grammars.seconds - before), why))
     return runs
 
 
@@ -194,11 +196,15 @@ def llama_cpp_child(job: BaselineJob, gguf: str, kind: str, schemas: list[dict],
     for r in range(job.repeats):
         for name, ids, grammar in zip(names, job.prompts, grammars):
             t0 = time.perf_counter()
-            out = llm.create_completion(ids, max_tokens=job.max_tokens, temperature=0.0, top_k=1,
-                                        repeat_penalty=1.0, grammar=grammar)
+            stamps, text = [], ""
+            for chunk in llm.create_completion(ids, max_tokens=job.max_tokens, temperature=0.0, top_k=1,
+                                               repeat_penalty=1.0, grammar=grammar, stream=True):
+                stamps.append(time.perf_counter())  # one chunk per token
+                text += chunk["choices"][0]["text"]
             took = time.perf_counter() - t0
-            runs.append(asdict(Run(name, f"llama.cpp_{kind}", r, out["choices"][0]["text"],
-                                   out["usage"]["completion_tokens"], took, False)))
+            n = len(stamps)
+            tpot = 1e3 * (stamps[-1] - stamps[0]) / (n - 1) if n > 1 else 0.0
+            runs.append(asdict(Run(name, f"llama.cpp_{kind}", r, text, n, took, False, tpot)))
     return [{"name": f"llama.cpp_{kind}", "file": str(path), "options": {"runs": runs}}]
 
 
@@ -208,11 +214,13 @@ class Summary:
 
     mode: str
     valid: str  # "n/N" outputs that parse and validate
-    ms_per_token: Optional[float]  # median over tasks of each task's median over rounds
+    tpot_ms: Optional[float]  # median over tasks of each task's median over rounds
+    ms_per_token: Optional[float] = None  # end to end, the same way
     tokens_per_step: Optional[float] = None  # tokens decode steps emitted, forced ones included, per step (engine)
     grammar_ms_per_step: Optional[float] = None  # the host's grammar work per step
-    vs_ar: Optional[float] = None  # AR's ms/token over this one's: the median of per-task ratios
+    vs_ar: Optional[float] = None  # AR's TPOT over this one's: the median of per-task ratios
     vs_ar_quartiles: list = field(default_factory=list)
+    vs_ar_end_to_end: Optional[float] = None  # the same with end-to-end ms/token
     same_text_as_ar: Optional[str] = None
     error: Optional[str] = None
 
@@ -222,7 +230,8 @@ def summarize(runs: list[Run]) -> list[Summary]:
     for r in runs:
         by.setdefault(r.mode, {}).setdefault(r.task, []).append(r)
     ar = by.get("ar", {})
-    ar_ms = {t: statistics.median(x.ms_per_token for x in rs) for t, rs in ar.items()}
+    medians = lambda tasks, key: {t: statistics.median(key(x) for x in rs) for t, rs in tasks.items()}  # noqa: E731
+    ar_tpot, ar_ms = medians(ar, lambda x: x.tpot_ms), medians(ar, lambda x: x.ms_per_token)
     out = []
     for mode, tasks in by.items():
         flat = [x for rs in tasks.values() for x in rs]
@@ -230,10 +239,11 @@ def summarize(runs: list[Run]) -> list[Summary]:
         if errors:
             out.append(Summary(mode, f"0/{len(flat)}", None, error=errors.pop()))
             continue
-        ms = {t: statistics.median(x.ms_per_token for x in rs) for t, rs in tasks.items()}
-        ratios = sorted(ar_ms[t] / ms[t] for t in ms if t in ar_ms)
+        tpot, ms = medians(tasks, lambda x: x.tpot_ms), medians(tasks, lambda x: x.ms_per_token)
+        ratios = sorted(ar_tpot[t] / tpot[t] for t in tpot if t in ar_tpot and tpot[t] > 0)
         steps = sum(x.steps for x in flat)
-        s = Summary(mode, f"{sum(x.valid for x in flat)}/{len(flat)}", statistics.median(ms.values()))
+        s = Summary(mode, f"{sum(x.valid for x in flat)}/{len(flat)}", statistics.median(tpot.values()),
+                    statistics.median(ms.values()))
         if steps:
             s.tokens_per_step = sum(x.tokens - 1 for x in flat) / steps  # the prompt step's token is not a step's
             s.grammar_ms_per_step = sum(x.grammar_ms for x in flat) / steps
@@ -241,6 +251,7 @@ def summarize(runs: list[Run]) -> list[Summary]:
             s.vs_ar = statistics.median(ratios)
             q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
             s.vs_ar_quartiles = [round(q[0], 3), round(q[2], 3)]
+            s.vs_ar_end_to_end = statistics.median(ar_ms[t] / ms[t] for t in ms if t in ar_ms)
             same = sum(x.text == y.text for t in tasks for x, y in zip(tasks[t], ar.get(t, [])))
             s.same_text_as_ar = f"{same}/{len(flat)}"
         out.append(s)
@@ -249,11 +260,11 @@ def summarize(runs: list[Run]) -> list[Summary]:
 
 def table(summaries: list[Summary]) -> str:
     f = lambda v, fmt: "" if v is None else format(v, fmt)  # noqa: E731
-    lines = ["| decoder | valid | ms/token | tokens/step | grammar ms/step | x AR (quartiles) | same text as AR |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| decoder | valid | TPOT ms | x AR (quartiles) | end-to-end ms/token | x AR | tokens/step | "
+             "grammar ms/step | same text as AR |", "|---|---|---|---|---|---|---|---|---|"]
     for s in summaries:
         q = f" ({s.vs_ar_quartiles[0]:.2f}-{s.vs_ar_quartiles[1]:.2f})" if s.vs_ar_quartiles else ""
-        lines.append(f"| {s.mode} | {s.valid} | {f(s.ms_per_token, '.2f')} | {f(s.tokens_per_step, '.2f')} | "
-                     f"{f(s.grammar_ms_per_step, '.3f')} | {f(s.vs_ar, '.2f')}{q} | {s.same_text_as_ar or ''} |"
-                     + (f" {s.error}" if s.error else ""))
+        lines.append(f"| {s.mode} | {s.valid} | {f(s.tpot_ms, '.2f')} | {f(s.vs_ar, '.2f')}{q} | "
+                     f"{f(s.ms_per_token, '.2f')} | {f(s.vs_ar_end_to_end, '.2f')} | {f(s.tokens_per_step, '.2f')} | "
+                     f"{f(s.grammar_ms_per_step, '.3f')} | {s.same_text_as_ar or ''} |" + (f" {s.error}" if s.error else ""))
     return "\n".join(lines)
