@@ -174,9 +174,18 @@ def test_guides_mixed_with_free_requests_in_one_batch(tiny):
 @pytest.mark.timeout(600)
 def test_constrained_redrafter_compiled_gives_eager_tokens(tiny):
     engine_dir, tok = tiny
+    from trt_redrafter.config import RuntimeConfig
+    from trt_redrafter.runtime.distributed import Dist
+    from trt_redrafter.runtime.engine import Engine
+
     ar = _run(engine_dir, tok, GUIDES["schema"])
     oracle = OracleProposer(engine_dir, {i: r.output_ids for i, r in enumerate(ar)}, corrupt_every=2)
-    rd = _run(engine_dir, tok, GUIDES["schema"], "redrafter", oracle, compile="inductor")
+    # no warm-up: only the variants with grammars compile, when first launched
+    engine = Engine.load(engine_dir, Dist(0, 1, torch.device("cpu")),
+                         RuntimeConfig(compile="inductor", speculate="full"), proposer=oracle, warmup=False)
+    rd = generate(engine, PROMPTS, SamplingConfig(max_tokens=60), "redrafter", guide=GUIDES["schema"],
+                  stop_ids=(tok.eos_token_id,))
+    assert engine.compiler.mode == "inductor"
     assert [r.output_ids for r in rd] == [r.output_ids for r in ar]
     assert all(r.accepted_draft_tokens > 0 for r in rd)
 
