@@ -247,3 +247,21 @@ def _schema_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("schema") / "schema.json"
     path.write_text(json.dumps(SCHEMA))
     return path
+
+
+def test_structural_tags_in_tensorrt_llms_and_xgrammars_forms(tiny):
+    """TensorRT-LLM's structural tag ({"structures": [{"begin", "schema", "end"}], "triggers"}) and xgrammar's own
+    format compile, and their matchers take a tool call and refuse a broken one."""
+    engine_dir, _ = tiny
+    grammars = Grammars(engine_dir / "tokenizer", VOCAB)
+    args = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    trtllm = {"structures": [{"begin": "<call>", "schema": args, "end": "</call>"}], "triggers": ["<call>"]}
+    own = {"type": "structural_tag", "format": {"type": "tag", "begin": "<call>", "content": {
+        "type": "json_schema", "json_schema": args}, "end": "</call>"}}
+    for tag in (trtllm, own):
+        compiled = grammars.compile(Guide(GuideType.STRUCTURAL_TAG, json.dumps(tag)))
+        good, bad = xgrammar.GrammarMatcher(compiled), xgrammar.GrammarMatcher(compiled)
+        assert good.accept_string('<call>{"city": "Oslo"}</call>')
+        assert not bad.accept_string('<call>{"town": 1}')
+    with pytest.raises(UserError, match="invalid structural_tag guide"):
+        grammars.compile(Guide(GuideType.STRUCTURAL_TAG, "{not json"))
