@@ -120,6 +120,23 @@ def test_prompts_mt_bench_and_prompt_rows(tmp_path):
         load_prompts(bad)
 
 
+def test_prompts_may_carry_a_schema_which_goes_to_the_server_as_a_guide(tmp_path):
+    from trt_redrafter.bench.structured import TASKS
+    from trt_redrafter.serving.client import GenerationRequest, build_inputs
+
+    f = tmp_path / "q.jsonl"
+    f.write_text('{"prompt": "a", "schema": {"type": "object"}}\n{"prompt": "b"}\n')
+    assert [p.schema for p in load_prompts(f)] == ['{"type": "object"}', None]
+    tasks = load_prompts("structured", "none")
+    assert [(p.text, json.loads(p.schema)) for p in tasks] == [(t["prompt"], t["schema"]) for t in TASKS]
+    f.write_text('{"prompt": "a", "schema": "object"}\n')
+    with pytest.raises(UserError, match="'schema' must be a JSON schema"):
+        load_prompts(f)
+    names = [t.name() for t in build_inputs(GenerationRequest(prompt="a", max_tokens=4, guide_type="json_schema",
+                                                              guide=tasks[0].schema))]
+    assert {"guided_decoding_guide_type", "guided_decoding_guide"} <= set(names)
+
+
 def test_first_prompts_spread_over_categories_or_in_file_order(tmp_path):
     """bench-engine's default prompts: one of each category before a second of any (MT-Bench's first rows are all
     one category); rows without a category come after; `file` keeps the file's order."""

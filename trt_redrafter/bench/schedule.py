@@ -5,9 +5,11 @@ Both depend only on the seed, so AR and ReDrafter (and every TP size) get the sa
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Optional
 
 from ..chat import TOKENIZER, VICUNA, chat_template_for, encode_prompt, has_chat_template, vicuna_prompt
 from ..errors import UserError
@@ -29,6 +31,7 @@ class Prompt:
     text: str  # text_input: the user message (template "tokenizer") or the whole prompt
     template: str = "none"  # "tokenizer" (applied by the server), "vicuna" (already in text) or "none"
     category: str = field(default="", compare=False)  # the dataset row's category (MT-Bench: writing, math, ...)
+    schema: Optional[str] = field(default=None, compare=False)  # a JSON schema the answer follows (structured output)
 
     @property
     def chat(self) -> bool:
@@ -63,18 +66,29 @@ def applied_template(prompts: list[Prompt]) -> str:
     return next((p.template for p in prompts if p.template != "none"), "none")
 
 
+STRUCTURED = "structured"  # the dataset name of bench-structured's tasks (bench/structured.py)
+
+
 def load_prompts(path: str | Path, chat_template: str = "auto", tokenizer=None) -> list[Prompt]:
-    """Prompts of a JSONL file: MT-Bench `question.jsonl` rows (first turn) or the project's {"prompt": ...} rows.
+    """Prompts of a JSONL file: MT-Bench `question.jsonl` rows (first turn) or the project's {"prompt": ...} rows;
+    either may carry a "schema" (a JSON schema its answer follows: structured output).
 
     `auto` prompts MT-Bench questions in the model's chat template (the tokenizer's if it has one, else Vicuna v1.1;
     `resolve_chat_template`) and leaves {"prompt": ...} rows as they are; `tokenizer` / `vicuna` / `none` force
-    one template, or none, for every row. `path` may name a dataset (`mt-bench`: datasets.py fetches and caches it).
+    one template, or none, for every row. `path` may name a dataset: `mt-bench` (datasets.py fetches and caches it)
+    or `structured` (bench-structured's tasks, each with its schema, as user turns).
     """
     from ..datasets import read_jsonl, resolve_dataset
 
-    path = resolve_dataset(path)
-    rows = read_jsonl(path, "dataset {path} does not exist; pass a JSONL file of MT-Bench questions or "
-                            "{{\"prompt\": ...}}.")
+    if str(path) == STRUCTURED:
+        from .structured import TASKS
+
+        rows = [(f"{STRUCTURED}:{t['name']}", {"turns": [t["prompt"]], "category": t["name"], "schema": t["schema"]})
+                for t in TASKS]
+    else:
+        path = resolve_dataset(path)
+        rows = read_jsonl(path, "dataset {path} does not exist; pass a JSONL file of MT-Bench questions or "
+                                "{{\"prompt\": ...}}.")
     template = resolve_chat_template(chat_template, tokenizer)
     prompts = []
     for where, row in rows:
@@ -85,7 +99,11 @@ def load_prompts(path: str | Path, chat_template: str = "auto", tokenizer=None) 
         else:
             raise UserError(f"{where} has neither 'turns' (MT-Bench) nor a string 'prompt'.")
         prompt = chat_prompt(text, template) if chat else Prompt(text)
-        prompts.append(replace(prompt, category=str(row.get("category") or "")))
+        schema = row.get("schema")
+        if schema is not None and not isinstance(schema, (dict, bool)):
+            raise UserError(f"{where}: 'schema' must be a JSON schema (an object), got {type(schema).__name__}.")
+        prompts.append(replace(prompt, category=str(row.get("category") or ""),
+                               schema=json.dumps(schema) if schema is not None else None))
     if not prompts:
         raise UserError(f"dataset {path} holds no prompts.")
     return prompts

@@ -40,7 +40,7 @@ class GenerationRequest:
     return_log_probs: bool = False  # output_log_probs and cum_log_probs in each response
     top_logprobs: int = 0  # torch engine model only: the N most likely tokens at each position (top_token_ids, ...)
     cache_salt: Optional[str] = None  # torch engine model only: share cached KV blocks only with this salt's requests
-    guide_type: Optional[str] = None  # engine model: guided_decoding_guide_type (json, json_schema, regex, ...)
+    guide_type: Optional[str] = None  # guided_decoding_guide_type (json, json_schema, regex, ...; torch engines)
     guide: Optional[str] = None  # and guided_decoding_guide (the schema, regex or grammar)
 
 
@@ -130,8 +130,6 @@ def build_inputs(req: GenerationRequest, model: str = ENSEMBLE_MODEL, stop: bool
                               ("end_id", req.end_id, np.int32)):
         if value is not None:
             inputs.append(_tensor(n(key), np.array([[value]], dtype)))
-    if req.guide_type is not None and not engine:
-        raise ValueError("guided decoding inputs go to the engine model; send prompt_ids to it")
     for key, value in (("decoding_mode", req.decoding_mode), ("proposer", req.proposer),
                        ("cache_salt", req.cache_salt if engine else None),
                        ("guided_decoding_guide_type", req.guide_type), ("guided_decoding_guide", req.guide)):
