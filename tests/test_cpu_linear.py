@@ -253,13 +253,15 @@ def _forward(model, kv, ids: torch.Tensor, ctx: int) -> torch.Tensor:
 
 # ---- compiled --------------------------------------------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("impl", PACKED)
-def test_compiled_greedy_redrafter_equals_ar(tiny, impl):
-    """inductor (the CPU default) around the packed op and the CPU tree attention (an external op each; all KV
-    blocks passed, so one static graph): ReDrafter with an oracle drafter (long and partial acceptances) == compiled
-    AR == eager AR. bf16 needs the step compiled with eager's roundings (graphs.Unit: emulate_precision_casts);
-    without them the bf16 case fails (compiled tokens leave eager's, and on another tiny pair ReDrafter's left AR's)."""
+def test_compiled_greedy_redrafter_equals_ar(tiny):
+    """inductor (the CPU default) around the packed op this CPU's engines take (linear auto: AVX-512 where the CPU
+    has it for the dtype, else oneDNN; each is checked eagerly above) and the CPU tree attention (an external op each;
+    all KV blocks passed, so one static graph): ReDrafter with an oracle drafter (long and partial acceptances) ==
+    compiled AR == eager AR. bf16 needs the step compiled with eager's roundings (graphs.Unit:
+    emulate_precision_casts); without them the bf16 case fails (compiled tokens leave eager's, and on another tiny
+    pair ReDrafter's left AR's)."""
     torch._dynamo.reset()  # another module's compiled engine: the step's graphs guard only on their arguments
+    impl = "avx512" if cpu.available(DTYPES[tiny["dtype"]]) else "onednn"
     ar = _need_ar(tiny, impl)
     engine = load_engine(tiny["engine_dir"], OracleProposer(tiny["engine_dir"], dict(enumerate(ar)), corrupt_every=2),
                          compile="inductor", linear=impl)
