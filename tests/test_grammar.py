@@ -265,3 +265,19 @@ def test_structural_tags_in_tensorrt_llms_and_xgrammars_forms(tiny):
         assert not bad.accept_string('<call>{"town": 1}')
     with pytest.raises(UserError, match="invalid structural_tag guide"):
         grammars.compile(Guide(GuideType.STRUCTURAL_TAG, "{not json"))
+
+
+def test_constrained_requests_with_chunked_prefill_and_prefix_reuse(tiny):
+    """Prompts cut into chunks (a request in its prompt phase has no token yet, so no grammar work), and a prompt
+    whose prefix comes from the cache: constrained AR's tokens."""
+    engine_dir, tok = tiny
+    long_prompts = [p * 3 for p in PROMPTS]  # 21 and 60 tokens: several 16-token chunks
+    want = [r.output_ids for r in generate(load_engine(engine_dir, enable_chunked_context=False), long_prompts,
+                                           SamplingConfig(max_tokens=60), "ar", guide=GUIDES["schema"],
+                                           stop_ids=(tok.eos_token_id,))]
+    engine = load_engine(engine_dir, max_num_tokens=16)
+    for _ in range(2):  # the second time the prompts' blocks are cached
+        res = generate(engine, long_prompts, SamplingConfig(max_tokens=60), "redrafter", guide=GUIDES["schema"],
+                       stop_ids=(tok.eos_token_id,))
+        assert [r.output_ids for r in res] == want
+    assert sum(r.cached_tokens for r in res) > 0

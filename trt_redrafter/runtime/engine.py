@@ -227,7 +227,8 @@ class Engine:
             out.update(self._prefill(prompt))
         events = [self._commit(s, out[s.seq_id]) for s in seqs]
         self._compose_on_host([(s, out[s.seq_id].host) for s in seqs if out[s.seq_id].host and not s.finished])
-        self._follow_grammars([s for s in seqs if s.grammar is not None and s.speculative and not s.finished])
+        self._follow_grammars([s for s in seqs if s.grammar is not None and s.speculative and not s.finished
+                               and not s.in_prompt_phase])  # a prompt chunk emits no token: nothing to follow yet
         self.policy.end_step()
         return events
 
