@@ -281,3 +281,23 @@ def test_constrained_requests_with_chunked_prefill_and_prefix_reuse(tiny):
                        stop_ids=(tok.eos_token_id,))
         assert [r.output_ids for r in res] == want
     assert sum(r.cached_tokens for r in res) > 0
+
+
+def test_constrained_requests_preempted_under_a_small_cache_keep_their_tokens(tiny):
+    """A KV cache too small for the batch: requests are preempted and recompute their prompt and output, their
+    grammars' state kept; every output is the uncontended constrained one."""
+    from trt_redrafter.runtime.scheduler import Request, Scheduler
+    from trt_redrafter.runtime.sequence import RequestSpec
+
+    engine_dir, tok = tiny
+    prompts = [p * 3 for p in PROMPTS] * 2
+    params, stop = SamplingConfig(max_tokens=60), (tok.eos_token_id,)
+    want = [r.output_ids for r in generate(load_engine(engine_dir), prompts, params, "ar", stop_ids=stop,
+                                           guide=GUIDES["schema"])]
+    engine = load_engine(engine_dir, kv_cache_tokens=14 * 16)
+    sched = Scheduler(engine)
+    reqs = [sched.submit(Request(i, RequestSpec(p, params, stop_ids=stop, guide=GUIDES["schema"])))
+            for i, p in enumerate(prompts)]
+    sched.run_until_idle()
+    assert [r.seq.output for r in reqs] == want
+    assert sched.metrics().preemptions > 0 and sum(r.seq.stats.accepted_draft_tokens for r in reqs) > 0
