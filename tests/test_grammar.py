@@ -301,3 +301,20 @@ def test_constrained_requests_preempted_under_a_small_cache_keep_their_tokens(ti
     sched.run_until_idle()
     assert [r.seq.output for r in reqs] == want
     assert sched.metrics().preemptions > 0 and sum(r.seq.stats.accepted_draft_tokens for r in reqs) > 0
+
+
+def test_the_warm_up_runs_the_guided_steps_where_asked(tiny):
+    """`warmup_guided`: the warm-up launches the AR and tree steps with token bitmasks too (what a constrained request
+    would otherwise compile on arrival). Eager here, so the launches are seen, not timed."""
+    engine_dir, _ = tiny
+    for guided in (False, True):
+        engine = load_engine(engine_dir, warmup_guided=guided)  # eager: nothing warmed up at load
+        seen = set()
+        for name in ("ar_step", "redrafter_step"):
+            def spy(*args, _orig=getattr(engine.steps, name), _name=name, **kw):
+                seen.add((_name, args[-1] is not None))  # the steps' last argument: the bitmasks
+                return _orig(*args, **kw)
+            setattr(engine.steps, name, spy)
+        engine.warmup()
+        assert seen == {("ar_step", False), ("redrafter_step", False)} | (
+            {("ar_step", True), ("redrafter_step", True)} if guided else set()), guided

@@ -579,6 +579,9 @@ class RuntimeConfig(ConfigBase):
     max_logprobs: int = option(20, help="the most top log-probabilities a request may ask for (vLLM's max_logprobs; "
                                         "OpenAI allows 20): a step with log-probabilities finds this many most "
                                         "likely tokens per emitted token")
+    warmup_guided: bool = option(False, help="the warm-up also compiles the steps of requests with a grammar "
+                                             "(structured output), which otherwise compile on the first such request: "
+                                             "for a server that expects them; it doubles the tree steps' warm-up")
     compile: str = option("auto", help="decode-step compilation: off (eager), inductor (torch.compile), cudagraphs "
                                    "(captured per batch bucket), inductor+cudagraphs; auto: cudagraphs on CUDA, "
                                    "inductor on a one-rank CPU engine, off for TP > 1 on the CPU (and for a "

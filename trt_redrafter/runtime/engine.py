@@ -145,8 +145,10 @@ class Engine:
     def warmup(self, trees: bool = True) -> None:
         """Compile / capture the decode steps of the engine's default proposer before the first request: the AR step
         and (`trees`) every tree-step variant its requests can launch (other proposers' variants compile when first
-        asked for)."""
-        self.launcher.warmup(warmup_variants(self.default_proposer), trees, show=self.dist.is_driver)
+        asked for); with the runtime's `warmup_guided`, those of requests with a grammar too."""
+        guided = self.runtime.warmup_guided
+        self.launcher.warmup(warmup_variants(self.default_proposer, guided=guided), trees, show=self.dist.is_driver,
+                             guided=guided, words=self.grammars.words)
 
     def cost_model(self) -> costs.CostModel:
         """The step cost model of this engine on this machine: cached beside it, or measured now (every rank calls

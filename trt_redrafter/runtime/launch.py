@@ -61,10 +61,15 @@ def variant_for(tree: bool, rule: AcceptanceRule, proposers: Iterable[Proposer],
                        grammar)
 
 
-def warmup_variants(proposer: Proposer, rule: AcceptanceRule = AcceptanceRule.GREEDY) -> list[StepVariant]:
+def warmup_variants(proposer: Proposer, rule: AcceptanceRule = AcceptanceRule.GREEDY, guided: bool = False
+                    ) -> list[StepVariant]:
     """Every tree-step variant a batch of `proposer`'s requests can launch: with host-composed trees where it composes
-    them, and without where its trees may come from the device (or from nowhere, for a step that only drafts)."""
-    return [variant_for(True, rule, [proposer], True, h) for h in proposer.host_tree_cases()]
+    them, and without where its trees may come from the device (or from nowhere, for a step that only drafts); with
+    `guided`, those of requests with a grammar too (their trees may be composed on the host, repaired to follow it)."""
+    out = [variant_for(True, rule, [proposer], True, h) for h in proposer.host_tree_cases()]
+    if guided:
+        out += [variant_for(True, rule, [proposer], True, h, grammar=True) for h in (True, False)]
+    return list(dict.fromkeys(out))
 
 
 class StepLauncher:
@@ -119,27 +124,33 @@ class StepLauncher:
         return width if self.compiler.uses_graphs else max(2, kept)
 
     # ---- warm-up -----------------------------------------------------------------------------------------------
-    def warmup(self, variants: list[StepVariant], trees: bool = True, show: bool = True) -> None:
+    def warmup(self, variants: list[StepVariant], trees: bool = True, show: bool = True, guided: bool = False,
+               words: int = 0) -> None:
         """Compile / capture the AR step and (`trees`) every given tree-step variant before the first request, on
         padding-slot batches: at every tree width the policy may choose and every batch bucket under CUDA graphs; at
-        two batch sizes (one, and more: inductor specializes size 1) otherwise."""
+        two batch sizes (one, and more: inductor specializes size 1) otherwise. `guided`: the AR step with token
+        bitmasks too (`words` int32 words per row; the tree variants with grammars are among `variants`)."""
         from tqdm import tqdm
 
         t0 = time.perf_counter()
         sizes = self.buckets if self.compiler.uses_graphs else sorted({1, min(2, self.buckets[-1])})
         widths = self.widths if self.compiler.uses_graphs else [self.verify_width(0, self.tree_shape.max_tree_tokens)]
         work = [(bs, None, 0) for bs in sorted(sizes, reverse=True)]
+        work += [(bs, "guided", 0) for bs in sorted(sizes, reverse=True)] if guided else []
         if trees:
             work += [(bs, v, T) for bs in sorted(sizes, reverse=True) for T in widths for v in variants]
         pad = self.state.padding_slot
         with torch.inference_mode():  # largest batches first: later captures reuse their pool memory
             for bs, variant, T in tqdm(work, desc=f"compiling decode steps ({self.compiler.mode})", unit="graph",
                                        disable=not show or None, leave=False):
-                if variant is None:
-                    self.ar([pad] * bs, 1, AcceptanceRule.GREEDY).cpu()
+                if variant is None or variant == "guided":
+                    masks = torch.full((bs, words), -1, dtype=torch.int32) if variant else None
+                    self.ar([pad] * bs, 1, AcceptanceRule.GREEDY, grammar=masks).cpu()
                 else:
-                    pending = [Draft.empty(self.tree_shape.num_beams, self.tree_shape.beam_length)] * bs
-                    self.tree([pad] * bs, T, [T] * bs, 0, variant, pending).cpu()
+                    nb, bl = self.tree_shape.num_beams, self.tree_shape.beam_length
+                    pending = [Draft.empty(nb, bl)] * bs
+                    masks = torch.full((bs, nb, bl, words), -1, dtype=torch.int32) if variant.grammar else None
+                    self.tree([pad] * bs, T, [T] * bs, 0, variant, pending, masks).cpu()
         logger.info("engine warm-up (%s, buckets %s, tree widths %s) took %.1fs", self.compiler.mode, sizes,
                     widths if trees else "none: AR steps only", time.perf_counter() - t0)
 
