@@ -70,7 +70,7 @@ def test_bitmask_apply_is_xgrammars():
     want = logits.clone().view(15, 100)
     xgrammar.apply_token_bitmask_inplace(want, mask.view(15, -1))
     torch.testing.assert_close(bitmask.apply(logits, mask), want.view(3, 5, 100))
-    assert bitmask.allowed(bitmask.full(2, 70), 70).all()
+    assert bitmask.allowed(bitmask.full(2, bitmask.words(70)), 70).all()
 
 
 def test_node_rows_give_each_node_the_row_of_its_beam_positions():

@@ -30,6 +30,6 @@ def apply(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(~allowed(bitmask, logits.shape[-1]), float("-inf"))
 
 
-def full(rows: int, vocab_size: int) -> torch.Tensor:
-    """[rows, words] int32 allowing every token."""
-    return torch.full((rows, words(vocab_size)), -1, dtype=torch.int32)
+def full(*shape: int) -> torch.Tensor:
+    """int32 bitmasks of `shape` (the last dimension: words per row) allowing every token."""
+    return torch.full(shape, -1, dtype=torch.int32)

@@ -100,7 +100,7 @@ class Grammars:
         grammar allow every token."""
         t0 = time.perf_counter()
         nb, bl = self.tree_shape
-        out = torch.full((len(seqs), *((nb, bl) if keep is not None else ()), self.words), -1, dtype=torch.int32)
+        out = bitmask.full(len(seqs), *((nb, bl) if keep is not None else ()), self.words)
         for i, s in enumerate(seqs):
             if s.grammar is not None:
                 out[i] = s.grammar.next_mask() if keep is None else s.grammar.tree_masks(nb, bl, keep[i] > 1)
@@ -255,7 +255,7 @@ class GrammarState:
 
     def next_mask(self) -> torch.Tensor:
         """[words] int32: the tokens allowed next (an AR step's, a prompt step's)."""
-        out = bitmask.full(1, self.vocab_size)
+        out = bitmask.full(1, self.words)
         self.matcher.fill_next_token_bitmask(out, 0)
         return out[0]
 
@@ -263,7 +263,7 @@ class GrammarState:
         """[nb, bl, words] int32: at beam position (b, j), the tokens allowed after the output and beams[b][1..j] (the
         mask of the tree node there). Only the root's where the stored tree is not fresh (an AR step came after it
         was drafted: the step keeps the root alone)."""
-        out = bitmask.full(num_beams * beam_length, self.vocab_size)
+        out = bitmask.full(num_beams * beam_length, self.words)
         beams = self.beams if fresh and self.beams is not None else None
         root = self.next_mask()
         if beams is None:

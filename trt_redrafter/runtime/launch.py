@@ -17,6 +17,7 @@ from typing import Callable, Iterable, Optional
 import torch
 
 from ..config import AcceptanceRule, ReDrafterConfig
+from ..decoding import bitmask
 from ..log import get_logger
 from .graphs import Compiler, batch_buckets, bucket_for, tree_buckets
 from .kv_cache import PagedKVCache
@@ -135,22 +136,20 @@ class StepLauncher:
         t0 = time.perf_counter()
         sizes = self.buckets if self.compiler.uses_graphs else sorted({1, min(2, self.buckets[-1])})
         widths = self.widths if self.compiler.uses_graphs else [self.verify_width(0, self.tree_shape.max_tree_tokens)]
-        work = [(bs, None, 0) for bs in sorted(sizes, reverse=True)]
-        work += [(bs, "guided", 0) for bs in sorted(sizes, reverse=True)] if guided else []
+        ar = [StepVariant(False)] + ([StepVariant(False, grammar=True)] if guided else [])
+        work = [(bs, v, 0) for bs in sorted(sizes, reverse=True) for v in ar]
         if trees:
             work += [(bs, v, T) for bs in sorted(sizes, reverse=True) for T in widths for v in variants]
         pad = self.state.padding_slot
         with torch.inference_mode():  # largest batches first: later captures reuse their pool memory
             for bs, variant, T in tqdm(work, desc=f"compiling decode steps ({self.compiler.mode})", unit="graph",
                                        disable=not show or None, leave=False):
-                if variant is None or variant == "guided":
-                    masks = torch.full((bs, words), -1, dtype=torch.int32) if variant else None
-                    self.ar([pad] * bs, 1, AcceptanceRule.GREEDY, grammar=masks).cpu()
+                nb, bl = self.tree_shape.num_beams, self.tree_shape.beam_length
+                masks = bitmask.full(bs, *((nb, bl) if variant.tree else ()), words) if variant.grammar else None
+                if not variant.tree:
+                    self.ar([pad] * bs, 1, variant.rule, grammar=masks).cpu()
                 else:
-                    nb, bl = self.tree_shape.num_beams, self.tree_shape.beam_length
-                    pending = [Draft.empty(nb, bl)] * bs
-                    masks = torch.full((bs, nb, bl, words), -1, dtype=torch.int32) if variant.grammar else None
-                    self.tree([pad] * bs, T, [T] * bs, 0, variant, pending, masks).cpu()
+                    self.tree([pad] * bs, T, [T] * bs, 0, variant, [Draft.empty(nb, bl)] * bs, masks).cpu()
         logger.info("engine warm-up (%s, buckets %s, tree widths %s) took %.1fs", self.compiler.mode, sizes,
                     widths if trees else "none: AR steps only", time.perf_counter() - t0)
 
