@@ -118,11 +118,11 @@ def _guide(args: argparse.Namespace) -> Optional[Guide]:
         return Guide(GuideType.JSON)
     if args.regex is not None:
         return Guide.parse("regex", args.regex)
-    for path, kind in ((args.json_schema, GuideType.JSON_SCHEMA), (args.grammar, GuideType.EBNF)):
+    for flag, path, kind in (("--json-schema", args.json_schema, GuideType.JSON_SCHEMA),
+                             ("--grammar", args.grammar, GuideType.EBNF)):
         if path is not None:
             if not Path(path).is_file():
-                raise UserError(f"--{'json-schema' if kind is GuideType.JSON_SCHEMA else 'grammar'} {path}: no such "
-                                f"file.")
+                raise UserError(f"{flag} {path}: no such file.")
             return Guide.parse(kind.value, Path(path).read_text())
     return None
 

@@ -186,16 +186,16 @@ def _guide(body: dict) -> tuple[Optional[str], Optional[str]]:
         elif fmt["type"] == "structural_tag":
             found.append(("response_format", "structural_tag",
                           json.dumps({k: v for k, v in fmt.items() if k != "type"})))
-    vllm = {f"guided_{k}": body.get(f"guided_{k}") for k in ("json", "regex", "grammar", "choice")}
+    kinds = ("json", "regex", "grammar", "choice")  # vLLM's: guided_KIND, and structured_outputs {KIND: ...}
+    vllm = [(f"guided_{k}", k, body.get(f"guided_{k}")) for k in kinds]
     so = body.get("structured_outputs")
     if so is not None:
         if not isinstance(so, dict):
             raise bad_value("structured_outputs", "'structured_outputs' must be an object such as {\"regex\": ...}.")
-        vllm.update({f"structured_outputs.{k}": so.get(k) for k in ("json", "regex", "grammar", "choice")})
-    for name, v in vllm.items():
+        vllm += [(f"structured_outputs.{k}", k, so.get(k)) for k in kinds]
+    for name, kind, v in vllm:
         if v is None:
             continue
-        kind = name.rsplit("_", 1)[-1].rsplit(".", 1)[-1]
         if kind == "json":
             found.append((name, "json_schema", v if isinstance(v, str) else json.dumps(v)))
         elif kind == "choice":
