@@ -14,8 +14,7 @@ import json
 
 import torch
 
-from trt_redrafter.bench.structured import TASKS
-from trt_redrafter.chat import chat_ids
+from trt_redrafter.bench.structured import TASKS, prompt_ids
 from trt_redrafter.config import Guide, GuideType, RuntimeConfig, SamplingConfig
 from trt_redrafter.runtime import grammar
 from trt_redrafter.runtime.distributed import Dist
@@ -48,7 +47,7 @@ def main() -> None:
     engine = Engine.load(args.engine, Dist(0, 1, torch.device("cpu")),
                          RuntimeConfig(compile="off", speculate=args.speculate))
     tasks = TASKS[:args.tasks]
-    ids = [chat_ids(tok, [{"role": "user", "content": t["prompt"]}]) for t in tasks]
+    ids = prompt_ids(tok, tasks)
     outputs, rows = {}, []
     for name, follow in SETTINGS.items():
         grammar.Grammars.follow = follow

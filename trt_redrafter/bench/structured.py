@@ -36,67 +36,49 @@ def bounded(schema: dict) -> dict:
     return out
 
 
+def _object(**properties: dict) -> dict:
+    """A closed object schema: these properties, each required, no other."""
+    return {"type": "object", "properties": properties, "required": list(properties), "additionalProperties": False}
+
+
+def _task(name: str, prompt: str, /, **properties: dict) -> dict:
+    return {"name": name, "prompt": prompt, "schema": _object(**properties)}
+
+
+_STR, _INT = {"type": "string"}, {"type": "integer"}
 _TASKS: list[dict] = [
-    {"name": "person", "prompt": "Extract the person as JSON: Maria Lopez, 34, is a nurse in Madrid.",
-     "schema": {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
-                                                "job": {"type": "string"}, "city": {"type": "string"}},
-                "required": ["name", "age", "job", "city"], "additionalProperties": False}},
-    {"name": "weather_call", "prompt": "Call the weather tool for Paris tomorrow, in celsius. Answer with the "
-                                       "arguments as JSON.",
-     "schema": {"type": "object", "properties": {"location": {"type": "string"},
-                                                "day": {"type": "string", "enum": ["today", "tomorrow"]},
-                                                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-                "required": ["location", "day", "unit"], "additionalProperties": False}},
-    {"name": "invoice", "prompt": "Turn this into JSON line items: 3 apples at 0.5 each, 2 breads at 2.25 each.",
-     "schema": {"type": "object", "properties": {"items": {"type": "array", "maxItems": 4, "items": {
-         "type": "object", "properties": {"product": {"type": "string"}, "quantity": {"type": "integer"},
-                                          "unit_price": {"type": "number"}},
-         "required": ["product", "quantity", "unit_price"], "additionalProperties": False}}},
-                "required": ["items"], "additionalProperties": False}},
-    {"name": "event", "prompt": "Extract the event as JSON: The team meeting is on Friday at 10am in room 4.",
-     "schema": {"type": "object", "properties": {"title": {"type": "string"}, "day": {"type": "string"},
-                                                "time": {"type": "string"}, "room": {"type": "integer"}},
-                "required": ["title", "day", "time", "room"], "additionalProperties": False}},
-    {"name": "sentiment", "prompt": "Classify the review as JSON with a sentiment and a score from 1 to 5: The "
-                                    "soup was cold and the waiter was rude.",
-     "schema": {"type": "object", "properties": {"sentiment": {"type": "string",
-                                                              "enum": ["positive", "neutral", "negative"]},
-                                                "score": {"type": "integer", "minimum": 1, "maximum": 5}},
-                "required": ["sentiment", "score"], "additionalProperties": False}},
-    {"name": "search_call", "prompt": "Call the search tool to find vegetarian pasta recipes, at most 5 results. "
-                                      "Answer with the arguments as JSON.",
-     "schema": {"type": "object", "properties": {"query": {"type": "string"},
-                                                "max_results": {"type": "integer", "minimum": 1, "maximum": 20}},
-                "required": ["query", "max_results"], "additionalProperties": False}},
-    {"name": "book", "prompt": "Give the book as JSON: Moby-Dick by Herman Melville, published in 1851.",
-     "schema": {"type": "object", "properties": {"title": {"type": "string"}, "author": {"type": "string"},
-                                                "year": {"type": "integer"}},
-                "required": ["title", "author", "year"], "additionalProperties": False}},
-    {"name": "address", "prompt": "Parse the address into JSON: 221B Baker Street, London NW1 6XE, United Kingdom.",
-     "schema": {"type": "object", "properties": {"street": {"type": "string"}, "city": {"type": "string"},
-                                                "postcode": {"type": "string"}, "country": {"type": "string"}},
-                "required": ["street", "city", "postcode", "country"], "additionalProperties": False}},
-    {"name": "email_call", "prompt": "Call the send_email tool: write to bob@example.com that the report is late. "
-                                     "Answer with the arguments as JSON.",
-     "schema": {"type": "object", "properties": {"to": {"type": "string"}, "subject": {"type": "string"},
-                                                "body": {"type": "string"}},
-                "required": ["to", "subject", "body"], "additionalProperties": False}},
-    {"name": "tags", "prompt": "List three keywords of this sentence as JSON: Solar panels turn sunlight into "
-                               "electricity for homes.",
-     "schema": {"type": "object", "properties": {"keywords": {"type": "array", "items": {"type": "string"},
-                                                             "minItems": 3, "maxItems": 3}},
-                "required": ["keywords"], "additionalProperties": False}},
-    {"name": "flight", "prompt": "Extract the flight as JSON: Flight AF123 leaves Paris at 08:15 and lands in "
-                                 "New York at 10:40.",
-     "schema": {"type": "object", "properties": {"flight": {"type": "string"}, "from": {"type": "string"},
-                                                "to": {"type": "string"}, "departure": {"type": "string"},
-                                                "arrival": {"type": "string"}},
-                "required": ["flight", "from", "to", "departure", "arrival"], "additionalProperties": False}},
-    {"name": "calendar_call", "prompt": "Call the create_event tool for a dentist appointment on 2025-03-14 lasting "
-                                        "30 minutes. Answer with the arguments as JSON.",
-     "schema": {"type": "object", "properties": {"title": {"type": "string"}, "date": {"type": "string"},
-                                                "duration_minutes": {"type": "integer"}},
-                "required": ["title", "date", "duration_minutes"], "additionalProperties": False}},
+    _task("person", "Extract the person as JSON: Maria Lopez, 34, is a nurse in Madrid.",
+          name=_STR, age=_INT, job=_STR, city=_STR),
+    _task("weather_call", "Call the weather tool for Paris tomorrow, in celsius. Answer with the arguments as JSON.",
+          location=_STR, day={"type": "string", "enum": ["today", "tomorrow"]},
+          unit={"type": "string", "enum": ["celsius", "fahrenheit"]}),
+    _task("invoice", "Turn this into JSON line items: 3 apples at 0.5 each, 2 breads at 2.25 each.",
+          items={"type": "array", "maxItems": 4,
+                 "items": _object(product=_STR, quantity=_INT, unit_price={"type": "number"})}),
+    _task("event", "Extract the event as JSON: The team meeting is on Friday at 10am in room 4.",
+          title=_STR, day=_STR, time=_STR, room=_INT),
+    _task("sentiment", "Classify the review as JSON with a sentiment and a score from 1 to 5: The soup was cold and "
+                       "the waiter was rude.",
+          sentiment={"type": "string", "enum": ["positive", "neutral", "negative"]},
+          score={"type": "integer", "minimum": 1, "maximum": 5}),
+    _task("search_call", "Call the search tool to find vegetarian pasta recipes, at most 5 results. Answer with the "
+                         "arguments as JSON.",
+          query=_STR, max_results={"type": "integer", "minimum": 1, "maximum": 20}),
+    _task("book", "Give the book as JSON: Moby-Dick by Herman Melville, published in 1851.",
+          title=_STR, author=_STR, year=_INT),
+    _task("address", "Parse the address into JSON: 221B Baker Street, London NW1 6XE, United Kingdom.",
+          street=_STR, city=_STR, postcode=_STR, country=_STR),
+    _task("email_call", "Call the send_email tool: write to bob@example.com that the report is late. Answer with the "
+                        "arguments as JSON.",
+          to=_STR, subject=_STR, body=_STR),
+    _task("tags", "List three keywords of this sentence as JSON: Solar panels turn sunlight into electricity for "
+                  "homes.",
+          keywords={"type": "array", "items": _STR, "minItems": 3, "maxItems": 3}),
+    _task("flight", "Extract the flight as JSON: Flight AF123 leaves Paris at 08:15 and lands in New York at 10:40.",
+          **{"flight": _STR, "from": _STR, "to": _STR, "departure": _STR, "arrival": _STR}),
+    _task("calendar_call", "Call the create_event tool for a dentist appointment on 2025-03-14 lasting 30 minutes. "
+                           "Answer with the arguments as JSON.",
+          title=_STR, date=_STR, duration_minutes=_INT),
 ]
 TASKS = [{**t, "schema": bounded(t["schema"])} for t in _TASKS]
 
@@ -134,15 +116,21 @@ def valid(text: str, schema: dict) -> tuple[bool, Optional[str]]:
     return True, None
 
 
+def prompt_ids(tokenizer, tasks: list[dict]) -> list[list[int]]:
+    """Each task's prompt as one user message in the model's chat template, as token ids."""
+    from ..chat import chat_ids
+
+    return [chat_ids(tokenizer, [{"role": "user", "content": t["prompt"]}]) for t in tasks]
+
+
 def run_engine(engine, tokenizer, tasks: list[dict], rounds: int, max_tokens: int) -> list[Run]:
     """Constrained AR and ReDrafter on every task, `rounds` times, order alternated; one warm-up pass first."""
-    from ..chat import chat_ids
     from ..config import Guide, GuideType, SamplingConfig
     from ..runtime.generate import generate
 
     params = SamplingConfig(max_tokens=max_tokens)
     stop = (tokenizer.eos_token_id,)
-    ids = [chat_ids(tokenizer, [{"role": "user", "content": t["prompt"]}]) for t in tasks]
+    ids = prompt_ids(tokenizer, tasks)
     guides = [Guide(GuideType.JSON_SCHEMA, json.dumps(t["schema"])) for t in tasks]
     for mode in ("ar", "redrafter"):  # compiles the grammar variants of the steps
         generate(engine, ids[:1], params, mode, stop, guide=guides[0])
@@ -165,9 +153,7 @@ def run_engine(engine, tokenizer, tasks: list[dict], rounds: int, max_tokens: in
 def run_llama_cpp(gguf: Path, kind: str, tokenizer, tasks: list[dict], rounds: int, max_tokens: int,
                   threads: int) -> list[Run]:
     """llama.cpp (its own process: a crash costs its row) on the same prompt ids with each task's schema."""
-    from ..chat import chat_ids
-
-    ids = [chat_ids(tokenizer, [{"role": "user", "content": t["prompt"]}]) for t in tasks]
+    ids = prompt_ids(tokenizer, tasks)
     job = BaselineJob(ids, max_tokens, rounds, threads)
     name = f"llama.cpp_{kind}"
     [row] = run_isolated(Baseline((name,), f"{__name__}:llama_cpp_child",
