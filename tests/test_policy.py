@@ -117,6 +117,25 @@ def test_a_cost_model_is_measured_again_when_a_step_kernel_changes(tmp_path):
     import torch
     assert costs.fingerprint(device=torch.device("cpu"))["kernel_sources"] == costs.kernel_sources_digest()
 
+def test_cpu_steps_compile_with_the_cpp_wrapper_and_their_costs_are_keyed_by_it(monkeypatch):
+    """A CPU engine's inductor steps are compiled with inductor's C++ wrapper (runtime/graphs.py), unless
+    TRT_REDRAFTER_CPP_WRAPPER=0; the cost model's key says which, so a cached model is never read for the other."""
+    import torch
+    from trt_redrafter.runtime import graphs
+
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(kw["options"]) or fn)
+    cpu = torch.device("cpu")
+    graphs.Unit(lambda x: x, "inductor", cpu, "step")
+    assert seen[-1]["cpp_wrapper"] is True and graphs.Compiler("inductor", cpu).cpp_wrapper
+    assert not graphs.cpp_wrapper("off", cpu) and not graphs.cpp_wrapper("inductor", torch.device("cuda"))
+    monkeypatch.setenv("TRT_REDRAFTER_CPP_WRAPPER", "0")
+    graphs.Unit(lambda x: x, "inductor", cpu, "step")
+    assert seen[-1]["cpp_wrapper"] is False and not graphs.Compiler("inductor", cpu).cpp_wrapper
+    keys = [costs.fingerprint(device=cpu, cpp_wrapper=on) for on in (True, False)]
+    assert costs._key_id(keys[0]) != costs._key_id(keys[1])
+
+
 def test_calibration_starts_at_the_claim_and_learns_the_truth():
     cal = Calibration()
     assert cal.probability(q(0.9)) == pytest.approx(0.9, abs=1e-3)  # a drafter's word, until measured

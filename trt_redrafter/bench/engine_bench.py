@@ -276,6 +276,7 @@ def summary_doc(args: argparse.Namespace, ecfg: EngineConfig, engine: Engine, ru
         "max_tokens": m.max_tokens, "chat_template": m.chat_template, "repeats": args.repeats,
         "rows": [dataclasses.asdict(r) for r in m.rows], "hf": {r.name: r.to_dict() for r in peers},
         "phases_ms": m.phases, "runtime": runtime.to_dict(), "compile": engine.compiler.mode,
+        "cpp_wrapper": engine.compiler.cpp_wrapper,
         "kernels": engine.kernels, "engine_load_s": load_s, "speculate": str(engine.policy.speculation),
         "cost_model": costs.to_dict(), "speculation_overheads": costs.overheads(),
         "step_scale": dict(zip(("ar", "tree"), engine.policy.step_scale)), "roofline": roofline,

@@ -157,6 +157,7 @@ class Engine:
                                 drafter_dtype=str(self.drafter.dtype) if self.drafter is not None else None,
                                 drafter_weights=self.drafter.weights if self.drafter is not None else None,
                                 kernels=self.kernels, linear=self.linear, compile=self.compiler.mode,
+                                cpp_wrapper=self.compiler.cpp_wrapper,
                                 threads=torch.get_num_threads(), tp=self.dist.world_size)
         return costs.load_or_measure(self.launcher, self.dist, self.engine_dir, key, self.slots.free,
                                      self.build.max_seq_len, self.default_proposer.drafter is not None)

@@ -3,7 +3,8 @@
 A `Unit` wraps a function of tensors whose shapes the caller keeps static per call site (batch buckets, trees
 padded to `max_tree_tokens`). By the runtime's `compile` setting:
     off                  call it (eager PyTorch; Python runs once per op)
-    inductor             `torch.compile` it (CPU: C++ kernels; CUDA: Triton kernels), Python runs once per step
+    inductor             `torch.compile` it (CPU: C++ kernels called from a C++ wrapper, `cpp_wrapper`; CUDA: Triton
+                         kernels), Python runs once per step
     cudagraphs           capture it once per input signature with `torch.cuda.CUDAGraph`, then replay: one launch
                          per step instead of hundreds (gpt-fast's "reduce-overhead", captured explicitly as vLLM
                          does, because the step mutates persistent state that "reduce-overhead" would copy)
@@ -18,6 +19,7 @@ memory pool; outputs stay referenced, so one graph's results are never another's
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any, Callable, Optional
 
@@ -48,6 +50,15 @@ def resolve_compile_mode(mode: str, device: torch.device, world_size: int = 1) -
         raise UserError(f"--compile {mode} needs a CUDA device, but this engine runs on {device}; "
                         f"use --compile inductor or off on the CPU.")
     return mode
+
+
+def cpp_wrapper(mode: str, device: torch.device) -> bool:
+    """Whether inductor writes a compiled step's wrapper (the code that allocates buffers and calls each kernel) in
+    C++ instead of Python: on the CPU, unless TRT_REDRAFTER_CPP_WRAPPER=0. A step calls over a thousand kernels (a
+    30-layer model's linears and attentions, and the drafting, accept and pack ops around them); the Python wrapper
+    spends a few microseconds on each, and with it an AR step that follows tree steps ran slower than one that
+    follows AR steps (SmolLM2, 2 cores: 16.4 against 13.3 ms; docs/perf-history.md, 2026-11-29)."""
+    return "inductor" in mode and device.type == "cpu" and os.environ.get("TRT_REDRAFTER_CPP_WRAPPER", "1") != "0"
 
 
 def _configure_dynamo() -> None:
@@ -109,6 +120,7 @@ class Unit:
             # which on a CPU is a sizeable share of a small model's whole step. The custom ops' fake functions they
             # would check are tested by the compiled == eager parity tests.
             options.update(size_asserts=False, alignment_asserts=False, scalar_asserts=False)
+            options["cpp_wrapper"] = cpp_wrapper(mode, device)
             self.compiled = torch.compile(_own_code(fn), dynamic=None, fullgraph=False, options=options)
         self.pool = pool
         self.graphs: dict[Any, tuple[torch.cuda.CUDAGraph, list[torch.Tensor], Any]] = {}
@@ -162,6 +174,10 @@ class Compiler:
     @property
     def uses_graphs(self) -> bool:
         return uses_graphs(self.mode)
+
+    @property
+    def cpp_wrapper(self) -> bool:
+        return cpp_wrapper(self.mode, self.device)
 
     def unit(self, fn: Callable, name: str, neutral: Optional[Callable] = None) -> Unit:
         return Unit(fn, self.mode, self.device, name, self.pool, neutral)
