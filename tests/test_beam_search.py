@@ -5,7 +5,8 @@ import itertools
 import pytest
 import torch
 
-from trt_redrafter.decoding.beam_search import LOG_ZERO, BeamSearchResult, beam_search
+from trt_redrafter.decoding.beam_search import (LOG_ZERO, BeamSearchResult, beam_search, select_beams,
+                                                select_beams_topk)
 
 
 class TinyDrafter:
@@ -86,6 +87,23 @@ def test_matches_slow_reference_with_warp():
     check_log_probs_consistent(d, h, res, 4)
     # warped rows: exactly 4 tokens carry mass, the rest sit at ~LOG_ZERO
     assert ((res.log_probs > LOG_ZERO / 2).sum(-1) == 4).all()
+
+
+@pytest.mark.parametrize("select", [select_beams, select_beams_topk])
+@pytest.mark.parametrize("warp_k", [None, 3, 2])
+def test_first_step_from_one_row_equals_the_literal_search(select, warp_k):
+    # step 0 selects among beam 0's candidates only (where its nb best have finite log-probabilities: warp None or
+    # >= nb); the literal search ranks the nb - 1 LOG_ZERO copies too. Same beams and scores either way, and with a
+    # warp below nb (2 < 3: warped-out tokens compete with the copies) the search keeps the copies.
+    d = TinyDrafter(V=9, seed=7)
+    h = torch.randn(3, d.H, generator=torch.Generator().manual_seed(8))
+    true_tok = torch.tensor([0, 4, 8])
+    res = beam_search(d, d.embed, h, true_tok, num_beams=3, draft_len=3, warp_top_k=warp_k, keep_log_probs=False,
+                      select=select)
+    for b in range(3):
+        ref = slow_beam_search(d, h[b], int(true_tok[b]), 3, 3, warp_k)
+        assert res.beams[b].tolist() == [seq for seq, _ in ref]
+        torch.testing.assert_close(res.scores[b, :, -1], torch.stack([s for _, s in ref]), rtol=1e-5, atol=1e-3)
 
 
 def test_exhaustive_when_beams_cover_every_prefix():

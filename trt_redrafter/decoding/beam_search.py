@@ -172,12 +172,18 @@ def beam_search(drafter: DrafterProtocol, embed: Callable[[torch.Tensor], torch.
     for t in range(dl):
         if t == 0:  # all beams are [true token] with the same state: run the drafter once and share the row
             state = drafter.update_state(embed(true_token), state, 0)  # [bs, H]
-            step_logits = logits(h, state)[:, None].expand(bs, nb, -1)  # [bs, nb, V]
+            step_logits = logits(h, state)[:, None]  # [bs, 1, V]
+            # select among beam 0's candidates alone where that is the same selection: where its nb best all have
+            # a finite log-probability (V >= nb, and no warp or one keeping >= nb tokens), each beats every candidate
+            # of the LOG_ZERO beams, and the nb - 1 copies of its row would only cost a top-K each
+            if step_logits.shape[-1] < nb or (warp_top_k is not None and warp_top_k < nb):
+                step_logits = step_logits.expand(bs, nb, -1)  # [bs, nb, V]
             state = state[:, None].expand(bs, nb, H).reshape(bs * nb, H)
         else:
             state = drafter.update_state(embed(beams[:, :, t].reshape(-1)), state, t)  # [bs*nb, H]
             step_logits = logits(context, state).reshape(bs, nb, -1)  # [bs, nb, V] float32
-        score, parent, token, step_logp = select(step_logits, score, nb, warp_top_k, keep_log_probs)
+        live = score[:, :step_logits.shape[1]]  # step 0 (one row): beam 0's score
+        score, parent, token, step_logp = select(step_logits, live, nb, warp_top_k, keep_log_probs)
         if ids is not None:
             token = ids[token]
         beams = torch.cat([beams[rows, parent], token[:, :, None]], dim=2)  # [bs, nb, t+2]
