@@ -164,6 +164,49 @@ def _cost_model(docs: list[dict], names: tuple[str, ...]) -> list[str]:
     return out
 
 
+def _tree_step(docs: list[dict], names: tuple[str, ...]) -> list[str]:
+    """What a tree step costs against an AR step (`bench-engine --profile-phases`), per engine and batch: the cost
+    model's fixed cost (width-1 tree step / AR step) and per-node cost at context 32, the decode's own step ratio and
+    speedup, the share of the tokens per step the speedup keeps, and where a batch-1 tree step's time goes."""
+    out = _head("engine", "batch", "AR step ms", "width-1 tree step ms", "fixed cost (width 1 / AR)",
+                "per verified node / AR", "ReDrafter vs AR (rounds)", "tokens/step", "tree step / AR step (decode)",
+                "speedup / tokens per step", "batch-1 phases ms: verify / accept / rewind / draft / pack", "JSON")
+    for name, doc in zip(names, docs):
+        overheads = {(o["context"], o["batch"]): o for o in doc["speculation_overheads"]}
+        rows = _rows_of(doc)
+        ctx = min(o["context"] for o in doc["speculation_overheads"])
+        for batch in sorted({r["batch_size"] for r in doc["rows"]}):
+            o, rd = overheads[(ctx, batch)], rows[(batch, "redrafter")]
+            phases = doc.get("phases_ms") or {}
+            out.append(_row([
+                SHORT_DTYPE.get(doc["dtype"], doc["dtype"]), batch, _f(o["ar_ms"]), _f(o["width1_ms"]),
+                _f(o["fixed"]), _f(o["per_node"], 3), _speedup(rd), _f(rd["tokens_per_step"]),
+                _f(rd["step_cost_ratio"]), _f(rd["speedup"] / rd["tokens_per_step"]),
+                " / ".join(_f(phases[p]) for p in ("verify", "accept", "rewind", "draft", "pack"))
+                if phases and batch == 1 else "-", _link(name)]))
+    return out
+
+
+def _step_trace(docs: list[dict], names: tuple[str, ...]) -> list[str]:
+    """`scripts/step_trace.py`: one compiled AR step and one tree step, ms per part, per engine, and the difference."""
+    heads, cols = [], []
+    for doc in docs:
+        dtype = SHORT_DTYPE.get(doc.get("dtype") or "", "")
+        label = dtype or doc["engine"].rstrip("/").rsplit("/", 1)[-1]
+        ar, tree = doc["parts_ms"].values()
+        kind = list(doc["parts_ms"])[1]
+        heads += [f"{label} AR step", f"{label} {kind}", f"{label} difference"]
+        cols.append((ar, tree))
+    out = _head("part (ms per step)", *heads)
+    for part in cols[0][0]:
+        out.append(_row([part, *(c for ar, tree in cols
+                                 for c in (_f(ar[part], 3), _f(tree[part], 3), f"{tree[part] - ar[part]:+.3f}"))]))
+    out += ["", "; ".join(f"{SHORT_DTYPE.get(d.get('dtype') or '', d['engine'])}: batch {d['batch']}, context "
+                          f"{d['context']}, {d['threads']} threads, C++ wrapper {'on' if d['cpp_wrapper'] else 'off'}, "
+                          f"{_link(n)}" for d, n in zip(docs, names)) + "."]
+    return out
+
+
 def _calibration(docs: list[dict], names: tuple[str, ...]) -> list[str]:
     out = _head("claimed probability", "mean claimed", "accepted", "claimed / accepted", "nodes")
     for r in docs[0]["overall"]:
@@ -407,6 +450,8 @@ TABLES = {t.name: t for t in (
     Table("cpu-quant", "docs/perf.md", ("quant-smollm2-b1-int8_wo", "quant-smollm2-b1-int4_awq",
                                         "quant-smollm2-b1-bf16", "quant-smollm2-b1-fp8"), _quant_cpu),
     Table("cpu-quant-quality", "docs/perf.md", ("quant-smollm2-quality", "quant-smollm2-quality-fp8"), _quant_quality),
+    Table("tree-step", "docs/perf.md", ("tree-step-smollm2-float32", "tree-step-smollm2-bfloat16"), _tree_step),
+    Table("step-trace", "docs/perf.md", ("step-trace-smollm2-float32", "step-trace-smollm2-bfloat16"), _step_trace),
     Table("cost-model", "docs/perf.md", ("policy-smollm2-b8-b32-float32-categories-2026-11-28",), _cost_model),
     Table("calibration", "docs/perf.md", ("calibration-smollm2",), _calibration),
     Table("gpu-h100-step", "docs/perf.md", ("gpu-h100-bench",), _gpu_step),
