@@ -39,7 +39,10 @@ def parts_of_step(events: list[dict], call: dict) -> dict[str, float]:
         if e["ts"] >= end:
             top.append(e)
             end = e["ts"] + e["dur"]
-    linear = [e for e in top if e["name"].endswith("::linear") or e["name"].endswith("::linear_wo")]
+    def is_linear(name: str) -> bool:  # the CPU linear kernels (cpu/linear.cpp): float and weight-only
+        return name.endswith(("::linear", "::linear_wo"))
+
+    linear = [e for e in top if is_linear(e["name"])]
     head_end = max(linear, key=lambda e: e["dur"]) if linear else None  # the lm_head ends the verify
     cut = head_end["ts"] + head_end["dur"] if head_end else t0
     out = dict.fromkeys(PARTS, 0.0)
@@ -48,7 +51,7 @@ def parts_of_step(events: list[dict], call: dict) -> dict[str, float]:
         out["gaps"] += e["ts"] - prev
         prev = e["ts"] + e["dur"]
         name, verify = e["name"], e["ts"] < cut
-        if name.endswith("::linear") or name.endswith("::linear_wo"):
+        if is_linear(name):
             part = "verify linear" if verify else "drafter linear"
         elif "attention" in name:
             part = "attention"

@@ -175,9 +175,9 @@ def _tree_step(docs: list[dict], names: tuple[str, ...]) -> list[str]:
         overheads = {(o["context"], o["batch"]): o for o in doc["speculation_overheads"]}
         rows = _rows_of(doc)
         ctx = min(o["context"] for o in doc["speculation_overheads"])
+        phases = doc.get("phases_ms") or {}
         for batch in sorted({r["batch_size"] for r in doc["rows"]}):
             o, rd = overheads[(ctx, batch)], rows[(batch, "redrafter")]
-            phases = doc.get("phases_ms") or {}
             out.append(_row([
                 SHORT_DTYPE.get(doc["dtype"], doc["dtype"]), batch, _f(o["ar_ms"]), _f(o["width1_ms"]),
                 _f(o["fixed"]), _f(o["per_node"], 3), _speedup(rd), _f(rd["tokens_per_step"]),
@@ -189,21 +189,19 @@ def _tree_step(docs: list[dict], names: tuple[str, ...]) -> list[str]:
 
 def _step_trace(docs: list[dict], names: tuple[str, ...]) -> list[str]:
     """`scripts/step_trace.py`: one compiled AR step and one tree step, ms per part, per engine, and the difference."""
+    labels = [SHORT_DTYPE.get(doc["dtype"], doc["dtype"]) for doc in docs]
     heads, cols = [], []
-    for doc in docs:
-        dtype = SHORT_DTYPE.get(doc.get("dtype") or "", "")
-        label = dtype or doc["engine"].rstrip("/").rsplit("/", 1)[-1]
-        ar, tree = doc["parts_ms"].values()
-        kind = list(doc["parts_ms"])[1]
-        heads += [f"{label} AR step", f"{label} {kind}", f"{label} difference"]
+    for label, doc in zip(labels, docs):
+        (ar, tree), tree_kind = doc["parts_ms"].values(), list(doc["parts_ms"])[1]
+        heads += [f"{label} AR step", f"{label} {tree_kind}", f"{label} difference"]
         cols.append((ar, tree))
     out = _head("part (ms per step)", *heads)
     for part in cols[0][0]:
         out.append(_row([part, *(c for ar, tree in cols
                                  for c in (_f(ar[part], 3), _f(tree[part], 3), f"{tree[part] - ar[part]:+.3f}"))]))
-    out += ["", "; ".join(f"{SHORT_DTYPE.get(d.get('dtype') or '', d['engine'])}: batch {d['batch']}, context "
-                          f"{d['context']}, {d['threads']} threads, C++ wrapper {'on' if d['cpp_wrapper'] else 'off'}, "
-                          f"{_link(n)}" for d, n in zip(docs, names)) + "."]
+    out += ["", "; ".join(f"{label}: batch {d['batch']}, context {d['context']}, {d['threads']} threads, C++ wrapper "
+                          f"{'on' if d['cpp_wrapper'] else 'off'}, {_link(n)}"
+                          for label, d, n in zip(labels, docs, names)) + "."]
     return out
 
 

@@ -141,10 +141,10 @@ class StepLauncher:
         if trees:
             work += [(bs, v, T) for bs in sorted(sizes, reverse=True) for T in widths for v in variants]
         pad = self.state.padding_slot
+        nb, bl = self.tree_shape.num_beams, self.tree_shape.beam_length
         with torch.inference_mode():  # largest batches first: later captures reuse their pool memory
             for bs, variant, T in tqdm(work, desc=f"compiling decode steps ({self.compiler.mode})", unit="graph",
                                        disable=not show or None, leave=False):
-                nb, bl = self.tree_shape.num_beams, self.tree_shape.beam_length
                 masks = bitmask.full(bs, *((nb, bl) if variant.tree else ()), words) if variant.grammar else None
                 if not variant.tree:
                     self.ar([pad] * bs, 1, variant.rule, grammar=masks).cpu()
