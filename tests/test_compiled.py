@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine_utils import build_tiny_engines, greedy, hf_greedy, load_engine, random_prompts
-from trt_redrafter.config import SamplingConfig
+from trt_redrafter.config import SamplingConfig, Speculation
 from trt_redrafter.runtime.generate import generate
 
 # inductor compiles C++ on first use (a minute on 2 cores); core: the CPU default (`--compile auto` at TP 1) is
@@ -78,3 +78,22 @@ def test_compiled_step_does_not_recompile_across_steps(tiny, compiled):
     finally:
         torch.compiler.set_stance("default")
     assert all(len(r.output_ids) == 70 for r in res)
+
+
+def test_compiled_root_only_steps_run_the_one_tree_graph(tiny, compiled):
+    """`--speculate 1`: every step verifies its root alone and drafts the next trees, the fixed cost of speculating.
+    It verifies one node, not two (the width an unbacked size: the graph compiled at the whole tree's width runs
+    it), recompiles nothing, and emits AR's tokens."""
+    _, _, prompts, ar = tiny
+    launcher = compiled.launcher
+    verified, verify_width = [], launcher.verify_width
+    launcher.verify_width = lambda width, kept: verified.append(verify_width(width, kept)) or verified[-1]
+    speculation, compiled.policy.speculation = compiled.policy.speculation, Speculation(False, 1)
+    torch.compiler.set_stance("fail_on_recompile")
+    try:
+        res = generate(compiled, prompts, greedy(40), "redrafter")
+    finally:
+        torch.compiler.set_stance("default")
+        compiled.policy.speculation, launcher.verify_width = speculation, verify_width
+    assert [r.output_ids for r in res] == ar
+    assert set(verified) == {1} and len(verified) >= 39  # every decode step a tree step (40 tokens: >= 39 steps)

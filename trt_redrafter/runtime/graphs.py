@@ -182,6 +182,22 @@ class Compiler:
     def unit(self, fn: Callable, name: str, neutral: Optional[Callable] = None) -> Unit:
         return Unit(fn, self.mode, self.device, name, self.pool, neutral)
 
+    @property
+    def any_width(self) -> bool:
+        """Whether one compiled tree step serves every tree width, 1 included: eager, and inductor on the CPU, where
+        `mark_width` makes the width an unbacked size. Elsewhere a width of 1 would compile a graph of its own
+        (inductor specializes sizes 0 and 1 of a dimension marked dynamic; CUDA graphs capture per width)."""
+        return self.mode == "off" or (self.mode == "inductor" and self.device.type == "cpu")
+
+    def mark_width(self, width: torch.Tensor) -> None:
+        """Mark a step's tree-width tensor [T]: under inductor on the CPU as an unbacked size, so the graph compiled
+        at one width runs at T = 1 too (a step that verifies its root only and drafts: the fixed cost of
+        speculating, which a 2-node graph would pay one more row per request for); elsewhere as `mark_dynamic`."""
+        if self.any_width and "inductor" in self.mode:
+            torch._dynamo.decorators.mark_unbacked(width, 0)
+        else:
+            self.mark_dynamic(width)
+
     def mark_dynamic(self, *tensors: torch.Tensor) -> None:
         """Tell inductor that the first dimension of each tensor varies, so it compiles one graph for all sizes
         (CUDA graphs are still captured per size)."""

@@ -120,9 +120,12 @@ class StepLauncher:
 
     def verify_width(self, width: int, kept: int) -> int:
         """Tree nodes a step verifies: the bucket's width under CUDA graphs (captured shapes), else just the nodes
-        some request keeps, at least 2: inductor compiles one graph for every width >= 2 (a width of 1 would
-        specialize, and cost a compilation of its own for what one more node costs)."""
-        return width if self.compiler.uses_graphs else max(2, kept)
+        some request keeps: down to the root alone where one compiled graph serves every width
+        (`Compiler.any_width`), else at least 2 (inductor on CUDA would specialize a width of 1, and compile a graph
+        of its own for what one more node costs)."""
+        if self.compiler.uses_graphs:
+            return width
+        return kept if self.compiler.any_width else max(2, kept)
 
     # ---- warm-up -----------------------------------------------------------------------------------------------
     def warmup(self, variants: list[StepVariant], trees: bool = True, show: bool = True, guided: bool = False,
@@ -165,7 +168,8 @@ class StepLauncher:
                 self._key_blocks(longest), torch.arange(T, device=dev),
                 torch.tensor(keep, dtype=torch.long, device=dev))
         # key_blocks varies only where the attention reads every block it is given
-        self.compiler.mark_dynamic(*(args if self.trims_key_blocks else (args[0], args[2], args[3])))
+        self.compiler.mark_dynamic(*((args[0], args[1], args[3]) if self.trims_key_blocks else (args[0], args[3])))
+        self.compiler.mark_width(args[2])
         return args
 
     def _key_blocks(self, longest: int) -> torch.Tensor:
