@@ -448,7 +448,8 @@ def main() -> int:
                 row["ar_equals_hf_prefix"] = common_prefix(ar["outputs"][0], doc["hf_outputs_b1"][0])
                 row["ar_vs_hf_speedup"] = hf_ms[1] / ar["tpot_ms"]
             if b == 1:
-                row["phases_ms"] = phase_profile(engine, prompts[:1], SamplingConfig(max_tokens=args.max_tokens))
+                row["phases_ms"], row["phases_speculate"] = phase_profile(engine, prompts[:1],
+                                                                          SamplingConfig(max_tokens=args.max_tokens))
                 if args.parity_prompts:
                     row["parity"] = parity_report(engine, pair.hf, prompts_for(args.parity_prompts, args.prompt_len,
                                                                                m.vocab_size, args.seed + 7),

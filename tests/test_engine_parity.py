@@ -94,6 +94,22 @@ def _last_logits(engine, seq):
     return seq, captured["logits"]
 
 
+def test_phase_profile_times_whole_trees_where_the_policy_takes_ar_steps(tiny):
+    """bench-engine's phase profile: where the policy takes AR steps only (here its cost model makes every tree step
+    dear), the profile times steps that verify whole trees instead of timing nothing, and says so."""
+    from trt_redrafter.bench.measure import phase_profile
+    from trt_redrafter.runtime.step import PHASES
+
+    engine = load_engine(tiny["engine_dir"], speculate="auto")
+    costs = engine.policy.costs
+    costs.tree = [[[100 * ms for ms in row] for row in ctx] for ctx in costs.tree]
+    own = engine.policy.speculation
+    phases, under = phase_profile(engine, tiny["prompts"][:1], greedy(MAX_NEW))
+    assert under == "full" and set(phases) == set(PHASES) and all(t > 0 for t in phases.values())
+    assert engine.policy.speculation is own and not engine.timer.enabled
+    assert engine.step_times.widths[0] > 0  # the policy's own run took AR steps
+
+
 def test_phase_profile_times_every_phase_and_changes_no_token(tiny):
     """--profile-phases runs verify/accept/rewind/draft/pack as separate units: same tokens, every phase timed."""
     from trt_redrafter.runtime.step import PHASES

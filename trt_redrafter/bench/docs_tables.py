@@ -183,6 +183,7 @@ def _tree_step(docs: list[dict], names: tuple[str, ...]) -> list[str]:
                 _f(o["fixed"]), _f(o["per_node"], 3), _speedup(rd), _f(rd["tokens_per_step"]),
                 _f(rd["step_cost_ratio"]), _f(rd["speedup"] / rd["tokens_per_step"]),
                 " / ".join(_f(phases[p]) for p in ("verify", "accept", "rewind", "draft", "pack"))
+                + (" (whole trees)" if doc.get("phases_speculate") == "full" else "")
                 if phases and batch == 1 else "-", _link(name)]))
     return out
 

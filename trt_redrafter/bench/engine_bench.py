@@ -225,6 +225,7 @@ class Measured:
     chat_template: str
     rows: list[ModeRow]
     phases: dict[str, float]
+    phases_speculate: str  # the speculation the phases' steps ran under (`phase_profile`)
     ar_outputs: Optional[list[list[int]]]  # AR's at batch 1 (the baselines' reference), if measured
 
 
@@ -247,8 +248,8 @@ def measure_engine(engine: Engine, ecfg: EngineConfig, args: argparse.Namespace,
                   f"{r.ratio.describe()}", file=sys.stderr)
         rows += batch_rows
     # the phase breakdown of one ReDrafter request, each phase its own unit
-    phases = phase_profile(engine, prompts[:1], params, last=False) if ecfg.has_drafter else {}
-    return Measured(prompts, max_tokens, chat_template, rows, phases, ar1)
+    phases, speculation = phase_profile(engine, prompts[:1], params, last=False) if ecfg.has_drafter else ({}, "")
+    return Measured(prompts, max_tokens, chat_template, rows, phases, speculation, ar1)
 
 
 def peer_baselines(args: argparse.Namespace, kinds: list[str], m: Measured, threads: int) -> list[BaselineRow]:
@@ -275,7 +276,7 @@ def summary_doc(args: argparse.Namespace, ecfg: EngineConfig, engine: Engine, ru
         "proposer": ecfg.proposer.to_dict(), "prompts": len(m.prompts), "prompt_order": args.prompt_order,
         "max_tokens": m.max_tokens, "chat_template": m.chat_template, "repeats": args.repeats,
         "rows": [dataclasses.asdict(r) for r in m.rows], "hf": {r.name: r.to_dict() for r in peers},
-        "phases_ms": m.phases, "runtime": runtime.to_dict(), "compile": engine.compiler.mode,
+        "phases_ms": m.phases, "phases_speculate": m.phases_speculate, "runtime": runtime.to_dict(), "compile": engine.compiler.mode,
         "cpp_wrapper": engine.compiler.cpp_wrapper,
         "kernels": engine.kernels, "engine_load_s": load_s, "speculate": str(engine.policy.speculation),
         "cost_model": costs.to_dict(), "speculation_overheads": costs.overheads(),
@@ -338,7 +339,8 @@ def print_footer(doc: dict) -> None:
               f"AR at batch 1 is at {100 * roofline['floor_ms'] / ar1:.0f}% of that bound")
     if phases:
         total = sum(phases.values()) or 1.0
-        print("ReDrafter step phases (batch 1, each phase timed alone): " + ", ".join(
+        under = doc.get("phases_speculate") or "auto"
+        print(f"ReDrafter step phases (batch 1, --speculate {under}, each phase timed alone): " + ", ".join(
             f"{k} {phases.get(k, 0.0):.3f} ms ({100 * phases.get(k, 0.0) / total:.0f}%)" for k in PHASES))
 
 

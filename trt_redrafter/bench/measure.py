@@ -17,9 +17,9 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..config import SamplingConfig
+from ..config import SamplingConfig, Speculation
 from ..runtime.engine import Engine
-from ..runtime.generate import GenerationResult, generate
+from ..runtime.generate import GenerationResult, generate, release_followers
 from .metrics import percentile
 
 
@@ -70,17 +70,29 @@ def run_mode(engine: Engine, prompts: list[list[int]], params: SamplingConfig, m
 
 
 def phase_profile(engine: Engine, prompts: list[list[int]], params: SamplingConfig, proposer: str = "redrafter",
-                  last: bool = True) -> dict[str, float]:
+                  last: bool = True) -> tuple[dict[str, float], str]:
     """Mean ms per ReDrafter step of each phase (verify, accept, rewind, draft, pack), each run as its own unit and
-    timed with the device synchronized around it; the first run builds those units and is not counted."""
+    timed with the device synchronized around it, and the speculation the timed steps ran under. First under the
+    engine's own; where its policy took AR steps only (a drafter that does not pay on this machine: no tree step to
+    time), again with every tree verified whole (`full`). The first run of each builds those units and is not
+    counted."""
+    policy = engine.policy
+    own = policy.speculation
     engine.timer.enabled = True
     try:
-        generate(engine, prompts, params, "redrafter", proposer=proposer, last=False)
-        engine.timer.reset()
-        generate(engine, prompts, params, "redrafter", proposer=proposer, last=last)
-        return engine.timer.mean_ms()
+        for speculation in dict.fromkeys((own, Speculation(False))):
+            policy.speculation = speculation
+            generate(engine, prompts, params, "redrafter", proposer=proposer, last=False)
+            engine.timer.reset()
+            generate(engine, prompts, params, "redrafter", proposer=proposer, last=False)
+            if engine.timer.steps:
+                return engine.timer.mean_ms(), str(speculation)
+        return {}, str(own)
     finally:
         engine.timer.enabled = False
+        policy.speculation = own
+        if last:
+            release_followers(engine)
 
 
 def round_schedule(modes: list[str], groups: int, rounds: int) -> list[list[list[str]]]:
