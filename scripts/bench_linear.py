@@ -49,8 +49,9 @@ def main() -> int:
     for path in args.engine:
         for impl in args.linear.split(","):
             t0 = time.perf_counter()
-            engine = Engine.load(path, Dist(0, 1, torch.device("cpu")), RuntimeConfig(device="cpu", compile="off",
-                                                                               linear=impl, threads=args.threads))
+            # speculate full: no step cost model to measure at load (the policy's; nothing here decodes by it)
+            runtime = RuntimeConfig(device="cpu", compile="off", linear=impl, threads=args.threads, speculate="full")
+            engine = Engine.load(path, Dist(0, 1, torch.device("cpu")), runtime)
             load_s = time.perf_counter() - t0
             g = torch.Generator().manual_seed(0)
             prompt = torch.randint(100, engine.vocab_size, (args.prompt_len,), generator=g).tolist()
