@@ -276,7 +276,8 @@ def summary_doc(args: argparse.Namespace, ecfg: EngineConfig, engine: Engine, ru
         "proposer": ecfg.proposer.to_dict(), "prompts": len(m.prompts), "prompt_order": args.prompt_order,
         "max_tokens": m.max_tokens, "chat_template": m.chat_template, "repeats": args.repeats,
         "rows": [dataclasses.asdict(r) for r in m.rows], "hf": {r.name: r.to_dict() for r in peers},
-        "phases_ms": m.phases, "phases_speculate": m.phases_speculate, "runtime": runtime.to_dict(), "compile": engine.compiler.mode,
+        "phases_ms": m.phases, "phases_speculate": m.phases_speculate, "runtime": runtime.to_dict(),
+        "compile": engine.compiler.mode,
         "cpp_wrapper": engine.compiler.cpp_wrapper,
         "kernels": engine.kernels, "engine_load_s": load_s, "speculate": str(engine.policy.speculation),
         "cost_model": costs.to_dict(), "speculation_overheads": costs.overheads(),
@@ -339,9 +340,9 @@ def print_footer(doc: dict) -> None:
               f"AR at batch 1 is at {100 * roofline['floor_ms'] / ar1:.0f}% of that bound")
     if phases:
         total = sum(phases.values()) or 1.0
-        under = doc.get("phases_speculate") or "auto"
-        print(f"ReDrafter step phases (batch 1, --speculate {under}, each phase timed alone): " + ", ".join(
-            f"{k} {phases.get(k, 0.0):.3f} ms ({100 * phases.get(k, 0.0) / total:.0f}%)" for k in PHASES))
+        shares = ", ".join(f"{k} {phases.get(k, 0.0):.3f} ms ({100 * phases.get(k, 0.0) / total:.0f}%)" for k in PHASES)
+        print(f"ReDrafter step phases (batch 1, --speculate {doc['phases_speculate']}, each phase timed alone): "
+              f"{shares}")
 
 
 def run(args: argparse.Namespace) -> int:
