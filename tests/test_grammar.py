@@ -8,6 +8,8 @@ test_serving_modes.py, test_openai.py and test_build_and_run_cli.py.
 
 from __future__ import annotations
 
+import inspect
+
 import json
 import re
 
@@ -312,7 +314,8 @@ def test_the_warm_up_runs_the_guided_steps_where_asked(tiny):
         seen = set()
         for name in ("ar_step", "redrafter_step"):
             def spy(*args, _orig=getattr(engine.steps, name), _name=name, **kw):
-                seen.add((_name, args[-1] is not None))  # the steps' last argument: the bitmasks
+                bound = inspect.signature(_orig).bind(*args, **kw)
+                seen.add((_name, bound.arguments.get("grammar") is not None))  # the bitmasks
                 return _orig(*args, **kw)
             setattr(engine.steps, name, spy)
         engine.warmup()

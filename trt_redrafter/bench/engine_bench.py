@@ -62,6 +62,7 @@ class ModeRow:
     acceptance_rate: Optional[float]  # accepted / drafted tokens, last round (None for AR)
     greedy_outputs_equal: bool  # last round's outputs == AR's
     steps_by_width: dict[int, int]  # last round's decode steps by verified tree nodes (0: AR)
+    steps_by_beams: dict[int, int]  # last round's drafting tree steps by beams searched
     round_speedups: list[float]  # per round: AR's mean TPOT over this mode's, over the same groups
     group_speedups: list[float]  # per group and round: AR's TPOT over this mode's, run back to back
     speedup: float  # the median of round_speedups: the headline
@@ -135,9 +136,12 @@ def measure_batch(engine: Engine, prompts: list[list[int]], bs: int, modes: list
 def mode_row(bs: int, mode: str, t: _Tally, ar: _Tally) -> ModeRow:
     results = [r for run in t.last for r in run.results]
     widths: dict[int, int] = {}
+    beams: dict[int, int] = {}
     for run in t.last:
         for w, n in run.widths.items():
             widths[w] = widths.get(w, 0) + n
+        for k, n in run.beams.items():
+            beams[k] = beams.get(k, 0) + n
     ratio = RatioSummary.of(t.round_ratios)
     speculative = mode != "ar"
     step_ms, propose_ms = t.step_ms, 1e3 * t.propose / max(1, t.steps)
@@ -147,7 +151,8 @@ def mode_row(bs: int, mode: str, t: _Tally, ar: _Tally) -> ModeRow:
         propose_ms_per_step=propose_ms,
         tokens_per_step=statistics.mean(r.tokens_per_step for r in results) if speculative else 1.0,
         acceptance_rate=sum(r.accepted_draft_tokens for r in results) / max(1, drafted) if speculative else None,
-        greedy_outputs_equal=t.outputs == ar.outputs, steps_by_width=widths, round_speedups=t.round_ratios,
+        greedy_outputs_equal=t.outputs == ar.outputs, steps_by_width=widths, steps_by_beams=beams,
+        round_speedups=t.round_ratios,
         group_speedups=t.group_ratios, speedup=ratio.median, speedup_min=ratio.min, speedup_max=ratio.max,
         speedup_iqr=ratio.iqr, step_cost_ratio=step_ms / ar.step_ms if ar.step_ms else 0.0,
         propose_share=propose_ms / step_ms if step_ms else 0.0)
@@ -324,6 +329,10 @@ def print_table(rows: list[ModeRow], peers: list[BaselineRow]) -> None:
         speedup = "-" if p.speedup is None else f"{p.speedup:.2f}x"
         print(f"| 1 | {p.name} | {p.ms_per_token:.3f} | {speedup} | - | - | - | - | - | - | "
               f"{p.outputs_equal_to_ar or p.greedy_outputs_equal} |")
+    for r in rows:
+        if r.steps_by_beams:
+            print(f"batch {r.batch_size} {r.mode}: tree steps that drafted, by beams searched: "
+                  + " ".join(f"{k}:{n}" for k, n in sorted(r.steps_by_beams.items())))
     for r in rows:
         if r.ratio.straddles_one:
             print(f"batch {r.batch_size} {r.mode}: the rounds disagree on whether it is faster than AR "

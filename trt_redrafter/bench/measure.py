@@ -34,6 +34,7 @@ class ModeRun:
     own_step_ms: float  # mean step of the mode's own kind: tree steps for a proposer, AR steps for ar (0: none)
     propose_s: float  # the host's drafting between steps (N-gram, mixed)
     widths: dict[int, int] = field(default_factory=dict)  # decode steps by verified tree nodes (0: AR)
+    beams: dict[int, int] = field(default_factory=dict)  # tree steps that drafted, by beams searched
 
     @property
     def tpot_ms(self) -> float:
@@ -66,7 +67,8 @@ def run_mode(engine: Engine, prompts: list[list[int]], params: SamplingConfig, m
     res = generate(engine, prompts, params, decoding, proposer=proposer, last=last)
     st = engine.step_times  # an N-gram request with nothing worth drafting takes an AR step
     return ModeRun(mode, res, st.seconds["ar"] + st.seconds["tree"], st.steps["ar"] + st.steps["tree"],
-                   st.mean_ms("ar" if decoding == "ar" else "tree"), st.seconds["propose"], dict(st.widths))
+                   st.mean_ms("ar" if decoding == "ar" else "tree"), st.seconds["propose"], dict(st.widths),
+                   dict(st.beams))
 
 
 def phase_profile(engine: Engine, prompts: list[list[int]], params: SamplingConfig, proposer: str = "redrafter",

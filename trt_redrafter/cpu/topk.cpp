@@ -122,6 +122,8 @@ std::tuple<at::Tensor, at::Tensor> topk(const at::Tensor& x_in, int64_t k) {
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(trt_redrafter_cpu, m) { m.def("topk(Tensor x, int k) -> (Tensor, Tensor)"); }
+// k is a SymInt: a compiled step may take it from an unbacked size (the drafter's beam count); the kernel is called
+// with its value, as an int64_t
+TORCH_LIBRARY_FRAGMENT(trt_redrafter_cpu, m) { m.def("topk(Tensor x, SymInt k) -> (Tensor, Tensor)"); }
 
 TORCH_LIBRARY_IMPL(trt_redrafter_cpu, CPU, m) { m.impl("topk", &topk); }

@@ -85,7 +85,7 @@ def select_beams(step_logits: torch.Tensor, score: torch.Tensor, num_beams: int,
 
 
 def select_beams_topk(step_logits: torch.Tensor, score: torch.Tensor, num_beams: int, warp_top_k: Optional[int],
-                      need_log_probs: bool = False, topk: TopkFn = torch.topk
+                      need_log_probs: bool = False, topk: TopkFn = torch.topk, max_beams: Optional[int] = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """`select_beams` without touching nin*V candidates: the nb best of all beams' candidates are among each beam's
     own nb best (a beam's score is the same for all its tokens), and with the warp the top-k values also give the
@@ -94,13 +94,16 @@ def select_beams_topk(step_logits: torch.Tensor, score: torch.Tensor, num_beams:
     rounding (the normalizer is summed in another order) and exact ties; the kernel `plugins.beam_step` computes
     this too. The full log-probs are computed only when asked (`apple` acceptance). `topk(x, k)` -> (values,
     indices) along the last dimension, descending: `torch.topk`, or the CPU kernel `cpu.topk` (equal values in index
-    order).
+    order). `max_beams`: where num_beams is a symbolic size (a compiled step that drafts any count), its static bound:
+    every choice of path is made by the bound, and each beam's max_beams best candidates are kept, among which its
+    num_beams best are, in the same order (the same selection, ties included).
     """
     bs, nin, V = step_logits.shape
     nb = num_beams
-    if warp_top_k is not None and warp_top_k < nb:  # warped-out ties would be chosen: keep the literal algorithm
+    bound = nb if max_beams is None else max_beams
+    if warp_top_k is not None and warp_top_k < bound:  # warped-out ties would be chosen: keep the literal algorithm
         return select_beams(step_logits, score, nb, warp_top_k, need_log_probs)
-    if nb == 1 and nin == 1 and not need_log_probs:
+    if max_beams is None and nb == 1 and nin == 1 and not need_log_probs:
         # one beam is greedy drafting: the argmax, and its log-probability for the node's confidence (the normalizer
         # over the warp's top-k, or over V)
         logits = step_logits.float()
@@ -109,8 +112,8 @@ def select_beams_topk(step_logits: torch.Tensor, score: torch.Tensor, num_beams:
         lse = torch.logsumexp(kept - top[..., None], dim=-1)  # [bs, 1]
         return score - lse, torch.zeros_like(score, dtype=torch.long), token, None
     logits = step_logits.float()
-    K = min(max(nb, warp_top_k or 0), V)
-    kk = min(nb, K)  # candidates kept per beam
+    K = min(max(bound, warp_top_k or 0), V)
+    kk = min(bound, K)  # candidates kept per beam
     top, idx = topk(logits, K)  # [bs, nin, K] descending
     x = top - top[..., :1]  # max-subtracted, as the oracle
     if warp_top_k is not None and warp_top_k < V:
@@ -133,14 +136,16 @@ SelectFn = Callable[[torch.Tensor, torch.Tensor, int, Optional[int], bool],
 def beam_search(drafter: DrafterProtocol, embed: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor,
                 true_token: torch.Tensor, num_beams: int, draft_len: int,
                 warp_top_k: Optional[int] = DEFAULT_WARP_TOP_K, keep_log_probs: bool = True,
-                select: SelectFn = select_beams) -> BeamSearchResult:
+                select: SelectFn = select_beams, max_beams: Optional[int] = None) -> BeamSearchResult:
     """Draft `num_beams` beams of `draft_len` tokens for each row of h [bs, H] and true_token [bs].
 
     `embed` maps token ids [n] to embeddings [n, H] (the base model's input embedding, shared with the drafter).
     `warp_top_k` = 50 is Apple's drafter (what it was trained with); None is TensorRT-LLM's engine (no warp).
     `keep_log_probs` (only `apple` acceptance reads them) gathers the chosen beams' per-step distributions;
     without it `log_probs` is None. `select` is `select_beams`, `select_beams_topk` or a kernel with their
-    contract. No host sync: the loop runs inside a compiled step.
+    contract. No host sync: the loop runs inside a compiled step. `max_beams`: where num_beams is a symbolic size
+    (an unbacked one: a compiled step that drafts any count up to it), its static bound, by which every choice of
+    path is made (`select` must take it too: `select_beams_topk`), so that tracing never guards on the count.
 
     Step 0 runs the drafter on one row per request: every beam is still [true token] with the same state, so
     the nb rows of the literal algorithm are copies of one (only beam 0 is live: the others start at LOG_ZERO).
@@ -148,7 +153,14 @@ def beam_search(drafter: DrafterProtocol, embed: Callable[[torch.Tensor], torch.
     assert h.dim() == 2 and true_token.shape == (h.shape[0],), \
         f"h must be [bs, H] and true_token [bs], got {tuple(h.shape)} and {tuple(true_token.shape)}"
     assert true_token.dtype == torch.long, f"true_token must be int64, got {true_token.dtype}"
-    assert num_beams >= 1 and draft_len >= 1, f"need num_beams >= 1 and draft_len >= 1, got {num_beams}, {draft_len}"
+    assert draft_len >= 1, f"need draft_len >= 1, got {draft_len}"
+    if max_beams is None:
+        assert num_beams >= 1, f"need num_beams >= 1, got {num_beams}"
+    else:
+        torch._check(num_beams >= 1)
+        torch._check(num_beams <= max_beams)
+    bound = num_beams if max_beams is None else max_beams
+    by_bound = {} if max_beams is None else {"max_beams": max_beams}
     bs, H = h.shape
     nb, dl = num_beams, draft_len
     device = h.device
@@ -176,14 +188,14 @@ def beam_search(drafter: DrafterProtocol, embed: Callable[[torch.Tensor], torch.
             # select among beam 0's candidates alone where that is the same selection: where its nb best all have
             # a finite log-probability (V >= nb, and no warp or one keeping >= nb tokens), each beats every candidate
             # of the LOG_ZERO beams, and the nb - 1 copies of its row would only cost a top-K each
-            if step_logits.shape[-1] < nb or (warp_top_k is not None and warp_top_k < nb):
+            if step_logits.shape[-1] < bound or (warp_top_k is not None and warp_top_k < bound):
                 step_logits = step_logits.expand(bs, nb, -1)  # [bs, nb, V]
             state = state[:, None].expand(bs, nb, H).reshape(bs * nb, H)
         else:
             state = drafter.update_state(embed(beams[:, :, t].reshape(-1)), state, t)  # [bs*nb, H]
             step_logits = logits(context, state).reshape(bs, nb, -1)  # [bs, nb, V] float32
         live = score[:, :step_logits.shape[1]]  # step 0 (one row): beam 0's score
-        score, parent, token, step_logp = select(step_logits, live, nb, warp_top_k, keep_log_probs)
+        score, parent, token, step_logp = select(step_logits, live, nb, warp_top_k, keep_log_probs, **by_bound)
         if ids is not None:
             token = ids[token]
         beams = torch.cat([beams[rows, parent], token[:, :, None]], dim=2)  # [bs, nb, t+2]

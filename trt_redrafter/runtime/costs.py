@@ -32,7 +32,7 @@ from .state import put_rows
 logger = get_logger(__name__)
 
 COST_MODEL_FILE = "cost_model.json"
-COST_MODEL_VERSION = 1
+COST_MODEL_VERSION = 2  # 2: width-1 steps by beam count (`beams`, `draft`)
 COST_CONTEXTS = (32, 1024)  # context lengths the cost model is measured at (the longer one capped by max_seq_len)
 COST_REPEATS = (3, 9)  # timed calls per measured point (after one untimed): fewest, and most for the fastest ones
 COST_POINT_S = 0.25  # ... so that each point takes about this long
@@ -41,8 +41,9 @@ COST_POINT_S = 0.25  # ... so that each point takes about this long
 @dataclass
 class CostModel:
     """Measured step times (ms): `ar[b]` and `tree[b][T]` at context lengths `contexts` (two), for the batch sizes
-    `batches` (the engine's buckets). Lookups interpolate linearly between measured batch sizes and contexts (and
-    extrapolate past the longer context)."""
+    `batches` (the engine's buckets); `tree` drafts the next trees with every beam, and `draft[b][k]` is a width-1
+    step that drafts with `beams[k]` beams (empty where the step drafts one count only). Lookups interpolate linearly
+    between measured batch sizes and contexts (and extrapolate past the longer context)."""
 
     batches: list[int]
     widths: list[int]
@@ -50,13 +51,21 @@ class CostModel:
     ar: list[list[float]]  # [context][batch]
     tree: list[list[list[float]]]  # [context][batch][width]
     key: dict = field(default_factory=dict)  # what it was measured for (`fingerprint`)
+    beams: list[int] = field(default_factory=list)  # beam counts measured, ascending, every beam last
+    draft: list[list[list[float]]] = field(default_factory=list)  # [context][batch][beam count]
 
     def ar_ms(self, batch: int, context: float) -> float:
         return self._lookup([row for row in self.ar], batch, context)
 
-    def tree_ms(self, batch: int, width: int, context: float) -> float:
+    def tree_ms(self, batch: int, width: int, context: float, beams: int = 0) -> float:
+        """A tree step verifying `width` nodes and drafting the next trees with `beams` beams (0: every beam): the
+        measured step at that width, less what drafting fewer beams saves at width 1."""
         w = self.widths.index(width)
-        return self._lookup([[per_b[w] for per_b in row] for row in self.tree], batch, context)
+        ms = self._lookup([[per_b[w] for per_b in row] for row in self.tree], batch, context)
+        if beams and self.beams and beams != self.beams[-1]:
+            k = self.beams.index(beams)
+            ms -= self._lookup([[per_b[-1] - per_b[k] for per_b in row] for row in self.draft], batch, context)
+        return ms
 
     def _lookup(self, table: list[list[float]], batch: int, context: float) -> float:
         at_ctx = [_interp(self.batches, row, batch) for row in table]
@@ -65,11 +74,12 @@ class CostModel:
 
     def to_dict(self) -> dict:
         return {"batches": self.batches, "widths": self.widths, "contexts": self.contexts, "ar": self.ar,
-                "tree": self.tree, "key": self.key}
+                "tree": self.tree, "key": self.key, "beams": self.beams, "draft": self.draft}
 
     @classmethod
     def from_dict(cls, d: dict) -> "CostModel":
-        return cls(d["batches"], d["widths"], d["contexts"], d["ar"], d["tree"], d.get("key", {}))
+        return cls(d["batches"], d["widths"], d["contexts"], d["ar"], d["tree"], d.get("key", {}), d.get("beams", []),
+                   d.get("draft", []))
 
     def overheads(self) -> list[dict]:
         """What speculating costs, per context and batch: `fixed`, a width-1 tree step (it verifies the root only and
@@ -86,16 +96,22 @@ class CostModel:
                     mw = sum(w for w, _ in pts) / len(pts)
                     mt = sum(t for _, t in pts) / len(pts)
                     slope = sum((w - mw) * (t - mt) for w, t in pts) / sum((w - mw) ** 2 for w, _ in pts)
-                out.append({"context": ctx, "batch": bs, "ar_ms": ar, "width1_ms": tree[0], "fixed": tree[0] / ar,
-                            "per_node_ms": slope, "per_node": slope / ar})
+                row = {"context": ctx, "batch": bs, "ar_ms": ar, "width1_ms": tree[0], "fixed": tree[0] / ar,
+                       "per_node_ms": slope, "per_node": slope / ar}
+                if self.beams:  # a width-1 step drafting one beam: speculating at its cheapest
+                    row.update(width1_one_beam_ms=self.draft[c][b][0], fixed_one_beam=self.draft[c][b][0] / ar)
+                out.append(row)
         return out
 
     def overhead_table(self) -> str:
+        one = bool(self.beams)
         lines = ["| context | batch | AR step ms | width-1 tree step ms | fixed cost (width 1 / AR) | "
-                 "per verified node ms | per node / AR |", "|---|---|---|---|---|---|---|"]
+                 + ("fixed, drafting 1 beam | " if one else "") + "per verified node ms | per node / AR |",
+                 "|---|---|---|---|---|---|---|" + ("---|" if one else "")]
         for o in self.overheads():
             lines.append(f"| {o['context']} | {o['batch']} | {o['ar_ms']:.2f} | {o['width1_ms']:.2f} | "
-                         f"{o['fixed']:.2f} | {o['per_node_ms']:.3f} | {o['per_node']:.3f} |")
+                         f"{o['fixed']:.2f} | " + (f"{o['fixed_one_beam']:.2f} | " if one else "") +
+                         f"{o['per_node_ms']:.3f} | {o['per_node']:.3f} |")
         return "\n".join(lines)
 
     def table(self) -> str:
@@ -107,6 +123,11 @@ class CostModel:
             for b, bs in enumerate(self.batches):
                 lines.append(f"| {bs} | {self.ar[c][b]:.2f} | " +
                              " | ".join(f"{x:.2f}" for x in self.tree[c][b]) + " |")
+            if self.beams:
+                lines.append(f"width-1 step ms by beams drafted at context {ctx}: | batch | " +
+                             " | ".join(f"{k} beam{'s' if k > 1 else ''}" for k in self.beams) + " |")
+                for b, bs in enumerate(self.batches):
+                    lines.append(f"| {bs} | " + " | ".join(f"{x:.2f}" for x in self.draft[c][b]) + " |")
         return "\n".join(lines)
 
 
@@ -285,8 +306,10 @@ def measure(launcher: StepLauncher, dist, free_slots: list[int], max_seq_len: in
         launcher.tree(free[:1], P, [P], contexts[0], variant).cpu()
 
     widths = launcher.widths
+    beams = launcher.beam_options if draft and len(launcher.beam_options) > 1 else []
     ar = [[0.0] * len(batches) for _ in contexts]
     trees = [[[0.0] * len(widths) for _ in batches] for _ in contexts]
+    drafts = [[[0.0] * len(beams) for _ in batches] for _ in contexts]
     grid = [(c, b) for c in range(len(contexts)) for b in range(len(batches))]
     for c, b in tqdm(grid, desc="measuring step costs", unit="point", disable=not dist.is_driver or None,
                      leave=False):
@@ -304,16 +327,20 @@ def measure(launcher: StepLauncher, dist, free_slots: list[int], max_seq_len: in
             calls.append(lambda T=T: launcher.tree(slots, T, [T] * bs, ctx, variant))
             if dist.broadcast_object(probe(calls[-1]) > (1 + dl) * ar_probe):
                 break
+        n = len(calls) - 1
+        # width-1 steps drafting fewer beams, in the same rounds (the last count is every beam: the T=1 call)
+        calls += [lambda k=k: launcher.tree(slots, 1, [1] * bs, ctx, variant, beams=k) for k in beams[:-1]]
         ms = timed(calls, slots, ctx)
         ar[c][b] = ms[0]
-        n = len(ms) - 1
         for w, T in enumerate(widths):  # the widths past the cut-off extrapolated, proportionally
             trees[c][b][w] = ms[1 + w] if w < n else ms[n] * T / widths[n - 1]
+        if beams:
+            drafts[c][b] = ms[1 + n:] + [ms[1]]
     for sid in ids:
         cache.free(sid)
     idx = torch.tensor(free, device=launcher.device)
     put_rows(state.ctx_len, idx, torch.zeros_like(idx))
-    model = CostModel(batches, list(widths), contexts, ar, trees)
+    model = CostModel(batches, list(widths), contexts, ar, trees, beams=list(beams), draft=drafts if beams else [])
     logger.info("step costs measured in %.1fs (%d batch sizes x %d tree widths x %d contexts)",
                 time.perf_counter() - t0, len(batches), len(widths), len(contexts))
     return model

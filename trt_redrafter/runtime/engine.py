@@ -44,7 +44,7 @@ from .distributed import Dist
 from .drafter import BeamDrafter
 from .grammar import Grammars
 from .graphs import Compiler
-from .launch import StepLauncher, variant_for, warmup_variants
+from .launch import StepLauncher, draft_beam_options, variant_for, warmup_variants
 from .loading import keep_inductor_cache, load_models, make_proposers, ngram_when, plug_kernels, resolve_kernels
 from .policy import AR_STEP, Candidate, Policy, StepDecision
 from .prompt import PromptPhase
@@ -121,7 +121,8 @@ class Engine:
         if warmup and self.compiler.mode != "off":
             self.warmup()
         spec = runtime.speculation
-        self.policy = Policy(spec, tree.max_tree_tokens, self.cost_model() if spec.auto else None)
+        self.policy = Policy(spec, tree.max_tree_tokens, self.cost_model() if spec.auto else None,
+                             draft_beam_options(runtime.draft_beams, self.launcher.beam_options, tree.num_beams))
 
     @classmethod
     def load(cls, engine_dir: str | Path, dist: Dist, runtime: RuntimeConfig | None = None,
@@ -212,7 +213,8 @@ class Engine:
             return AR_STEP
         cands = [Candidate(s.seq_id, s.speculative, s.tree.scores if s.speculative and s.tree else None,
                            self.policy.calibration(s.proposer, s.sampling.greedy) if s.speculative else None,
-                           fresh=s.tree_fresh, whole_tree=s.apple, context=s.ctx_len) for s in decode]
+                           fresh=s.tree_fresh, whole_tree=s.apple, context=s.ctx_len,
+                           beams=s.tree.beams if s.speculative and s.tree else None) for s in decode]
         return self.policy.decide(cands, self._drafting(decode))
 
     @torch.inference_mode()
@@ -263,6 +265,8 @@ class Engine:
         took = time.perf_counter() - t0
         self.step_times.add("tree" if decision.is_tree else "ar", took)
         self.step_times.widths[decision.width] += 1
+        if decision.draft and self._drafting(group):
+            self.step_times.beams[decision.beams or self.tree.num_beams] += 1
         self.policy.observe_step(decision, len(group), sum(s.ctx_len for s in group) / len(group), 1e3 * took)
         emitted = {}
         # each row's log-probability columns come last: one emitted token's worth per AR row, bl per tree row
@@ -303,7 +307,7 @@ class Engine:
         masks = self._masks(group, keep)
         variant = variant_for(True, rule, self._speculating_proposers(group), decision.draft,
                               any(p is not None for p in pending), with_logprobs, masks is not None)
-        out = self.launcher.tree(slots, decision.width, keep, longest, variant, pending, masks)
+        out = self.launcher.tree(slots, decision.width, keep, longest, variant, pending, masks, decision.beams)
         tree = self.tree
         return out, RowLayout(tree.beam_length, tree.max_tree_tokens, variant.draft,
                               tree.num_beams * tree.beam_length if variant.return_beams else 0)

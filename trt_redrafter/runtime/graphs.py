@@ -190,9 +190,10 @@ class Compiler:
         return self.mode == "off" or (self.mode == "inductor" and self.device.type == "cpu")
 
     def mark_width(self, width: torch.Tensor) -> None:
-        """Mark a step's tree-width tensor [T]: under inductor on the CPU as an unbacked size, so the graph compiled
-        at one width runs at T = 1 too (a step that verifies its root only and drafts: the fixed cost of
-        speculating, which a 2-node graph would pay one more row per request for); elsewhere as `mark_dynamic`."""
+        """Mark a step's tree-width tensor [T] (or its drafter's beam count [k]): under inductor on the CPU as an
+        unbacked size, so the graph compiled at one width runs at T = 1 too (a step that verifies its root only and
+        drafts: the fixed cost of speculating, which a 2-node graph would pay one more row per request for), and at
+        any beam count; elsewhere as `mark_dynamic`."""
         if self.any_width and "inductor" in self.mode:
             torch._dynamo.decorators.mark_unbacked(width, 0)
         else:
@@ -218,6 +219,15 @@ def batch_buckets(max_batch_size: int) -> list[int]:
 
 def bucket_for(n: int, buckets: list[int]) -> int:
     return next(b for b in buckets if b >= n)
+
+
+def beam_buckets(num_beams: int) -> list[int]:
+    """Beam counts a drafting step may search: 1, 2, 4, ... and num_beams itself."""
+    out, k = [], 1
+    while k < num_beams:
+        out.append(k)
+        k *= 2
+    return out + [num_beams]
 
 
 def tree_buckets(max_tree_tokens: int) -> list[int]:

@@ -18,8 +18,9 @@ import torch
 
 from ..config import AcceptanceRule, ReDrafterConfig
 from ..decoding import bitmask
+from ..errors import UserError
 from ..log import get_logger
-from .graphs import Compiler, batch_buckets, bucket_for, tree_buckets
+from .graphs import Compiler, batch_buckets, beam_buckets, bucket_for, tree_buckets
 from .kv_cache import PagedKVCache
 from .proposer import Proposer, drafts_on_device, returns_device_beams
 from .sequence import Draft
@@ -73,6 +74,20 @@ def warmup_variants(proposer: Proposer, rule: AcceptanceRule = AcceptanceRule.GR
     return list(dict.fromkeys(out))
 
 
+def draft_beam_options(fixed: int, options: list[int], num_beams: int) -> list[int]:
+    """The beam counts the policy may draft with: `options` (the launcher's), or the one count `--draft-beams` fixes
+    (0: no fixing), which must be one of them."""
+    if not fixed:
+        return options
+    if fixed not in options:
+        can = ", ".join(map(str, options))
+        where = "" if len(options) > 1 else \
+            " (one compiled step drafts other counts only on the CPU: eager or inductor)"
+        raise UserError(f"--draft-beams {fixed}: this engine's steps can draft {can} beams{where} (its trees have "
+                        f"{num_beams}); use one of those, or 0 to let the speculation policy choose.")
+    return [fixed]
+
+
 class StepLauncher:
     """Runs the decode steps of `DecodeStep` for batches of slots: the AR step and the tree step, each through one
     compiled / captured unit per variant."""
@@ -100,17 +115,19 @@ class StepLauncher:
         return self._unit(False)(*args[:2], rule, logprobs, self._padded(grammar, args[0].shape[0]))[:len(slots)]
 
     def tree(self, slots: list[int], width: int, keep: list[int], longest: int, variant: StepVariant,
-             pending: Optional[list[Optional[Draft]]] = None, grammar: Optional[torch.Tensor] = None) -> torch.Tensor:
+             pending: Optional[list[Optional[Draft]]] = None, grammar: Optional[torch.Tensor] = None,
+             beams: int = 0) -> torch.Tensor:
         """A tree step: the first `width` nodes of each slot's tree (each counting keep[i] of them), over contexts up
         to `longest` committed positions; `pending`: the trees the host composed, per slot (None: the stored one);
-        grammar [len(slots), nb, bl, words]: the token bitmasks of the trees' nodes, in beam layout."""
+        grammar [len(slots), nb, bl, words]: the token bitmasks of the trees' nodes, in beam layout; `beams`: how
+        many beams the drafter searches for the next trees (one of `beam_options`; 0: all nb)."""
         if variant.rule is AcceptanceRule.APPLE:
             self.state.ensure_draft_logp(self.vocab_size)
         T = self.verify_width(width, max(keep))
         args = self._inputs(slots, T, longest + T, keep)
         host = self._host_inputs(pending, args[0].shape[0]) if variant.host_trees else (None, None, None)
         call = (*args, variant.rule, variant.draft, variant.return_beams, variant.logprobs, *host,
-                self._padded(grammar, args[0].shape[0]))
+                self._padded(grammar, args[0].shape[0]), self._draft_beams(variant, beams))
         if self.timer.enabled:  # each phase its own unit, timed
             out = self.steps.redrafter_step(*call, run=self._timed_phase)
             self.timer.end_step()
@@ -126,6 +143,25 @@ class StepLauncher:
         if self.compiler.uses_graphs:
             return width
         return kept if self.compiler.any_width else max(2, kept)
+
+    @property
+    def beam_options(self) -> list[int]:
+        """Beam counts a drafting step may search (`beam_buckets`) where one compiled step serves them all
+        (`Compiler.any_width`: the count is an unbacked size, as the width is); else the tree's nb only."""
+        nb = self.tree_shape.num_beams
+        return beam_buckets(nb) if self.compiler.any_width else [nb]
+
+    def _draft_beams(self, variant: StepVariant, beams: int) -> Optional[torch.Tensor]:
+        """[k]: the drafter searches k = `beams` (0: nb) beams; None where the step drafts nothing or the count is
+        static (CUDA graphs, inductor on CUDA: nb)."""
+        nb = self.tree_shape.num_beams
+        if beams not in (0, *self.beam_options):
+            raise ValueError(f"a step may draft {self.beam_options} beams, not {beams}")
+        if not variant.draft or not self.compiler.any_width:
+            return None
+        k = torch.arange(beams or nb, device=self.device)
+        self.compiler.mark_width(k)
+        return k
 
     # ---- warm-up -----------------------------------------------------------------------------------------------
     def warmup(self, variants: list[StepVariant], trees: bool = True, show: bool = True, guided: bool = False,

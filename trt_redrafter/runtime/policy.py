@@ -57,6 +57,7 @@ from .graphs import tree_buckets
 from .step import SCORE_SCALE
 
 PROBE_MIN, PROBE_MAX = 4, 64  # AR steps between probes while resting (doubling while probes find nothing)
+BEAM_GROW_AFTER = 8  # drafting steps after the beam count shrank before it may grow again
 PROBE_HOPE = 0.95  # probe sooner than PROBE_MAX only where the last trees, drafted again, would nearly pay
 MEAN_DECAY = 0.8  # running means of a drafting step's gain and cost: weight of the past
 # the cost model, measured once, against the steps as they run now: a running mean (weight of the past) of each kind's
@@ -78,18 +79,28 @@ class Candidate:
     fresh: bool = True  # its tree was drafted after its last step (else it is the last tree it had: a forecast)
     whole_tree: bool = False  # `apple` acceptance: verifies its whole tree every step
     context: int = 0
+    # the lowest beam through each node (aligned with `scores`) of a tree the device drafted; None: composed on the
+    # host (every node counts for every beam count)
+    beams: Optional[list[int]] = None
+
+    @property
+    def drafted_beams(self) -> int:
+        """How many beams the drafter searched for this tree (`TreeNodes.drafted_beams`; 0: unknown)."""
+        return 1 + max(self.beams) if self.beams else 0
 
 
 @dataclass
 class StepDecision:
     """What a decode step does, decided on rank 0 and broadcast with the step plan: an AR step (`width` 0) or a
-    tree step over `width` nodes that keeps keep[seq_id] of them per request and drafts the next trees (`draft`)."""
+    tree step over `width` nodes that keeps keep[seq_id] of them per request and drafts the next trees (`draft`)
+    with `beams` beams (0: the tree's nb)."""
 
     width: int
     keep: dict[Hashable, int] = field(default_factory=dict)
     draft: bool = True
     expected: float = 0.0  # tokens per request the policy expected (tree steps), for the record
     compose: bool = True  # host proposers compose the next trees after this step (not while the policy rests)
+    beams: int = 0
 
     @property
     def is_tree(self) -> bool:
@@ -124,6 +135,8 @@ class PolicyState:
     mean_gain: float = 1.0  # SPECULATING: running means of a drafting step's tokens and cost, in AR steps, ...
     mean_cost: float = 1.0
     mean_batch: int = 0  # ... at this batch size (they hold for one)
+    # drafting steps since the beam count last shrank: it grows again only after BEAM_GROW_AFTER of them
+    beam_hold: int = 0
 
 
 @dataclass(frozen=True)
@@ -139,16 +152,18 @@ class StepCosts:
     def ar_ms(self, batch: int, context: float) -> float:
         return self.model.ar_ms(batch, context) * self.scale[0]
 
-    def tree_ms(self, batch: int, width: int, context: float) -> float:
-        return self.model.tree_ms(batch, width, context) * self.scale[1]
+    def tree_ms(self, batch: int, width: int, context: float, beams: int = 0) -> float:
+        return self.model.tree_ms(batch, width, context, beams) * self.scale[1]
 
 
 def decide(state: PolicyState, cands: list[Candidate], can_draft: bool, costs: StepCosts, widths: Sequence[int],
-           fixed: Optional[int]) -> tuple[StepDecision, PolicyState]:
+           fixed: Optional[int], beam_options: Sequence[int] = ()) -> tuple[StepDecision, PolicyState]:
     """The step for these decoding requests, and the state after it; nothing is changed. `can_draft`: some request's
     next tree is drafted on the device (a tree step drafts, an AR step does not; without it, trees come from the host,
     composed after any step the decision does not rest). `widths`: the widths a tree step may verify (tree_buckets:
-    1 first, the whole tree last); `fixed`: the width every step verifies (None: the cost model decides).
+    1 first, the whole tree last); `fixed`: the width every step verifies (None: the cost model decides);
+    `beam_options`: the beam counts a drafting step may search, ascending, the tree's nb last (one: no choice; empty:
+    nb). A fixed width drafts with the first option where it is the only one, else nb; so do probes.
 
     Trees are fresh (drafted after the request's last step) or stale (its last tree again, or none). The transitions,
     all of them here (`rest` counts AR steps, `probe_every` doubles up to PROBE_MAX):
@@ -178,16 +193,23 @@ def decide(state: PolicyState, cands: list[Candidate], can_draft: bool, costs: S
                                                                                         it was on already)
       any          can draft                                            host_resting off (before all the above)
 
+    The beam count of a tree step that drafts while SPECULATING (`_next_beams`): the fresh trees at hand are the
+    forecast of the next ones. Of the counts up to the one they were drafted with, the one whose trees (their nodes
+    on its first k beams) emit the most per millisecond at their best width, counting what drafting k beams costs;
+    one count more where that is the count they were drafted with, their best width verifies every node and the
+    count has not shrunk for BEAM_GROW_AFTER drafting steps (a tree verified whole may be worth growing: the only
+    way to see what more beams would find is to draft them).
+
     While host_resting, an AR step composes nothing (AR_REST) but the last before rest reaches probe_every: that one
     composes the trees that probe whether host trees pay again."""
-    d, state = _decide(state, cands, can_draft, costs, widths, fixed)
+    d, state = _decide(state, cands, can_draft, costs, widths, fixed, beam_options)
     if d is AR_STEP and state.host_resting and state.rest + 1 < state.probe_every:
         return AR_REST, state  # the next step is an AR step too: nothing to compose for it
     return d, state
 
 
 def _decide(s: PolicyState, cands: list[Candidate], can_draft: bool, costs: StepCosts, widths: Sequence[int],
-            fixed: Optional[int]) -> tuple[StepDecision, PolicyState]:
+            fixed: Optional[int], beam_options: Sequence[int]) -> tuple[StepDecision, PolicyState]:
     if can_draft and s.host_resting:
         s = replace(s, host_resting=False)
     spec = [c for c in cands if c.speculative]
@@ -200,7 +222,8 @@ def _decide(s: PolicyState, cands: list[Candidate], can_draft: bool, costs: Step
         if not fresh and not can_draft:
             return AR_STEP, s
         width = fixed if fresh else 1
-        return StepDecision(width, _keep(cands, width), can_draft), s
+        beams = beam_options[0] if len(beam_options) == 1 else 0
+        return StepDecision(width, _keep(cands, width), can_draft, beams=beams), s
     B = len(cands)
     context = sum(c.context for c in cands) / B
     ar_ms = costs.ar_ms(B, context)
@@ -228,15 +251,17 @@ def _decide(s: PolicyState, cands: list[Candidate], can_draft: bool, costs: Step
         # a probe that found nothing worth it (resting already): wait twice as long for the next
         probe_every = min(2 * s.probe_every, PROBE_MAX) if s.host_resting else s.probe_every
         return AR_STEP, replace(s, host_resting=True, rest=0, probe_every=probe_every)
+    full = beam_options[0] if len(beam_options) == 1 else 0  # probes draft with every beam (or the only count)
     if s.phase is Phase.PROBING:  # the probe's second step: verify the fresh trees if their claims would pay
         s = replace(s, phase=Phase.RESTING)
-        width, expected, ms = _best(fresh, B, context, widths[1:], costs, claims=True)
+        width, expected, ms = _best(fresh, B, context, widths[1:], costs, claims=True, beams=full)
         if (B + expected) / ms > B / ar_ms:
-            return StepDecision(width, _keep(cands, width), True, expected / B), s
+            return StepDecision(width, _keep(cands, width), True, expected / B, beams=full), s
     # drafting: worth its cost while the trees it makes pay on average (running means, at this batch size, of what a
     # step emits and costs in AR steps); a run of trees with nothing worth verifying stops it. Width 1: verify
     # nothing, draft the next trees
-    width, expected, ms = _best(fresh, B, context, widths, costs)
+    beams, s = _next_beams(s, fresh, B, context, widths, costs, beam_options)
+    width, expected, ms = _best(fresh, B, context, widths, costs, beams=beams)
     gain, cost = 1 + expected / B, ms / ar_ms
     if s.phase is not Phase.SPECULATING or B != s.mean_batch:  # the means hold for one batch size
         mean_gain, mean_cost = gain, cost
@@ -245,29 +270,57 @@ def _decide(s: PolicyState, cands: list[Candidate], can_draft: bool, costs: Step
         mean_cost = MEAN_DECAY * s.mean_cost + (1 - MEAN_DECAY) * cost
     s = replace(s, mean_gain=mean_gain, mean_cost=mean_cost, mean_batch=B, rest=0)
     if mean_gain >= mean_cost:
-        return (StepDecision(width, _keep(cands, width), True, expected / B),
+        return (StepDecision(width, _keep(cands, width), True, expected / B, beams=beams),
                 replace(s, phase=Phase.SPECULATING, probe_every=PROBE_MIN))
     return AR_STEP, replace(s, phase=Phase.RESTING, hopeless=False)
 
 
 def _best(cands: list[Candidate], B: int, context: float, widths: Sequence[int], costs: StepCosts,
-          claims: bool = False) -> tuple[int, float, float]:
+          claims: bool = False, beams: int = 0, on_beams: int = 0) -> tuple[int, float, float]:
     """The width whose step emits the most tokens per millisecond for these trees -> (width, expected drafted tokens
-    accepted over the batch, step ms). `claims`: by the proposer's own scores, not the calibration."""
-    gains = [_gains(c, claims) for c in cands]
+    accepted over the batch, step ms). `claims`: by the proposer's own scores, not the calibration; `beams`: the step
+    drafts the next trees with that many beams (0: all); `on_beams`: only the trees' nodes on their first so many
+    beams count (0: all of them)."""
+    gains = [_gains(c, claims, on_beams) for c in cands]
     best = None
     for w in widths:
         expected = sum(g[min(w, len(g)) - 1] for g in gains)
-        ms = costs.tree_ms(B, w, context)
+        ms = costs.tree_ms(B, w, context, beams)
         if best is None or (B + expected) / ms > (B + best[1]) / best[2]:
             best = (w, expected, ms)
     return best
 
 
-def _gains(c: Candidate, claims: bool = False) -> list[float]:
-    """g[k - 1]: tokens expected from the request's first k nodes (the root adds none)."""
+def _gains(c: Candidate, claims: bool = False, on_beams: int = 0) -> list[float]:
+    """g[k - 1]: tokens expected from the request's first k nodes (the root adds none); `on_beams`: of the nodes on
+    its first so many beams (0, or a tree composed on the host: all of them)."""
     p = (lambda s: math.exp(s / SCORE_SCALE)) if claims else c.calibration.probability
-    return list(itertools.accumulate(map(p, c.scores[1:]), initial=0.0))
+    scores = c.scores[1:]
+    if on_beams and c.beams:
+        scores = [x for x, b in zip(scores, c.beams[1:]) if b < on_beams]
+    return list(itertools.accumulate(map(p, scores), initial=0.0))
+
+
+def _next_beams(s: PolicyState, fresh: list[Candidate], B: int, context: float, widths: Sequence[int],
+                costs: StepCosts, options: Sequence[int]) -> tuple[int, PolicyState]:
+    """The beam count a drafting step searches for the next trees (`decide`'s docstring says how), and the state
+    after it. 0 where there is no choice (nb)."""
+    if len(options) < 2:
+        return (options[0] if options else 0), s
+    drafted = min(c.drafted_beams or options[-1] for c in fresh)  # the fewest the trees at hand have: known up to it
+    known = [k for k in options if k <= drafted] or options[:1]
+    rated = []
+    for k in known:
+        width, expected, ms = _best(fresh, B, context, widths, costs, beams=k, on_beams=k)
+        rated.append(((B + expected) / ms, k, width))
+    _, k, width = max(rated)  # ties: the larger count
+    whole = all(width >= 1 + sum(1 for b in (c.beams or [])[1:] if b < k) for c in fresh)
+    hold = s.beam_hold + 1
+    if k < drafted:
+        hold = 0
+    elif k == known[-1] and k < options[-1] and whole and hold >= BEAM_GROW_AFTER:
+        k = options[options.index(k) + 1]
+    return k, replace(s, beam_hold=hold)
 
 
 def _keep(cands: list[Candidate], width: int) -> dict[Hashable, int]:
@@ -281,10 +334,14 @@ class Policy:
     every step: what TensorRT-LLM does) or an integer T (the T best nodes of every tree, every step). It holds what is
     measured and the decision's state; `decide` (the function) decides."""
 
-    def __init__(self, speculation: Speculation, max_tree_tokens: int, costs: Optional[CostModel] = None):
+    def __init__(self, speculation: Speculation, max_tree_tokens: int, costs: Optional[CostModel] = None,
+                 beam_options: Sequence[int] = ()):
+        """`beam_options`: the beam counts a drafting step may search (StepLauncher.beam_options, or the one count
+        `--draft-beams` fixes; empty: the tree's nb)."""
         self.speculation = speculation
         self.P = max_tree_tokens
         self.widths = tree_buckets(max_tree_tokens)
+        self.beam_options = list(beam_options)
         self.costs = costs  # what `auto` decides by (the engine measures or loads it)
         self.state = PolicyState()
         self.calibrations: dict[tuple[str, bool], Calibration] = {}
@@ -337,5 +394,6 @@ class Policy:
         """The step for these decoding requests (the function `decide`, on the costs as measured now); the policy's
         state moves on."""
         costs = StepCosts(self.costs, (self.step_scale[0], self.step_scale[1]), self.host_ms)
-        d, self.state = decide(self.state, cands, can_draft, costs, self.widths, self.fixed_width())
+        d, self.state = decide(self.state, cands, can_draft, costs, self.widths, self.fixed_width(),
+                               self.beam_options)
         return d

@@ -70,7 +70,8 @@ class PromptPhase:
             self.state.ensure_draft_logp(self.vocab_size)
         idx = torch.tensor(rows, device=dev)
         packed = self.steps.draft_from_prompt(slots[idx], h[idx], apple).tolist()
-        nodes = {i: TreeNodes(row[1:1 + row[0]], row[1 + P:1 + P + row[0]]) for i, row in zip(rows, packed)}
+        nodes = {i: TreeNodes.of_positions(row[1:1 + row[0]], row[1 + P:1 + P + row[0]], self.tree.beam_length)
+                 for i, row in zip(rows, packed)}
         want = [i for i in rows if beams[i]]
         if not want:
             return nodes, {}

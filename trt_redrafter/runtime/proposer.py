@@ -77,7 +77,7 @@ class Proposer:
         if row is None:
             return HostCompose() if self.on_host and composing else None
         if row.scores and self.drafter is not None:
-            seq.tree, seq.tree_fresh = TreeNodes(row.scores, row.depths), True
+            seq.tree, seq.tree_fresh = TreeNodes(row.scores, row.depths, row.beams), True
         return HostCompose(row.draft) if self.on_host else None
 
     def compose(self, seq: Sequence, device: Optional[Draft]) -> Optional[Draft]:

@@ -67,13 +67,27 @@ class SeqStats:
 @dataclass
 class TreeNodes:
     """A request's next draft tree, node by node as the step numbers them (best first, the root first): each node's
-    quantized score (step.quantize_scores) and depth."""
+    quantized score (step.quantize_scores) and depth, and for a tree the device drafted the lowest beam through it
+    (empty for trees composed on the host)."""
 
     scores: list[int]
     depths: list[int]
+    beams: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.scores)
+
+    @classmethod
+    def of_positions(cls, scores: list[int], positions: list[int], beam_length: int) -> "TreeNodes":
+        """From a packed tree's node scores and first beam positions i * bl + j (`DecodeStep.pack`)."""
+        return cls(scores, [p % beam_length for p in positions], [p // beam_length for p in positions])
+
+    @property
+    def drafted_beams(self) -> int:
+        """How many beams the drafter searched for this tree (0: not drafted on the device). A search of k beams
+        fills the other slots with copies of beam 0, and every beam it found has a node of its own (beams are
+        distinct), so the highest beam index through a node is k - 1."""
+        return 1 + max(self.beams) if self.beams else 0
 
 
 @dataclass

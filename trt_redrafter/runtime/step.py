@@ -40,6 +40,7 @@ from ..config import AcceptanceRule
 from ..decoding import acceptance, bitmask, sampling, tree
 from ..decoding.logprobs import encode as logprob_columns
 from ..decoding.acceptance import Acceptance
+from ..decoding.beam_search import BeamSearchResult
 from ..model.attention import AttentionMeta
 from ..model.llama import LlamaRank
 from ..model.tp import Dist
@@ -83,7 +84,7 @@ class RowLayout:
         tree_len         packed length of the request's next tree (0: the device drafted none this step)
         path [bl]        tree indices of the verified tree's accepted path, root first (0 past the accepted ones)
         scores [P]       quantized scores of the next tree's nodes, best first (when the device drafted)
-        depths [P]       and their depths
+        positions [P]    and each node's first beam position i * bl + j: the lowest beam i through it, its depth j
         beams [nb * bl]  the device's beams of the next tree, flat, and their scores [nb * dl] (return_beams: the host
                          composes mixed trees from them)
         logprobs         (steps with log-probabilities) per emitted token, `decoding.logprobs.columns(K)`
@@ -107,12 +108,12 @@ class RowLayout:
         at = 2 * bl + 2
         tree_len = row[bl + 1]
         scores = row[at:at + tree_len] if self.draft else []
-        depths = row[at + self.P:at + self.P + tree_len] if self.draft else []
+        positions = row[at + self.P:at + self.P + tree_len] if self.draft else []
         at += 2 * self.P if self.draft else 0
         nbeam = self.beams
         draft = Draft.of_flat(row[at:at + nbeam], row[at + nbeam:], nbeam // bl) if nbeam else None
         return StepRow(tokens=row[:count], tree_len=tree_len, path=row[bl + 2:bl + 2 + count], scores=scores,
-                       depths=depths, draft=draft)
+                       depths=[p % bl for p in positions], beams=[p // bl for p in positions], draft=draft)
 
 
 @dataclass
@@ -122,6 +123,7 @@ class StepRow:
     path: list[int]  # tree indices of the accepted path: root, then one per accepted draft
     scores: list[int]  # the next tree's node scores, best first (empty: the device drafted none)
     depths: list[int]
+    beams: list[int]  # the lowest beam through each node
     draft: Optional[Draft] = None  # the device's beams of the next tree (when the layout returns them)
 
 
@@ -286,17 +288,30 @@ class DecodeStep:
         st.advance(slots, ctx + acc.num_accepted + 1, acc.next_token)
         return path
 
-    def draft(self, hidden: torch.Tensor, path: torch.Tensor, decision: torch.Tensor, keep_log_probs: bool
-              ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    def draft(self, hidden: torch.Tensor, path: torch.Tensor, decision: torch.Tensor, keep_log_probs: bool,
+              draft_beams: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         """The proposer's beams [bs, nb, bl], their quantized scores [bs, nb, dl] (and drafter log-probs for `apple`)
-        for each request's next tree."""
+        for each request's next tree; `draft_beams` [k]: draft k <= nb beams (`_propose`)."""
         rows = torch.arange(hidden.shape[0], device=hidden.device)
         acc = Acceptance.unpack(decision)
-        return self._propose(hidden[rows, path[rows, acc.num_accepted]], acc.next_token, keep_log_probs)
+        return self._propose(hidden[rows, path[rows, acc.num_accepted]], acc.next_token, keep_log_probs,
+                             draft_beams)
 
-    def _propose(self, h: torch.Tensor, true_token: torch.Tensor, keep_log_probs: bool
+    def _propose(self, h: torch.Tensor, true_token: torch.Tensor, keep_log_probs: bool,
+                 draft_beams: Optional[torch.Tensor] = None
                  ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-        res = self.proposer.draft(h, true_token, keep_log_probs)
+        """The beam search from h [bs, H] and the true tokens. `draft_beams` [k] (its length is what counts: an
+        unbacked size under inductor, so one compiled step drafts any k): search k beams instead of nb, and fill the
+        other nb - k with copies of beam 0, which `pack_beams` dedups. The tree is then the k-beam search's: what
+        drafting costs shrinks with k (every depth runs the drafter over k rows), and shapes stay [bs, nb, ...]."""
+        nb = self.proposer.num_beams
+        k = nb if draft_beams is None else draft_beams.shape[0]
+        res = self.proposer.draft(h, true_token, keep_log_probs, draft_beams)
+        if draft_beams is not None:
+            j = torch.arange(nb, device=h.device)
+            fill = torch.where(j < k, j, 0)  # beam j, or beam 0 where the search had fewer
+            res = BeamSearchResult(*(None if x is None else x.index_select(1, fill)
+                                     for x in (res.beams, res.log_probs, res.scores)))
         bl = res.beams.shape[2]
         # beams and scores in one collective: every rank orders the tree by rank 0's scores
         both = self.dist.broadcast(torch.cat([res.beams, quantize_scores(res.scores)], dim=2).contiguous())
@@ -305,11 +320,12 @@ class DecodeStep:
     def pack(self, slots: torch.Tensor, beams: torch.Tensor, scores: torch.Tensor, log_probs: Optional[torch.Tensor]
              ) -> torch.Tensor:
         """Dedup the beams into the next packed tree, padded to P, numbered best node first by `scores` [bs, nb, dl]
-        (quantized), and store it in the slot rows -> [bs, 1 + 2P]: lengths, node scores best first, node depths."""
+        (quantized), and store it in the slot rows -> [bs, 1 + 2P]: lengths, node scores best first, and each node's
+        first beam position i * bl + j (beam i, the lowest through the node; depth j)."""
         packed = self.kernels.pack_beams(beams, pad_to=self.state.max_tree_tokens)
         packed, node = tree.order_by_score(packed, tree.node_scores(packed, scores, SCORE_PAD))
         self.state.store_tree(slots, beams, scores, packed, log_probs)
-        return torch.cat([packed.lengths[:, None], node, packed.position_offsets], dim=1)
+        return torch.cat([packed.lengths[:, None], node, packed.beam_positions], dim=1)
 
     def pack_host(self, slots: torch.Tensor, host_beams: torch.Tensor, host_scores: torch.Tensor,
                   host_mask: torch.Tensor) -> None:
@@ -327,7 +343,8 @@ class DecodeStep:
                        keep: torch.Tensor, rule: AcceptanceRule, draft: bool, return_beams: bool = False,
                        logprobs: bool = False, host_beams: Optional[torch.Tensor] = None,
                        host_scores: Optional[torch.Tensor] = None, host_mask: Optional[torch.Tensor] = None,
-                       grammar: Optional[torch.Tensor] = None, run: Optional[Callable] = None) -> torch.Tensor:
+                       grammar: Optional[torch.Tensor] = None, draft_beams: Optional[torch.Tensor] = None,
+                       run: Optional[Callable] = None) -> torch.Tensor:
         """One speculative step for [bs] slots over the first T = len(tree_width) nodes of their trees, of which each
         request keeps keep [bs] -> [bs, RowLayout(...).width] rows (RowLayout).
 
@@ -337,6 +354,7 @@ class DecodeStep:
         for the host to compose mixed trees with. `run(name, phase, *args)` calls each phase: directly by default;
         the engine's phase profile passes one that runs each phase as its own timed unit. `grammar`
         [bs, nb, bl, words]: token bitmasks of the tree's nodes, in beam layout (structured output; `accept`).
+        `draft_beams` [k]: the next trees are drafted with k beams (`_propose`; None: nb).
         """
         run = run or _call
         if host_beams is not None:
@@ -347,7 +365,7 @@ class DecodeStep:
         out = [a.emitted, torch.zeros_like(slots)[:, None], path]
         if draft:
             apple = rule is AcceptanceRule.APPLE
-            beams, scores, log_probs = run("draft", self.draft, v.hidden, path, a.decision, apple)
+            beams, scores, log_probs = run("draft", self.draft, v.hidden, path, a.decision, apple, draft_beams)
             packed = run("pack", self.pack, slots, beams, scores, log_probs)  # [bs, 1 + 2P]
             out[1] = packed[:, :1]
             out.append(packed[:, 1:])
@@ -439,5 +457,5 @@ class DecodeStep:
 
     def draft_from_prompt(self, slots: torch.Tensor, h: torch.Tensor, keep_log_probs: bool) -> torch.Tensor:
         """Draft + pack the first tree of newly prefilled requests (their true token is in the slot state) ->
-        [bs, 1 + 2P]: each tree's length, its node scores best first and their depths (`pack`)."""
+        [bs, 1 + 2P]: each tree's length, its node scores best first and their beam positions (`pack`)."""
         return self.pack(slots, *self._propose(h, self.state.true_tok[slots], keep_log_probs))

@@ -53,6 +53,7 @@ class StepTimes:
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     steps: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     widths: dict[int, int] = field(default_factory=lambda: defaultdict(int))  # decode steps by verified width (0: AR)
+    beams: dict[int, int] = field(default_factory=lambda: defaultdict(int))  # drafting tree steps by beams searched
 
     def add(self, kind: str, seconds: float) -> None:
         self.seconds[kind] += seconds
@@ -65,3 +66,4 @@ class StepTimes:
         self.seconds.clear()
         self.steps.clear()
         self.widths.clear()
+        self.beams.clear()
