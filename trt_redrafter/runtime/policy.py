@@ -25,6 +25,11 @@ a step that drafts (width 1) and then one that verifies the fresh trees where th
 would pay, whatever the calibration says: a calibration that turned pessimistic on a hard stretch of text learns
 only from verified nodes, and a policy that stopped verifying would never see the drafter recover.
 
+A third, where one compiled step drafts any beam count (eager, inductor on the CPU: the count is an unbacked size,
+step.py `_propose`): how many beams a drafting step searches for the next trees. Drafting costs per beam (the cost
+model measures a width-1 step at each count), and a drafter whose other beams are never right wastes them: the trees
+at hand, cut to their first k beams, forecast what k would earn (`_next_beams`).
+
 Trees composed on the host between steps (N-gram, a test's oracle) cost host time as well as the verify: where every
 tree of the batch comes from the host, that time (a running mean per request, measured) is added to the tree step's
 cost, and while their trees do not pay the policy rests from composing them too (`StepDecision.compose`), composing
