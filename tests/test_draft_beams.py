@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine_utils import SMALL, build_small_engine, load_engine
-from trt_redrafter.config import SamplingConfig, Speculation
+from trt_redrafter.config import RuntimeConfig, SamplingConfig, Speculation
 from trt_redrafter.decoding import tree
 from trt_redrafter.decoding.beam_search import beam_search, select_beams_topk
 from trt_redrafter.errors import UserError
@@ -20,7 +20,7 @@ from trt_redrafter.runtime.calibration import Calibration
 from trt_redrafter.runtime.costs import CostModel
 from trt_redrafter.runtime.generate import generate
 from trt_redrafter.runtime.graphs import beam_buckets, tree_buckets
-from trt_redrafter.runtime.policy import BEAM_GROW_AFTER, Candidate, Phase, Policy, PolicyState, StepCosts, decide
+from trt_redrafter.runtime.policy import BEAM_EXPLORE, Candidate, Phase, Policy, PolicyState, StepCosts, decide
 from trt_redrafter.runtime.step import SCORE_SCALE
 
 needs_small = pytest.mark.skipif(not (SMALL / "drafter" / "model.safetensors").is_file(),
@@ -123,17 +123,17 @@ def test_trees_right_on_every_beam_are_drafted_with_every_beam():
     assert d.is_tree and d.draft and d.beams == 4
 
 
-def test_the_beam_count_grows_again_where_its_trees_are_verified_whole():
-    """After shrinking to one beam, trees of one beam verified whole: after BEAM_GROW_AFTER drafting steps the count
-    grows, to see what a second beam would find; trees not verified whole keep it."""
-    sure = [[0.95, 0.95, 0.95]]
+def test_every_beam_is_drafted_again_after_a_run_with_fewer():
+    """Trees of one beam, whatever they earn, say nothing of what more beams would find: after BEAM_EXPLORE drafting
+    steps with fewer beams, one drafts every beam, and the choice is made again on its whole trees."""
+    one = [[0.95, 0.95, 0.95]]
     state = speculating()
-    for i in range(BEAM_GROW_AFTER - 1):
-        d, state = decide_beams(sure, state)
-        assert d.beams == 1 and d.width == 5, i
-    d, state = decide_beams(sure, state)
-    assert d.beams == 2
-    d, state = decide_beams([[0.95, 0.01, 0.01]], speculating())  # its best width leaves nodes out: no growth
+    for i in range(BEAM_EXPLORE):
+        d, state = decide_beams(one, state)
+        assert d.beams == 1, i
+    d, state = decide_beams(one, state)
+    assert d.beams == 4 and state.beam_hold == 0
+    d, state = decide_beams([[0.9, 0.8, 0.7], [0.01], [0.01], [0.01]], state)  # its whole trees: one beam again
     assert d.beams == 1
 
 
@@ -202,7 +202,7 @@ def check_every_beam_count(engine, small, counts=(1, 2, 4)) -> None:
 @needs_small
 def test_every_beam_count_gives_ar_tokens_greedy_and_sampled(small):
     engine = load_engine(small[0])
-    assert engine.launcher.beam_options == [1, 2, 4]
+    assert engine.launcher.beam_options == [1, 2, 4] and engine.policy.beam_options == [4]  # by default: all
     check_every_beam_count(engine, small)
 
 
@@ -224,7 +224,8 @@ def test_every_beam_count_runs_the_one_compiled_graph(small):
 @needs_small
 def test_the_policy_chooses_beam_counts_and_keeps_ar_tokens(small):
     """`--speculate auto` with a cost model where drafting a beam is dear: AR's tokens, and fewer beams drafted."""
-    engine = load_engine(small[0], speculate="auto")
+    engine = load_engine(small[0], speculate="auto", draft_beams="auto")
+    assert engine.policy.beam_options == [1, 2, 4]
     engine.policy.costs = beam_costs(draft_per_beam=1.5, P=engine.tree.max_tree_tokens)
     seen = beams_drafted(engine)
     _, prompts, ar = small
@@ -235,9 +236,13 @@ def test_the_policy_chooses_beam_counts_and_keeps_ar_tokens(small):
 def test_draft_beams_are_checked_against_what_the_steps_can_draft():
     from trt_redrafter.runtime.launch import draft_beam_options
 
-    assert draft_beam_options(0, [1, 2, 4], 4) == [1, 2, 4]
-    assert draft_beam_options(2, [1, 2, 4], 4) == [2]
+    assert draft_beam_options("auto", [1, 2, 4], 4) == [1, 2, 4]
+    assert draft_beam_options("all", [1, 2, 4], 4) == [4]
+    assert draft_beam_options("2", [1, 2, 4], 4) == [2]
     with pytest.raises(UserError, match="--draft-beams 3: this engine's steps can draft 1, 2, 4 beams"):
-        draft_beam_options(3, [1, 2, 4], 4)
+        draft_beam_options("3", [1, 2, 4], 4)
     with pytest.raises(UserError, match="only on the CPU"):
-        draft_beam_options(1, [4], 4)
+        draft_beam_options("1", [4], 4)
+    for bad in ("some", "0", "-2", "1.5"):
+        with pytest.raises(UserError, match="runtime.draft_beams"):
+            RuntimeConfig(draft_beams=bad).validate()

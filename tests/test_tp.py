@@ -44,6 +44,7 @@ RUNS = {
     "redrafter-sampled": {"prompts": random_prompts(512, [5, 7], seed=4), "sampling": SAMPLED},
     **{f"beams-{k}": {"prompts": PROMPTS, "draft_beams": k} for k in (1, 2)},
     "sampled-beams-1": {"prompts": PROMPTS, "draft_beams": 1, "sampling": SAMPLED},
+    "beams-auto": {"prompts": PROMPTS, "speculate": "auto", "draft_beams": "auto"},
 }
 TP4_RUNS = ("redrafter", "ar")
 
@@ -109,13 +110,15 @@ def test_tp2_every_tree_width_and_the_policy_give_the_tp1_ar_tokens(decoded):
 
 @pytest.mark.core  # one engine load per TP size for all of them (the `decoded` fixture)
 def test_tp2_every_beam_count_gives_the_tp1_ar_tokens(decoded):
-    """Drafting fewer beams (`--draft-beams`; rank 0's step plans carry the count), greedy and sampled, at TP=2:
+    """Drafting fewer beams (`--draft-beams N`, and `auto`: rank 0's policy chooses; its step plans carry the count),
+    greedy and sampled, at TP=2:
     AR's tokens at TP=1, and the same trees as at TP=1 (drafted and verified alike)."""
     for k in (1, 2):
         run = decoded[2][f"beams-{k}"]
         assert run["output_ids"] == decoded[1]["ar"]["output_ids"], k
         assert run == decoded[1][f"beams-{k}"] and all(n > 0 for n in run["draft_tokens"]), k
     assert decoded[2]["sampled-beams-1"]["output_ids"] == decoded[1]["ar-sampled"]["output_ids"]
+    assert decoded[2]["beams-auto"]["output_ids"] == decoded[1]["ar"]["output_ids"]  # the policy choosing counts
 
 
 @pytest.mark.core  # one engine load per TP size for all of them (the `decoded` fixture)

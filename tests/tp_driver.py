@@ -6,8 +6,8 @@ Rank 0 prints one JSON line per run: every prompt's output ids, accepted and dra
     python tests/tp_driver.py ENGINE_DIR RUNS_JSON     RUNS_JSON: a file with a list of runs, each
         {"prompts": [[ids]], "mode": "redrafter" | "ar", "proposer": null | name, "speculate": "full" | "auto" | "N",
          "max_new": 20, "sampling": {SamplingConfig fields but max_tokens}, "max_num_tokens": 0 | the step budget
-         (chunked prefill; rank 0's scheduler cuts the prompts, its step plans carry the chunks), "draft_beams": 0 |
-         the beams every drafting step searches (rank 0's step plans carry the count)}
+         (chunked prefill; rank 0's scheduler cuts the prompts, its step plans carry the chunks), "draft_beams": "all" |
+         "auto" | N: the beams a drafting step searches (--draft-beams; rank 0's step plans carry the count)}
 """
 
 import dataclasses
@@ -19,6 +19,7 @@ from trt_redrafter.config import RuntimeConfig, SamplingConfig, Speculation
 from trt_redrafter.runtime.distributed import init_dist, shutdown_dist
 from trt_redrafter.runtime.engine import Engine
 from trt_redrafter.runtime.generate import generate, release_followers
+from trt_redrafter.runtime.launch import draft_beam_options
 from trt_redrafter.runtime.scheduler import follow
 
 
@@ -42,8 +43,8 @@ def decode_runs(engine: Engine, runs: list[dict]) -> list[dict]:
     out = []
     for run in runs:
         engine.policy.speculation = Speculation.parse(run.get("speculate", "full"))
-        beams = run.get("draft_beams", 0)
-        engine.policy.beam_options = [beams] if beams else engine.launcher.beam_options
+        engine.policy.beam_options = draft_beam_options(str(run.get("draft_beams", "all")),
+                                                        engine.launcher.beam_options, engine.tree.num_beams)
         engine.runtime = dataclasses.replace(engine.runtime, max_num_tokens=run.get("max_num_tokens", 0))
         params = SamplingConfig(max_tokens=run.get("max_new", 20), **run.get("sampling", {}))
         res = generate(engine, run["prompts"], params, run.get("mode", "redrafter"), proposer=run.get("proposer"),

@@ -609,12 +609,12 @@ class RuntimeConfig(ConfigBase):
                                      "steps where nothing pays, as at large batches), full (every tree whole, every "
                                      "step: what TensorRT-LLM does), or N (the N most confident nodes, root included, "
                                      "every step). Output is the same whichever; speed is not (runtime/policy.py)")
-    draft_beams: int = option(0, help="beams the drafter searches in a step that drafts: 0 (with --speculate auto, "
-                                      "the speculation policy chooses among 1, 2, 4, ... and the engine's "
-                                      "--num-beams, by what the trees at hand would earn and what drafting costs; "
-                                      "else all of them), or N, every drafting step (one of those counts). Fewer "
-                                      "beams draft smaller trees for less. Other counts than the engine's need a "
-                                      "step that drafts any count: eager, or inductor on the CPU")
+    draft_beams: str = option("all", help="beams the drafter searches in a step that drafts: all (the engine's "
+                                          "--num-beams), auto (with --speculate auto, the speculation policy chooses "
+                                          "among 1, 2, 4, ... all, by what the trees at hand would earn with fewer and "
+                                          "what drafting costs), or N (one of those counts, every drafting step). "
+                                          "Fewer beams draft smaller trees for less. Counts below all need a step "
+                                          "that drafts any count: eager, or inductor on the CPU")
 
     def validate(self) -> None:
         super().validate()
@@ -629,8 +629,8 @@ class RuntimeConfig(ConfigBase):
             raise bad_value(s, "max_logprobs", "an integer >= 0", self.max_logprobs)
         if Speculation.parse(self.speculate) is None:
             raise bad_value(s, "speculate", "auto, full or a positive number of tree nodes", self.speculate)
-        if self.draft_beams < 0:
-            raise bad_value(s, "draft_beams", "0 (the policy chooses) or a positive integer", self.draft_beams)
+        if self.draft_beams not in ("all", "auto") and not (self.draft_beams.isdigit() and int(self.draft_beams) > 0):
+            raise bad_value(s, "draft_beams", "all, auto or a positive number of beams", self.draft_beams)
 
     @property
     def speculation(self) -> "Speculation":

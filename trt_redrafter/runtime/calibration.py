@@ -1,8 +1,13 @@
-"""How far a proposer's confidence holds: P(a drafted node is accepted | the proposer's score for it), learned from
-every verified node's outcome, per proposer and acceptance rule (the policy keeps one per pair). A node's score is its
-proposer's confidence in the whole path to it (ReDrafter: the drafter's log-probability of the beam prefix, which its
-beam search computes anyway); the expected tokens a tree adds are the sum of its nodes' acceptance probabilities,
-EAGLE-2's argument: a node adds a token exactly when its whole path is accepted."""
+"""How far a proposer's confidence holds: P(a drafted node is accepted | the proposer's score for it, its depth),
+learned from every verified node's outcome, per proposer and acceptance rule (the policy keeps one per pair). A node's
+score is its proposer's confidence in the whole path to it (ReDrafter: the drafter's log-probability of the beam
+prefix, which its beam search computes anyway); the expected tokens a tree adds are the sum of its nodes' acceptance
+probabilities, EAGLE-2's argument: a node adds a token exactly when its whole path is accepted.
+
+Depth counts besides the score: a drafter's errors compound along a path, so of two nodes it scores alike the deeper
+is accepted less (SmolLM2's drafter, score 0.5-0.6: 56% at depth 1, 0% at depth 4). A tree of one beam is a chain
+of deep nodes, one of four beams has shallow siblings; calibrated by score alone, the chain's worth was overrated by
+about 10% (docs/perf-history.md). So each (score bin, depth) cell learns its own rate, starting from its bin's."""
 
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ SCORE_BINS = (-0.1, -0.25, -0.5, -0.75, -1.0, -1.5, -2.0, -3.0, -4.5)
 PRIOR_WEIGHT = 8.0  # per bin; and the overall trust starts as TRUST_WEIGHT claimed-and-accepted nodes
 TRUST_WEIGHT = 8.0
 DECAY = 0.998
+MAX_DEPTH = 16  # deeper nodes share the last depth's cells
 
 
 class Calibration:
@@ -36,6 +42,8 @@ class Calibration:
     def __init__(self):
         n = len(SCORE_BINS) + 1
         self.accepted, self.verified, self.claimed = [0.0] * n, [0.0] * n, [0.0] * n
+        # per (bin, depth - 1): the same counts of the nodes at that depth (accepted, verified)
+        self.cells = [[[0.0, 0.0] for _ in range(MAX_DEPTH)] for _ in range(n)]
         self._table: Optional[tuple[list[Optional[float]], float]] = None
         self._age = 0  # steps whose DECAY is not applied yet (applied when the counts are next read or added to)
 
@@ -45,6 +53,11 @@ class Calibration:
             for arr in (self.accepted, self.verified, self.claimed):
                 for i in range(len(arr)):
                     arr[i] *= f
+            for row in self.cells:
+                for cell in row:
+                    if cell[1]:
+                        cell[0] *= f
+                        cell[1] *= f
             self._age, self._table = 0, None
 
     @staticmethod
@@ -67,21 +80,36 @@ class Calibration:
             self._table = (table, trust)
         return self._table
 
-    def probability(self, score: int) -> float:
+    def probability(self, score: int, depth: int = 0) -> float:
+        """P(accepted) of a node of this score at this depth (0: any depth, the bin's rate): the cell's outcomes,
+        with PRIOR_WEIGHT observations of its bin's rate as the prior."""
         table, trust = self._table if self._table is not None and not self._age else self._probabilities()
-        p = table[bisect.bisect_left(self._EDGES, -score)]
-        return min(1.0, math.exp(score / SCORE_SCALE) * trust) if p is None else p
+        i = bisect.bisect_left(self._EDGES, -score)
+        p = table[i]
+        p = min(1.0, math.exp(score / SCORE_SCALE) * trust) if p is None else p
+        if depth:
+            a, v = self.cells[i][min(depth, MAX_DEPTH) - 1]
+            if v:
+                return (a + PRIOR_WEIGHT * p) / (v + PRIOR_WEIGHT)
+        return p
 
-    def observe(self, verified: list[int], accepted: list[int]) -> None:
-        """One step's outcome for one request: the scores of the drafted nodes it verified and of those accepted."""
+    def observe(self, verified: list[int], accepted: list[int], verified_depths: Optional[list[int]] = None,
+                accepted_depths: Optional[list[int]] = None) -> None:
+        """One step's outcome for one request: the scores of the drafted nodes it verified and of those accepted,
+        and their depths where known (the (bin, depth) cells learn from those)."""
         self._settle()
         edges, find = self._EDGES, bisect.bisect_left
-        for s in verified:
+        for j, s in enumerate(verified):
             i = find(edges, -s)
             self.verified[i] += 1.0
             self.claimed[i] += math.exp(s / SCORE_SCALE)
-        for s in accepted:
-            self.accepted[find(edges, -s)] += 1.0
+            if verified_depths:
+                self.cells[i][min(verified_depths[j], MAX_DEPTH) - 1][1] += 1.0
+        for j, s in enumerate(accepted):
+            i = find(edges, -s)
+            self.accepted[i] += 1.0
+            if accepted_depths:
+                self.cells[i][min(accepted_depths[j], MAX_DEPTH) - 1][0] += 1.0
         self._table = None
 
     def decay(self) -> None:

@@ -214,7 +214,8 @@ class Engine:
         cands = [Candidate(s.seq_id, s.speculative, s.tree.scores if s.speculative and s.tree else None,
                            self.policy.calibration(s.proposer, s.sampling.greedy) if s.speculative else None,
                            fresh=s.tree_fresh, whole_tree=s.apple, context=s.ctx_len,
-                           beams=s.tree.beams if s.speculative and s.tree else None) for s in decode]
+                           beams=s.tree.beams if s.speculative and s.tree else None,
+                           depths=s.tree.depths if s.speculative and s.tree else None) for s in decode]
         return self.policy.decide(cands, self._drafting(decode))
 
     @torch.inference_mode()
@@ -347,7 +348,8 @@ class Engine:
         s.stats.accepted_draft_tokens += len(path) - 1
         s.stats.draft_tokens += max(verified.depths[:n])
         self.policy.calibration(s.proposer, s.sampling.greedy).observe(
-            verified.scores[1:n], [verified.scores[i] for i in path[1:]])
+            verified.scores[1:n], [verified.scores[i] for i in path[1:]], verified.depths[1:n],
+            [verified.depths[i] for i in path[1:]])
         if self.outcomes is not None:  # every verified node: (proposer, score, depth, accepted)
             accepted = set(path[1:])
             self.outcomes += [(s.proposer, verified.scores[i], verified.depths[i], i in accepted) for i in range(1, n)]

@@ -74,17 +74,20 @@ def warmup_variants(proposer: Proposer, rule: AcceptanceRule = AcceptanceRule.GR
     return list(dict.fromkeys(out))
 
 
-def draft_beam_options(fixed: int, options: list[int], num_beams: int) -> list[int]:
-    """The beam counts the policy may draft with: `options` (the launcher's), or the one count `--draft-beams` fixes
-    (0: no fixing), which must be one of them."""
-    if not fixed:
+def draft_beam_options(spec: str, options: list[int], num_beams: int) -> list[int]:
+    """The beam counts the policy may draft with, as `--draft-beams` says: all (num_beams), auto (`options`, the
+    launcher's), or N, which must be one of `options`."""
+    if spec == "all":
+        return [num_beams]
+    if spec == "auto":
         return options
+    fixed = int(spec)
     if fixed not in options:
         can = ", ".join(map(str, options))
         where = "" if len(options) > 1 else \
             " (one compiled step drafts other counts only on the CPU: eager or inductor)"
         raise UserError(f"--draft-beams {fixed}: this engine's steps can draft {can} beams{where} (its trees have "
-                        f"{num_beams}); use one of those, or 0 to let the speculation policy choose.")
+                        f"{num_beams}); use one of those, all, or auto to let the speculation policy choose.")
     return [fixed]
 
 

@@ -62,7 +62,7 @@ from .graphs import tree_buckets
 from .step import SCORE_SCALE
 
 PROBE_MIN, PROBE_MAX = 4, 64  # AR steps between probes while resting (doubling while probes find nothing)
-BEAM_GROW_AFTER = 8  # drafting steps after the beam count shrank before it may grow again
+BEAM_EXPLORE = 8  # drafting steps with fewer beams, after which one drafts every beam (the choice made again)
 PROBE_HOPE = 0.95  # probe sooner than PROBE_MAX only where the last trees, drafted again, would nearly pay
 MEAN_DECAY = 0.8  # running means of a drafting step's gain and cost: weight of the past
 # the cost model, measured once, against the steps as they run now: a running mean (weight of the past) of each kind's
@@ -87,6 +87,7 @@ class Candidate:
     # the lowest beam through each node (aligned with `scores`) of a tree the device drafted; None: composed on the
     # host (every node counts for every beam count)
     beams: Optional[list[int]] = None
+    depths: Optional[list[int]] = None  # each node's depth (aligned with `scores`); None: unknown
 
     @property
     def drafted_beams(self) -> int:
@@ -140,7 +141,7 @@ class PolicyState:
     mean_gain: float = 1.0  # SPECULATING: running means of a drafting step's tokens and cost, in AR steps, ...
     mean_cost: float = 1.0
     mean_batch: int = 0  # ... at this batch size (they hold for one)
-    # drafting steps since the beam count last shrank: it grows again only after BEAM_GROW_AFTER of them
+    # drafting steps with fewer beams than every one in a row: at BEAM_EXPLORE the next drafts every beam
     beam_hold: int = 0
 
 
@@ -201,9 +202,8 @@ def decide(state: PolicyState, cands: list[Candidate], can_draft: bool, costs: S
     The beam count of a tree step that drafts while SPECULATING (`_next_beams`): the fresh trees at hand are the
     forecast of the next ones. Of the counts up to the one they were drafted with, the one whose trees (their nodes
     on its first k beams) emit the most per millisecond at their best width, counting what drafting k beams costs;
-    one count more where that is the count they were drafted with, their best width verifies every node and the
-    count has not shrunk for BEAM_GROW_AFTER drafting steps (a tree verified whole may be worth growing: the only
-    way to see what more beams would find is to draft them).
+    every beam after BEAM_EXPLORE drafting steps in a row with fewer (what more beams would find is seen only in
+    trees that have them: a whole tree now and then makes the choice again).
 
     While host_resting, an AR step composes nothing (AR_REST) but the last before rest reaches probe_every: that one
     composes the trees that probe whether host trees pay again."""
@@ -299,11 +299,15 @@ def _best(cands: list[Candidate], B: int, context: float, widths: Sequence[int],
 def _gains(c: Candidate, claims: bool = False, on_beams: int = 0) -> list[float]:
     """g[k - 1]: tokens expected from the request's first k nodes (the root adds none); `on_beams`: of the nodes on
     its first so many beams (0, or a tree composed on the host: all of them)."""
-    p = (lambda s: math.exp(s / SCORE_SCALE)) if claims else c.calibration.probability
-    scores = c.scores[1:]
+    depths = c.depths[1:] if c.depths else [0] * (len(c.scores) - 1)
+    nodes = list(zip(c.scores[1:], depths))
     if on_beams and c.beams:
-        scores = [x for x, b in zip(scores, c.beams[1:]) if b < on_beams]
-    return list(itertools.accumulate(map(p, scores), initial=0.0))
+        nodes = [n for n, b in zip(nodes, c.beams[1:]) if b < on_beams]
+    if claims:
+        probs = (math.exp(s / SCORE_SCALE) for s, _ in nodes)
+    else:
+        probs = (c.calibration.probability(s, d) for s, d in nodes)
+    return list(itertools.accumulate(probs, initial=0.0))
 
 
 def _next_beams(s: PolicyState, fresh: list[Candidate], B: int, context: float, widths: Sequence[int],
@@ -318,13 +322,10 @@ def _next_beams(s: PolicyState, fresh: list[Candidate], B: int, context: float, 
     for k in known:
         width, expected, ms = _best(fresh, B, context, widths, costs, beams=k, on_beams=k)
         rated.append(((B + expected) / ms, k, width))
-    _, k, width = max(rated)  # ties: the larger count
-    whole = all(width >= 1 + sum(1 for b in (c.beams or [])[1:] if b < k) for c in fresh)
-    hold = s.beam_hold + 1
-    if k < drafted:
-        hold = 0
-    elif k == known[-1] and k < options[-1] and whole and hold >= BEAM_GROW_AFTER:
-        k = options[options.index(k) + 1]
+    _, k, _ = max(rated)  # ties: the larger count
+    hold = s.beam_hold + 1 if k < options[-1] else 0
+    if hold > BEAM_EXPLORE:
+        k, hold = options[-1], 0
     return k, replace(s, beam_hold=hold)
 
 
