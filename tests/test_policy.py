@@ -151,6 +151,17 @@ def test_calibration_starts_at_the_claim_and_learns_the_truth():
     assert cal.probability(q(0.9)) > 0.8
 
 
+def test_calibration_learns_each_depth_apart():
+    """Nodes the drafter scores alike, accepted at depth 1 and never at depth 3 (errors compound along a path): each
+    (bin, depth) cell learns its own rate, starting from the bin's; a node of unknown depth gets the bin's."""
+    cal = Calibration()
+    for _ in range(30):
+        cal.observe([q(0.5), q(0.5)], [q(0.5)], [1, 3], [1])
+    assert cal.probability(q(0.5), 1) > 0.85 and cal.probability(q(0.5), 3) < 0.15
+    assert cal.probability(q(0.5)) == pytest.approx(0.5, abs=0.05)  # the bin, pooled over depths
+    assert cal.probability(q(0.5), 2) == pytest.approx(cal.probability(q(0.5)))  # an unseen depth: the bin's rate
+
+
 def test_calibration_bins_are_ordered():
     scores = [0, q(0.95), q(0.8), q(0.6), q(0.4), q(0.3), q(0.2), q(0.1), q(0.03), q(1e-6)]
     bins = [Calibration.bin(s) for s in scores]
