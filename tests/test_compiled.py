@@ -97,3 +97,31 @@ def test_compiled_root_only_steps_run_the_one_tree_graph(tiny, compiled):
         compiled.policy.speculation, launcher.verify_width = speculation, verify_width
     assert [r.output_ids for r in res] == ar
     assert set(verified) == {1} and len(verified) >= 39  # every decode step a tree step (40 tokens: >= 39 steps)
+
+
+def test_compiled_every_beam_count_runs_the_one_tree_graph(tiny, compiled):
+    """`--draft-beams 1` and `2` on the compiled engine: the drafter's beam count is an unbacked size, so the tree
+    graph compiled at load drafts any count without a recompile, and the tokens are AR's. (The trained pair's
+    acceptance at every count: test_draft_beams.)"""
+    _, _, prompts, ar = tiny
+    launcher, policy = compiled.launcher, compiled.policy
+    assert launcher.beam_options == [1, 2, 4]
+    generate(compiled, prompts, greedy(40), "redrafter")  # the greedy variants, compiled by now or here
+    seen, tree_step = [], launcher.tree
+
+    def recording(slots, width, keep, longest, variant, pending=None, grammar=None, beams=0):
+        seen.append(beams)
+        return tree_step(slots, width, keep, longest, variant, pending, grammar, beams)
+
+    launcher.tree, options = recording, policy.beam_options
+    torch.compiler.set_stance("fail_on_recompile")
+    try:
+        for k in (1, 2):
+            policy.beam_options, seen[:] = [k], []
+            res = generate(compiled, prompts, greedy(40), "redrafter")
+            assert [r.output_ids for r in res] == ar, k
+            assert set(seen) == {k} and all(r.draft_tokens > 0 for r in res), k
+    finally:
+        torch.compiler.set_stance("default")
+        del launcher.tree
+        policy.beam_options = options
