@@ -19,6 +19,7 @@ from trt_redrafter.runtime import policy as pol
 from trt_redrafter.runtime.generate import generate
 from trt_redrafter.runtime.calibration import Calibration
 from trt_redrafter.runtime.costs import CostModel, load_cost_model, save_cost_model
+from trt_redrafter.runtime.launch import StepVariant
 from trt_redrafter.runtime.graphs import tree_buckets
 from trt_redrafter.runtime.policy import PROBE_MAX, PROBE_MIN, Candidate, Policy
 from trt_redrafter.runtime.step import SCORE_SCALE
@@ -516,6 +517,8 @@ def test_an_oracle_gets_its_whole_tree(tiny):
     # costs that grow with the width, as the machine's do, but not its noise: on a loaded machine a measured width-5
     # step came out dearer per token than width 3 and the policy rightly took 3
     engine.policy.costs = flat_costs()
+    # one beam: the drafter's count is static (an unbacked size of 1 would not compile)
+    assert engine.launcher._draft_beams(StepVariant(True, draft=True), 0) is None
     seen = widths_chosen(engine)
     res = generate(engine, tiny["prompts"], greedy(MAX_NEW))
     assert [r.output_ids for r in res] == [r.output_ids for r in ar.values()]

@@ -156,11 +156,12 @@ class StepLauncher:
 
     def _draft_beams(self, variant: StepVariant, beams: int) -> Optional[torch.Tensor]:
         """[k]: the drafter searches k = `beams` (0: nb) beams; None where the step drafts nothing or the count is
-        static (CUDA graphs, inductor on CUDA: nb)."""
+        static: CUDA graphs and inductor on CUDA (nb), and trees of one beam (an unbacked size whose only value is 1
+        would not compile)."""
         nb = self.tree_shape.num_beams
         if beams not in (0, *self.beam_options):
             raise ValueError(f"a step may draft {self.beam_options} beams, not {beams}")
-        if not variant.draft or not self.compiler.any_width:
+        if not variant.draft or len(self.beam_options) < 2:
             return None
         k = torch.arange(beams or nb, device=self.device)
         self.compiler.mark_width(k)
