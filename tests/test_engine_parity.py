@@ -120,3 +120,27 @@ def test_phase_profile_times_every_phase_and_changes_no_token(tiny):
     times = engine.timer.mean_ms()
     assert engine.timer.steps == engine.step_times.steps["tree"] > 0  # every batched ReDrafter step
     assert set(times) == set(PHASES) and all(t > 0 for t in times.values())
+
+
+def test_a_profiled_step_during_which_a_unit_compiled_is_not_counted():
+    """The phase profile's units compile on the first step of each new shape (a width first seen): that step's time is
+    the compiler's. `_builds` sees the compile, and the timer drops the step."""
+    import time
+
+    import torch
+
+    from trt_redrafter.runtime.launch import _builds
+    from trt_redrafter.runtime.timing import PhaseTimer
+
+    before = _builds(None)
+    torch.compile(lambda x: x * 2 + 1)(torch.ones(3))
+    assert _builds(None) > before
+    timer = PhaseTimer(torch.device("cpu"), enabled=True)
+    with timer.phase("verify"):
+        time.sleep(0.05)  # a compile
+    timer.discard_step()
+    timer.end_step()
+    with timer.phase("verify"):
+        pass
+    timer.end_step()
+    assert timer.steps == 1 and timer.discarded == 1 and timer.mean_ms()["verify"] < 10

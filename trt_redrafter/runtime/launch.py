@@ -74,6 +74,12 @@ def warmup_variants(proposer: Proposer, rule: AcceptanceRule = AcceptanceRule.GR
     return list(dict.fromkeys(out))
 
 
+def _builds(unit) -> int:
+    """Graphs built so far: dynamo's compiled graphs (all units) and this unit's CUDA-graph captures."""
+    from torch._dynamo.utils import counters
+    return counters["stats"]["unique_graphs"] + len(getattr(unit, "graphs", ()))
+
+
 def draft_beam_options(spec: str, options: list[int], num_beams: int) -> list[int]:
     """The beam counts the policy may draft with, as `--draft-beams` says: all (num_beams), auto (`options`, the
     launcher's), or N, which must be one of `options`."""
@@ -259,8 +265,12 @@ class StepLauncher:
         unit = self._units.get(key)
         if unit is None:  # drafting writes no state: its capture needs no padding-slot arguments
             unit = self._units[key] = self.compiler.unit(phase, name, None if name == "draft" else self._on_padding)
+        built = _builds(unit)
         with self.timer.phase(name):
-            return unit(*args)
+            out = unit(*args)
+        if _builds(unit) != built:  # compiled or captured for a shape first seen: not a step to count
+            self.timer.discard_step()
+        return out
 
     def _on_padding(self, slots: torch.Tensor, *rest):
         """The same call on padding slots only (what a CUDA-graph capture may run for real)."""

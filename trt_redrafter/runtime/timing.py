@@ -16,10 +16,16 @@ import torch
 
 
 class PhaseTimer:
+    """Per-phase wall time, summed over the steps counted. A step during which some phase's unit compiled or captured
+    a graph (a shape first seen: `discard_step`) is not counted: its time is the compiler's, not the phase's."""
+
     def __init__(self, device: torch.device, enabled: bool = False):
         self.device, self.enabled = device, enabled
         self.seconds: dict[str, float] = defaultdict(float)
         self.steps = 0
+        self.discarded = 0  # steps not counted: a phase's unit was built during them
+        self._step: dict[str, float] = defaultdict(float)
+        self._discard = False
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -31,10 +37,20 @@ class PhaseTimer:
         t0 = time.perf_counter()
         yield
         self._sync()
-        self.seconds[name] += time.perf_counter() - t0
+        self._step[name] += time.perf_counter() - t0
+
+    def discard_step(self) -> None:
+        self._discard = True
 
     def end_step(self) -> None:
-        self.steps += 1
+        if self._discard:
+            self.discarded += 1
+        else:
+            for k, v in self._step.items():
+                self.seconds[k] += v
+            self.steps += 1
+        self._step.clear()
+        self._discard = False
 
     def mean_ms(self) -> dict[str, float]:
         """Phase -> mean milliseconds per step."""
@@ -42,7 +58,9 @@ class PhaseTimer:
 
     def reset(self) -> None:
         self.seconds.clear()
-        self.steps = 0
+        self.steps = self.discarded = 0
+        self._step.clear()
+        self._discard = False
 
 
 @dataclass
