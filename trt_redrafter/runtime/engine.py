@@ -266,7 +266,7 @@ class Engine:
         took = time.perf_counter() - t0
         self.step_times.add("tree" if decision.is_tree else "ar", took)
         self.step_times.widths[decision.width] += 1
-        if decision.draft and self._drafting(group):
+        if layout is not None and layout.draft:
             self.step_times.beams[decision.beams or self.tree.num_beams] += 1
         self.policy.observe_step(decision, len(group), sum(s.ctx_len for s in group) / len(group), 1e3 * took)
         emitted = {}

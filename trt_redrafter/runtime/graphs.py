@@ -208,13 +208,18 @@ class Compiler:
                     torch._dynamo.mark_dynamic(t, 0)
 
 
-def batch_buckets(max_batch_size: int) -> list[int]:
-    """Batch sizes CUDA graphs are captured for: powers of two up to max_batch_size, and max_batch_size itself."""
+def _doubling(n: int) -> list[int]:
+    """1, 2, 4, ... below n, and n itself."""
     out, b = [], 1
-    while b < max_batch_size:
+    while b < n:
         out.append(b)
         b *= 2
-    return out + [max_batch_size]
+    return out + [n]
+
+
+def batch_buckets(max_batch_size: int) -> list[int]:
+    """Batch sizes CUDA graphs are captured for: powers of two up to max_batch_size, and max_batch_size itself."""
+    return _doubling(max_batch_size)
 
 
 def bucket_for(n: int, buckets: list[int]) -> int:
@@ -223,11 +228,7 @@ def bucket_for(n: int, buckets: list[int]) -> int:
 
 def beam_buckets(num_beams: int) -> list[int]:
     """Beam counts a drafting step may search: 1, 2, 4, ... and num_beams itself."""
-    out, k = [], 1
-    while k < num_beams:
-        out.append(k)
-        k *= 2
-    return out + [num_beams]
+    return _doubling(num_beams)
 
 
 def tree_buckets(max_tree_tokens: int) -> list[int]:

@@ -76,7 +76,7 @@ def warmup_variants(proposer: Proposer, rule: AcceptanceRule = AcceptanceRule.GR
 
 def _builds(unit) -> int:
     """Graphs built so far: dynamo's compiled graphs (all units) and this unit's CUDA-graph captures."""
-    from torch._dynamo.utils import counters
+    from torch._dynamo.utils import counters  # here: importing the runtime must not import dynamo (test_plugins)
     return counters["stats"]["unique_graphs"] + len(getattr(unit, "graphs", ()))
 
 
@@ -114,6 +114,10 @@ class StepLauncher:
         # is given; the Triton and CPU kernels stop at each request's length, and CUDA graphs want static shapes
         self.trims_key_blocks = trims_key_blocks and not compiler.uses_graphs
         self._units: dict[object, Callable] = {}
+        # beam counts a drafting step may search (`beam_buckets`) where one compiled step serves them all
+        # (`Compiler.any_width`: the count is an unbacked size, as the width is); else the tree's nb only
+        nb = tree.num_beams
+        self.beam_options = beam_buckets(nb) if compiler.any_width else [nb]
 
     # ---- the two step kinds ------------------------------------------------------------------------------------
     def ar(self, slots: list[int], longest: int, rule: AcceptanceRule, logprobs: bool = False,
@@ -152,13 +156,6 @@ class StepLauncher:
         if self.compiler.uses_graphs:
             return width
         return kept if self.compiler.any_width else max(2, kept)
-
-    @property
-    def beam_options(self) -> list[int]:
-        """Beam counts a drafting step may search (`beam_buckets`) where one compiled step serves them all
-        (`Compiler.any_width`: the count is an unbacked size, as the width is); else the tree's nb only."""
-        nb = self.tree_shape.num_beams
-        return beam_buckets(nb) if self.compiler.any_width else [nb]
 
     def _draft_beams(self, variant: StepVariant, beams: int) -> Optional[torch.Tensor]:
         """[k]: the drafter searches k = `beams` (0: nb) beams; None where the step drafts nothing or the count is

@@ -91,7 +91,9 @@ class Candidate:
 
     @property
     def drafted_beams(self) -> int:
-        """How many beams the drafter searched for this tree (`TreeNodes.drafted_beams`; 0: unknown)."""
+        """How many beams the drafter searched for this tree (0: unknown). A search of k beams fills the other slots
+        with copies of beam 0, and every beam it found has a node of its own (beams are distinct), so the highest
+        beam index through a node is k - 1."""
         return 1 + max(self.beams) if self.beams else 0
 
 

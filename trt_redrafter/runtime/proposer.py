@@ -76,8 +76,8 @@ class Proposer:
         policy wants host trees composed after an AR step (it does not while it rests from them)."""
         if row is None:
             return HostCompose() if self.on_host and composing else None
-        if row.scores and self.drafter is not None:
-            seq.tree, seq.tree_fresh = TreeNodes(row.scores, row.depths, row.beams), True
+        if row.nodes is not None and self.drafter is not None:
+            seq.tree, seq.tree_fresh = row.nodes, True
         return HostCompose(row.draft) if self.on_host else None
 
     def compose(self, seq: Sequence, device: Optional[Draft]) -> Optional[Draft]:

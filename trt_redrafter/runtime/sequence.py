@@ -82,13 +82,6 @@ class TreeNodes:
         """From a packed tree's node scores and first beam positions i * bl + j (`DecodeStep.pack`)."""
         return cls(scores, [p % beam_length for p in positions], [p // beam_length for p in positions])
 
-    @property
-    def drafted_beams(self) -> int:
-        """How many beams the drafter searched for this tree (0: not drafted on the device). A search of k beams
-        fills the other slots with copies of beam 0, and every beam it found has a node of its own (beams are
-        distinct), so the highest beam index through a node is k - 1."""
-        return 1 + max(self.beams) if self.beams else 0
-
 
 @dataclass
 class Draft:

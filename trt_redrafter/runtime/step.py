@@ -46,7 +46,7 @@ from ..model.llama import LlamaRank
 from ..model.tp import Dist
 from .kv_cache import PagedKVCache
 from .drafter import DeviceDrafter
-from .sequence import Draft
+from .sequence import Draft, TreeNodes
 from .state import SlotState, put_rows
 
 
@@ -107,13 +107,13 @@ class RowLayout:
         count = row[bl]
         at = 2 * bl + 2
         tree_len = row[bl + 1]
-        scores = row[at:at + tree_len] if self.draft else []
-        positions = row[at + self.P:at + self.P + tree_len] if self.draft else []
+        nodes = TreeNodes.of_positions(row[at:at + tree_len], row[at + self.P:at + self.P + tree_len], bl) \
+            if self.draft and tree_len else None
         at += 2 * self.P if self.draft else 0
         nbeam = self.beams
         draft = Draft.of_flat(row[at:at + nbeam], row[at + nbeam:], nbeam // bl) if nbeam else None
-        return StepRow(tokens=row[:count], tree_len=tree_len, path=row[bl + 2:bl + 2 + count], scores=scores,
-                       depths=[p % bl for p in positions], beams=[p // bl for p in positions], draft=draft)
+        return StepRow(tokens=row[:count], tree_len=tree_len, path=row[bl + 2:bl + 2 + count], nodes=nodes,
+                       draft=draft)
 
 
 @dataclass
@@ -121,9 +121,7 @@ class StepRow:
     tokens: list[int]
     tree_len: int
     path: list[int]  # tree indices of the accepted path: root, then one per accepted draft
-    scores: list[int]  # the next tree's node scores, best first (empty: the device drafted none)
-    depths: list[int]
-    beams: list[int]  # the lowest beam through each node
+    nodes: Optional[TreeNodes]  # the next tree, node by node (None: the device drafted none)
     draft: Optional[Draft] = None  # the device's beams of the next tree (when the layout returns them)
 
 
