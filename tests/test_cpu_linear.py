@@ -9,6 +9,8 @@ from its many-row one, which is what `linear.MIN_ROWS` padding is for; the AVX-5
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -39,6 +41,13 @@ def _need(dtype: torch.dtype, impl: str = "onednn") -> None:
         if not cpu.available(dtype):
             pytest.skip(f"this CPU has no AVX-512 for {dtype} (float32: AVX-512F, bfloat16: AVX512-BF16)")
         cpu.ops()  # on such a CPU the kernel must build: a failure here is a failure
+
+
+def _auto(dtype: torch.dtype) -> str:
+    """What `--linear auto` takes on this CPU for float layers of `dtype`."""
+    if lin.amx_available(dtype) and lin.rows_invariant(dtype):
+        return "onednn"
+    return "avx512" if cpu.available(dtype) else "onednn" if lin.onednn_available(dtype) else "torch"
 
 
 @pytest.fixture
@@ -124,8 +133,9 @@ def test_resolve_linear():
         with pytest.raises(UserError, match=f"--linear {impl} runs on the CPU"):
             lin.resolve_linear(impl, cuda, torch.float32)
     for dt in DTYPES.values():
-        expected = "avx512" if cpu.available(dt) else "onednn" if lin.onednn_available(dt) else "torch"
-        assert lin.resolve_linear("auto", cpu_dev, dt) == expected
+        assert lin.resolve_linear("auto", cpu_dev, dt) == _auto(dt)
+        assert lin.resolve_linear("auto", cpu_dev, dt, quantized=True) == (  # weight-only layers: never oneDNN's
+            "avx512" if cpu.available(dt) else "onednn" if lin.onednn_available(dt) else "torch")
     assert lin.resolve_linear("onednn", cpu_dev, torch.float32) == "onednn"  # asked for: not replaced by avx512
     if not lin.onednn_available(torch.float16):
         with pytest.raises(UserError, match="no native oneDNN torch.float16 GEMM"):
@@ -134,6 +144,49 @@ def test_resolve_linear():
         lin.resolve_linear("avx512", cpu_dev, torch.float16)
     with pytest.raises(UserError, match=r"runtime.linear: expected one of auto, torch, onednn, avx512, got 'mkl'"):
         RuntimeConfig.from_dict({"linear": "mkl"})
+
+
+def test_rows_invariant_sees_a_gemm_whose_rows_depend_on_the_row_count(monkeypatch):
+    """The check `auto` runs before it takes oneDNN on AMX tiles (model/linear.py: rows_invariant), on this machine's
+    real oneDNN: padded as `onednn_linear` pads, a row's bits hold; unpadded, oneDNN's one-row kernel reduces K = 1536
+    in another order than its many-row one, and the check must say so."""
+    _need(torch.float32)
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(96, 1536, generator=g), torch.randn(8, 1536, generator=g)
+    packed = lin.prepack(w)
+    lin._rows_invariant.cache_clear()
+    assert lin.rows_invariant(torch.float32)
+    one_row = torch.ops.mkldnn._linear_pointwise(x[:1].clone(), packed, None, "none", [], "")
+    if torch.equal(one_row, torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")[:1]):
+        pytest.skip("this oneDNN's one-row kernel rounds as its many-row one: nothing unpadded to catch")
+    monkeypatch.setattr(lin, "min_rows", lambda dtype: 1)
+    lin._rows_invariant.cache_clear()
+    try:
+        assert not lin.rows_invariant(torch.float32)
+    finally:
+        lin._rows_invariant.cache_clear()
+
+
+def test_auto_keeps_avx512_where_a_mock_amx_gemm_is_not_row_invariant(monkeypatch, caplog):
+    """A CPU with AMX tiles (mocked: this one has none) whose oneDNN failed the row check: auto keeps the AVX-512 kernel
+    and says why; with the check passing it takes oneDNN for float bf16 layers only (weight-only layers stay in
+    linear_wo, fp32 has no AMX path)."""
+    bf16, cpu_dev = torch.bfloat16, torch.device("cpu")
+    _need(bf16)
+    monkeypatch.setattr(lin, "amx_available", lambda dtype: dtype == bf16)
+    monkeypatch.setattr(lin, "rows_invariant", lambda dtype: False)
+    package = logging.getLogger("trt_redrafter")  # it does not propagate to the root logger caplog reads
+    package.addHandler(caplog.handler)
+    try:
+        assert lin.resolve_linear("auto", cpu_dev, bf16) == ("avx512" if cpu.available(bf16) else "onednn")
+    finally:
+        package.removeHandler(caplog.handler)
+    assert "keep the AVX-512 kernel" in caplog.text
+    monkeypatch.setattr(lin, "rows_invariant", lambda dtype: True)
+    assert lin.resolve_linear("auto", cpu_dev, bf16) == "onednn"
+    assert lin.resolve_linear("auto", cpu_dev, bf16, quantized=True) == ("avx512" if cpu.available(bf16) else "onednn")
+    assert lin.resolve_linear("auto", cpu_dev, torch.float32) == _auto(torch.float32)
+    assert lin.resolve_linear("avx512", cpu_dev, bf16) == "avx512" or not cpu.available(bf16)  # asked for: kept
 
 
 # ---- engines ---------------------------------------------------------------------------------------------------
@@ -157,9 +210,51 @@ def _need_ar(tiny, impl: str) -> list[list[int]]:
 
 
 def test_engine_records_its_linear_choice(tiny):
-    auto = "avx512" if cpu.available(DTYPES[tiny["dtype"]]) else "onednn"
-    assert load_engine(tiny["engine_dir"]).linear == auto  # on a CPU with the dtype's oneDNN GEMM at least
+    assert load_engine(tiny["engine_dir"]).linear == _auto(DTYPES[tiny["dtype"]])
     assert load_engine(tiny["engine_dir"], linear="torch").linear == "torch"
+
+
+def test_mock_amx_bf16_engine_runs_onednn_on_tile_high_inputs_and_equals_ar(tiny, monkeypatch):
+    """What `auto` does on a CPU with AMX tiles (mocked: this one has none, so oneDNN's AVX-512 kernels stand in for
+    its tile kernels): a bf16 engine's base and drafter layers run oneDNN, every call's input padded to AMX_ROWS rows
+    (an AR step's one row as much as a tree's), and greedy ReDrafter with drafts accepted equals AR, which equals AR
+    padded to MIN_ROWS. On a CPU with AMX the unmocked tests above run the same padding on its tiles."""
+    if tiny["dtype"] != "bfloat16":
+        pytest.skip("oneDNN runs bf16 on AMX tiles; fp32 keeps the AVX-512 kernel")
+    ar4 = _need_ar(tiny, "onednn")
+    monkeypatch.setattr(lin, "amx_available", lambda dtype: dtype == torch.bfloat16)
+    lin._rows_invariant.cache_clear()
+    rows = []
+    real = torch.ops.mkldnn._linear_pointwise
+
+    def spy(x, *args):
+        rows.append(x.shape[0])
+        return real(x, *args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+    try:
+        engine = load_engine(tiny["engine_dir"])
+        assert engine.linear == "onednn" and engine.drafter.linear == "onednn"
+        assert set(lin.linear_paths(engine.model, engine.drafter)) == {"onednn bfloat16 (AMX tiles)"}
+        rows.clear()
+        ar = [r.output_ids for r in generate(engine, tiny["prompts"], greedy(MAX_NEW), "ar")]
+        assert rows and min(rows) == lin.AMX_ROWS
+        assert ar == ar4
+        oracle = OracleProposer(tiny["engine_dir"], dict(enumerate(ar)), corrupt_every=2)
+        res = generate(load_engine(tiny["engine_dir"], oracle), tiny["prompts"], greedy(MAX_NEW), "redrafter")
+        assert [r.output_ids for r in res] == ar
+        assert sum(r.accepted_draft_tokens for r in res) > 0
+        own = generate(engine, tiny["prompts"], greedy(MAX_NEW), "redrafter")  # its own drafter, on oneDNN too
+        assert [r.output_ids for r in own] == ar and sum(r.draft_tokens for r in own) > 0
+    finally:
+        lin._rows_invariant.cache_clear()
+
+
+def test_bench_engine_names_each_layers_kernel(tiny):
+    engine = load_engine(tiny["engine_dir"], linear="torch")
+    paths = lin.linear_paths(engine.model, engine.drafter)
+    layers = [m for m in (*engine.model.modules(), *engine.drafter.modules()) if isinstance(m, lin.Linear)]
+    assert paths == {f"torch {tiny['dtype']}": len(layers)}
 
 
 @pytest.mark.parametrize("impl", PACKED)
@@ -261,7 +356,7 @@ def test_compiled_greedy_redrafter_equals_ar(tiny):
     emulate_precision_casts); without them the bf16 case fails (compiled tokens leave eager's, and on another tiny
     pair ReDrafter's left AR's)."""
     torch._dynamo.reset()  # another module's compiled engine: the step's graphs guard only on their arguments
-    impl = "avx512" if cpu.available(DTYPES[tiny["dtype"]]) else "onednn"
+    impl = _auto(DTYPES[tiny["dtype"]])
     ar = _need_ar(tiny, impl)
     engine = load_engine(tiny["engine_dir"], OracleProposer(tiny["engine_dir"], dict(enumerate(ar)), corrupt_every=2),
                          compile="inductor", linear=impl)

@@ -595,9 +595,11 @@ class RuntimeConfig(ConfigBase):
                                   "project's kernel, trt_redrafter/cpu/linear.cpp, built at first use; float32 on "
                                   "AVX-512, bfloat16 on AVX512-BF16), onednn (one oneDNN GEMM per layer); or torch "
                                   "(F.linear). avx512 and onednn round otherwise than F.linear, so bf16 tokens may "
-                                  "differ from torch's. auto: avx512 where the CPU has it, else onednn where oneDNN "
-                                  "computes the engine's dtype natively, torch elsewhere and on CUDA "
-                                  "(model/linear.py)",
+                                  "differ from torch's. auto: onednn for bf16 float layers on a CPU with AMX tiles "
+                                  "(inputs padded to 16 rows, where a tree's rows cost about what one row costs; "
+                                  "after a check at load that a row's bits do not depend on the rows beside it), "
+                                  "else avx512 where the CPU has it, else onednn where oneDNN computes the dtype "
+                                  "natively, torch elsewhere and on CUDA (model/linear.py)",
                      choices=LINEAR_CHOICES)
     threads: int = option(0, help="torch CPU threads in this process (0: torch's default)")
     profile_phases: bool = option(False, help="time each phase of every step (verify/accept/rewind/draft/pack); the "

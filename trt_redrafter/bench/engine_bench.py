@@ -38,6 +38,7 @@ import torch
 from ..checkpoint.engine_config import EngineConfig, load_engine_config
 from ..config import PROPOSERS, RuntimeConfig, SamplingConfig
 from ..errors import UserError
+from ..model.linear import linear_paths
 from ..runtime.distributed import init_dist, shutdown_dist
 from ..runtime.costs import CostModel
 from ..runtime.engine import Engine
@@ -284,7 +285,8 @@ def summary_doc(args: argparse.Namespace, ecfg: EngineConfig, engine: Engine, ru
         "phases_ms": m.phases, "phases_speculate": m.phases_speculate, "runtime": runtime.to_dict(),
         "compile": engine.compiler.mode,
         "cpp_wrapper": engine.compiler.cpp_wrapper,
-        "kernels": engine.kernels, "engine_load_s": load_s, "speculate": str(engine.policy.speculation),
+        "kernels": engine.kernels, "linear_paths": linear_paths(engine.model, engine.drafter),
+        "engine_load_s": load_s, "speculate": str(engine.policy.speculation),
         "cost_model": costs.to_dict(), "speculation_overheads": costs.overheads(),
         "step_scale": dict(zip(("ar", "tree"), engine.policy.step_scale)), "roofline": roofline,
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
@@ -298,6 +300,8 @@ def print_header(doc: dict, engine: Engine) -> None:
           f"load average {os.getloadavg()[0]:.2f}; {doc['prompts']} prompts ({doc['prompt_order']} order) x "
           f"{doc['max_tokens']} tokens, greedy; medians of {doc['repeats']} rounds, the modes alternating per "
           f"prompt group")
+    print("linear layers (base and drafter) by kernel: " +
+          ", ".join(f"{n} {path}" for path, n in doc["linear_paths"].items()))
     costs = CostModel.from_dict(doc["cost_model"])
     if engine.policy.speculation.auto:
         print(f"speculation policy: auto; the step cost model (ms) it decides with, measured at load or cached beside "

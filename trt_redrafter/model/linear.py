@@ -20,6 +20,14 @@ weights more slowly than its kernel for 4-6 (fp32 and bf16, 1 and 2 threads). (f
 not M-invariant: rows of M = 1, 2, 3 differ from larger M, and at 2 threads the bits depend on the row's place in
 the batch.)
 
+Where the CPU has AMX tiles (Intel Xeon from Sapphire Rapids on), oneDNN runs a bf16 GEMM of 16 rows or more on
+them in about the time one row takes on AVX-512 (the time it reads the weights), while its small-M path is many
+times slower. So `auto` takes oneDNN for bf16 float layers there, its inputs padded to `AMX_ROWS` rows: an AR step
+and every verified tree row take the same tile kernel, and verifying a tree costs little more than an AR step.
+Before it does, `rows_invariant` checks on this machine that a row's bits do not depend on M (a oneDNN whose AMX path
+did would break greedy ReDrafter == AR); if they do, auto keeps the AVX-512 kernel and says so. Weight-only layers
+stay in `linear_wo` (oneDNN would run their dequantized weights: twice the bytes of int8).
+
 Under `torch.compile`, inductor lowers `mkldnn._linear_pointwise` only when the packed weight is a graph constant
 (`assert w.get_name() in V.graph.constants` in torch/_inductor/mkldnn_lowerings.py), i.e. with
 `torch._inductor.config.freezing`, where inductor prepacks plain weights itself. The engine compiles without
@@ -55,6 +63,9 @@ MIN_ROWS = 4
 # M = 2..26, 1 and 2 threads: in bf16 no hint (None), 1, 4, 16 and 64 are within noise; in fp32 1 costs 30-60% and
 # None up to 25% at 2 threads, 4 / 16 / 64 are the fastest. A row's bits do not depend on it (tests/test_cpu_linear.py)
 PACK_BATCH_HINT: Optional[int] = 16
+# oneDNN's inputs on a CPU with AMX tiles are padded to this many rows: a tile's height, where oneDNN takes its AMX
+# kernel for every M (fewer rows fall to a path that is many times slower; see above)
+AMX_ROWS = 16
 
 
 def onednn_available(dtype: torch.dtype) -> bool:
@@ -69,10 +80,51 @@ def onednn_available(dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
-def resolve_linear(choice: str, device: torch.device, dtype: torch.dtype) -> str:
-    """RuntimeConfig.linear -> "torch", "onednn" or "avx512". auto on the CPU: avx512 where the CPU has it for `dtype`
-    and the kernel builds (it needs a C++ compiler: the one torch.compile uses), else onednn where oneDNN computes
-    `dtype` natively, else torch; torch on CUDA."""
+@functools.cache
+def amx_available(dtype: torch.dtype) -> bool:
+    """Whether oneDNN can run `dtype` GEMMs on this CPU's AMX tiles: bfloat16 on a CPU with AMX-TILE (and AMX-BF16,
+    which every AMX CPU has) and a PyTorch whose oneDNN computes bf16."""
+    return dtype == torch.bfloat16 and torch.cpu._is_amx_tile_supported() and onednn_available(dtype)
+
+
+def min_rows(dtype: torch.dtype) -> int:
+    """Rows oneDNN's inputs are padded to (M-invariance and speed): AMX_ROWS where it runs `dtype` on AMX tiles, else
+    MIN_ROWS."""
+    return AMX_ROWS if amx_available(dtype) else MIN_ROWS
+
+
+# (start, rows) slices of one input, each computed alone against the whole input's rows (`rows_invariant`)
+_INVARIANCE_SLICES = ((0, 1), (3, 1), (1, 2), (6, 5), (2, 9), (16, 17), (0, 33), (5, 40))
+# (out, in) shapes `rows_invariant` checks: K = 1536 is where oneDNN's one-row kernel reduced in another order
+_INVARIANCE_SHAPES = ((96, 1536), (160, 576))
+
+
+def rows_invariant(dtype: torch.dtype) -> bool:
+    """Whether `onednn_linear` gives a row the same bits whatever the number of rows it shares a call with and its
+    place among them, on this machine (its ISA and oneDNN's kernel choice), at this process's thread count: random
+    weights of two shapes, each slice of a 45-row input computed alone against the whole."""
+    return _rows_invariant(dtype, torch.get_num_threads())
+
+
+@functools.cache
+def _rows_invariant(dtype: torch.dtype, threads: int) -> bool:
+    gen = torch.Generator().manual_seed(0)
+    for n, k in _INVARIANCE_SHAPES:
+        w = torch.randn(n, k, generator=gen).to(dtype)
+        x = torch.randn(45, k, generator=gen).to(dtype)
+        packed = prepack(w)
+        whole = onednn_linear(x, packed, None)
+        for start, m in _INVARIANCE_SLICES:
+            if not torch.equal(onednn_linear(x[start:start + m].clone(), packed, None), whole[start:start + m]):
+                return False
+    return True
+
+
+def resolve_linear(choice: str, device: torch.device, dtype: torch.dtype, quantized: bool = False) -> str:
+    """RuntimeConfig.linear -> "torch", "onednn" or "avx512". auto on the CPU: onednn for float (not `quantized`)
+    bf16 layers where oneDNN runs them on AMX tiles and keeps rows invariant (`amx_available`, `rows_invariant`);
+    else avx512 where the CPU has it for `dtype` and the kernel builds (it needs a C++ compiler: the one
+    torch.compile uses), else onednn where oneDNN computes `dtype` natively, else torch; torch on CUDA."""
     if choice == "torch":
         return "torch"
     assert choice in ("auto", "onednn", "avx512"), choice
@@ -81,6 +133,12 @@ def resolve_linear(choice: str, device: torch.device, dtype: torch.dtype) -> str
             raise UserError(f"--linear {choice} runs on the CPU, but this engine runs on {device}; use --linear auto "
                             f"or torch.")
         return "torch"
+    if choice == "auto" and not quantized and amx_available(dtype):
+        if rows_invariant(dtype):
+            return "onednn"
+        logger.warning("oneDNN's %s GEMM on this CPU's AMX tiles gives a row other bits in calls of other row "
+                       "counts (greedy ReDrafter would not equal AR): the linear layers keep the AVX-512 kernel",
+                       dtype)
     if choice in ("auto", "avx512") and cpu.available(dtype):
         try:
             cpu.ops()
@@ -113,10 +171,11 @@ _LIB.define("onednn_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor")
 
 
 def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """x [M, in] @ packed^T (+ bias) -> [M, out]; one-row inputs padded to MIN_ROWS (M-invariance, see above)."""
-    M = x.shape[0]
-    if M < MIN_ROWS:
-        y = torch.ops.mkldnn._linear_pointwise(F.pad(x, (0, 0, 0, MIN_ROWS - M)), packed, bias, "none", [], "")
+    """x [M, in] @ packed^T (+ bias) -> [M, out]; inputs of fewer rows padded to `min_rows` (M-invariance and speed,
+    see above)."""
+    M, pad = x.shape[0], min_rows(x.dtype)
+    if M < pad:
+        y = torch.ops.mkldnn._linear_pointwise(F.pad(x, (0, 0, 0, pad - M)), packed, bias, "none", [], "")
         return y[:M]
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
@@ -312,6 +371,19 @@ class Linear(nn.Module):
             y = y + self.bias
         return y.view(*lead, self.out_features)
 
+    @property
+    def path(self) -> str:
+        """The kernel this layer runs and what it reads, e.g. "avx512 float32", "avx512 int8 weights", "onednn
+        bfloat16 (AMX tiles)", "torch float32" (bench-engine counts the layers by it)."""
+        if self.fp8 is not None:
+            return "fp8 GEMM (torch._scaled_mm)"
+        if self.quant is not None:
+            return f"{'triton' if self.packed.is_cuda else self.impl} int{self.quant[1]} weights"
+        dtype = str((self.weight if self.weight is not None else self.packed).dtype).removeprefix("torch.")
+        fp8 = ", fp8 model" if self.input_scale is not None else ""
+        amx = " (AMX tiles)" if self.impl == "onednn" and amx_available(self.packed.dtype) else ""
+        return f"{self.impl} {dtype}{amx}{fp8}"
+
     def extra_repr(self) -> str:
         if self.input_scale is not None:
             return f"{self.in_features} -> {self.out_features}, {'fp8 GEMM' if self.fp8 else self.impl + ', fp8 model'}"
@@ -332,3 +404,13 @@ def _cuda_weight_only() -> bool:
 
 def _frozen(t: torch.Tensor) -> nn.Parameter:
     return t if isinstance(t, nn.Parameter) else nn.Parameter(t, requires_grad=False)
+
+
+def linear_paths(*modules: Optional[nn.Module]) -> dict[str, int]:
+    """How many of the modules' linear layers run each `Linear.path`, most first."""
+    counts: dict[str, int] = {}
+    for m in modules:
+        for layer in (m.modules() if m is not None else ()):
+            if isinstance(layer, Linear):
+                counts[layer.path] = counts.get(layer.path, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))

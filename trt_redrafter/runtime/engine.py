@@ -84,7 +84,8 @@ class Engine:
         m = cfg.checkpoint.model
         self.dtype = torch_dtype(runtime.dtype or self.build.dtype or m.dtype)
         self.vocab_size = m.vocab_size
-        self.linear = resolve_linear(runtime.linear, dist.device, self.dtype)  # "torch" | "onednn" | "avx512"
+        self.linear = resolve_linear(runtime.linear, dist.device, self.dtype,  # "torch" | "onednn" | "avx512"
+                                     quantized=cfg.checkpoint.quant is not None)
         self.model, self.drafter, self.cache, self.state = load_models(cfg, tensors, dist, runtime, self.dtype,
                                                                        self.linear, record_hidden)
         del tensors

@@ -21,7 +21,7 @@ from ..errors import UserError
 from ..log import get_logger
 from ..model.attention import cpu_tree_attention
 from ..model.drafter import DrafterRank
-from ..model.linear import resolve_linear
+from ..model.linear import linear_paths, resolve_linear
 from ..model.llama import LlamaRank
 from .distributed import Dist
 from .drafter import DeviceDrafter
@@ -97,7 +97,7 @@ def load_drafter(cfg: Optional[DrafterConfig], tensors: dict[str, torch.Tensor],
         return None
     d_dtype = torch_dtype(runtime.drafter_dtype) if runtime.drafter_dtype else \
         default_drafter_dtype(dist.device, dtype, linear)
-    d_linear = linear if d_dtype == dtype else resolve_linear(runtime.linear, dist.device, d_dtype)
+    d_linear = resolve_linear(runtime.linear, dist.device, d_dtype, quantized=bool(runtime.drafter_weights))
     drafter = DrafterRank(cfg, tensors, dist, d_dtype, runtime.drafter_semantics or build.drafter_semantics, d_linear,
                           runtime.drafter_weights)
     if drafter.dtype != dtype or drafter.weights:
@@ -213,7 +213,8 @@ def load_models(cfg, tensors: dict[str, torch.Tensor], dist: Dist, runtime: Runt
     t0 = time.perf_counter()
     model = LlamaRank(info.model, tensors, dist, dtype, per_seq, linear, info.quant)
     drafter = load_drafter(info.drafter, tensors, dist, runtime, build, dtype, linear)
-    logger.info("model loaded in %.1fs (%s, linear layers: %s)", time.perf_counter() - t0, dtype, linear)
+    logger.info("model loaded in %.1fs (%s, linear layers: %s)", time.perf_counter() - t0, dtype,
+                ", ".join(f"{n} {path}" for path, n in linear_paths(model, drafter).items()))
     num_slots = build.max_batch_size + 1  # + the padding slot
     reuse = prefix_reuse(runtime.kv_cache_reuse, dist.world_size, model.rope.dynamic, record_hidden)
     cache = make_kv_cache(info.model, build, runtime.kv_cache_tokens, per_seq, num_slots, dtype, dist, reuse)
