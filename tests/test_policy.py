@@ -492,6 +492,34 @@ def test_the_policy_gives_ar_tokens_and_measures_its_costs_once(tiny):
     assert [r.output_ids for r in generate(engine, tiny["prompts"], tiny["sampled"])] == tiny["sampled_ar"]
 
 
+def test_a_cost_model_measured_while_the_machine_was_busy_is_measured_again(tiny):
+    """A cached model whose steps the machine now runs much faster (here: the real model with every cell tripled, as a
+    busy machine would have timed it) is measured again at load; one slower than the machine now (cells halved: a
+    busy machine now, a good model) is kept. Real steps on the tiny engine decide."""
+    load_engine(tiny["engine_dir"], speculate="auto")  # measured, or cached by the test above
+    cached = tiny["engine_dir"] / costs.COST_MODEL_FILE
+    doc = json.loads(cached.read_text())
+    (kid, entry), = doc["entries"].items()
+    truth = CostModel.from_dict(entry)
+
+    def scaled(k: float) -> CostModel:
+        m = CostModel.from_dict(entry)
+        m.ar = [[k * x for x in row] for row in m.ar]
+        m.tree = [[[k * x for x in per_b] for per_b in row] for row in m.tree]
+        return m
+
+    busy = scaled(3.0)
+    assert busy.outpaced_by(truth.ar[0][0], truth.tree[0][0][0])
+    assert not scaled(0.5).outpaced_by(truth.ar[0][0], truth.tree[0][0][0])
+    cached.write_text(json.dumps({"entries": {kid: busy.to_dict()}}))
+    again = load_engine(tiny["engine_dir"], speculate="auto").policy.costs
+    assert again.ar[0][0] < busy.ar[0][0] * costs.STALE_RATIO  # timed anew, and saved
+    assert json.loads(cached.read_text())["entries"][kid]["ar"] == again.ar
+    slower = scaled(0.5)
+    cached.write_text(json.dumps({"entries": {kid: slower.to_dict()}}))
+    assert load_engine(tiny["engine_dir"], speculate="auto").policy.costs.to_dict() == slower.to_dict()
+
+
 def test_a_drafter_that_is_never_right_gets_ar_steps(tiny):
     """The tiny engine's random drafter: nothing it drafts is accepted. After a few steps of learning that, the
     policy takes AR steps (and an occasional probe); the output is AR's."""

@@ -12,6 +12,7 @@ on this machine for this engine, cached beside it.
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import json
 import os
@@ -36,6 +37,10 @@ COST_MODEL_VERSION = 2  # 2: width-1 steps by beam count (`beams`, `draft`)
 COST_CONTEXTS = (32, 1024)  # context lengths the cost model is measured at (the longer one capped by max_seq_len)
 COST_REPEATS = (3, 9)  # timed calls per measured point (after one untimed): fewest, and most for the fastest ones
 COST_POINT_S = 0.25  # ... so that each point takes about this long
+# a cached model whose AR or width-1 step (batch 1, the shorter context) the machine now runs in less than this share
+# of its time was measured in a slow phase (a busy machine): it is measured again
+STALE_RATIO = 0.7
+STALE_PROBES = 5  # timed calls of each kind for that check (their median)
 
 
 @dataclass
@@ -66,6 +71,11 @@ class CostModel:
             k = self.beams.index(beams)
             ms -= self._lookup([[per_b[-1] - per_b[k] for per_b in row] for row in self.draft], batch, context)
         return ms
+
+    def outpaced_by(self, ar_ms: float, width1_ms: float) -> bool:
+        """Whether steps timed now (batch 1, the shorter context) ran in under STALE_RATIO of this model's cells:
+        a model measured in a slow phase. A slow phase now never makes a model stale."""
+        return ar_ms < STALE_RATIO * self.ar[0][0] or width1_ms < STALE_RATIO * self.tree[0][0][0]
 
     def _lookup(self, table: list[list[float]], batch: int, context: float) -> float:
         at_ctx = [_interp(self.batches, row, batch) for row in table]
@@ -238,11 +248,20 @@ def save_cost_model(paths: Iterable[Path], model: CostModel) -> Optional[Path]:
 def load_or_measure(launcher: StepLauncher, dist, engine_dir: Optional[Path], key: dict, free: list[int],
                     max_seq_len: int, draft: bool) -> CostModel:
     """The cost model for `key`: from the cache beside the engine (or the user's cache) when one was measured for this
-    machine and these settings, else measured now (every rank takes part: the steps are collective) and saved."""
+    machine and these settings and the machine does not now run its steps much faster (a model measured while the
+    machine was busy: `CostModel.outpaced_by`), else measured now (every rank takes part: the steps are collective)
+    and saved."""
     paths = cost_cache_paths(engine_dir)
     model = load_cost_model(paths, key) if dist.is_driver else None
     if dist.broadcast_object(model is not None):
-        return model
+        now = probe_steps(launcher, free, max_seq_len, draft)
+        slow = dist.broadcast_object(model is not None and model.outpaced_by(*now))
+        if not slow:
+            return model
+        if dist.is_driver:
+            logger.info("the cached step cost model is slower than this machine now (AR %.2f ms against %.2f, width "
+                        "1 %.2f against %.2f: measured while the machine was busy?); measuring it again",
+                        now[0], model.ar[0][0], now[1], model.tree[0][0][0])
     model = measure(launcher, dist, free, max_seq_len, draft)
     model.key = key
     if dist.is_driver:
@@ -263,25 +282,14 @@ def measure(launcher: StepLauncher, dist, free_slots: list[int], max_seq_len: in
     from tqdm import tqdm
 
     t0 = time.perf_counter()
-    tree, cache, state = launcher.tree_shape, launcher.cache, launcher.state
+    tree = launcher.tree_shape
     P, dl = tree.max_tree_tokens, tree.draft_len_per_beam
-    hi = max(COST_CONTEXTS[0] + 1, min(COST_CONTEXTS[1], max_seq_len - P - 1))
-    contexts = [min(COST_CONTEXTS[0], hi - 1), hi]
+    contexts = _contexts(launcher, max_seq_len)
     batches = [b for b in launcher.buckets if b <= len(free_slots)]
     free = sorted(free_slots)[:batches[-1]]
-    ids = [-1 - i for i in range(len(free))]  # throw-away sequences (real ones count from 0)
-    for sid, slot in zip(ids, free):
-        cache.reserve(sid, hi + P)
-        cache.bind(sid, slot)
-    cache.sync()
+    ids = _scratch(launcher, free, contexts[1] + P)
     variant = StepVariant(True, AcceptanceRule.GREEDY, draft)
-
-    def once(call, slots: list[int], ctx: int) -> float:
-        idx = torch.tensor(slots, device=launcher.device)
-        put_rows(state.ctx_len, idx, torch.full_like(idx, ctx))
-        t = time.perf_counter()
-        call().cpu()
-        return time.perf_counter() - t
+    once = functools.partial(_once, launcher)
 
     def timed(calls: list, slots: list[int], ctx: int) -> list[float]:
         """Median ms of each call, timed in rounds of one call each: a slow phase of the machine (a shared host's
@@ -336,11 +344,58 @@ def measure(launcher: StepLauncher, dist, free_slots: list[int], max_seq_len: in
             trees[c][b][w] = ms[1 + w] if w < n else ms[n] * T / widths[n - 1]
         if beams:
             drafts[c][b] = ms[1 + n:] + [ms[1]]
-    for sid in ids:
-        cache.free(sid)
-    idx = torch.tensor(free, device=launcher.device)
-    put_rows(state.ctx_len, idx, torch.zeros_like(idx))
+    _release(launcher, ids, free)
     model = CostModel(batches, list(widths), contexts, ar, trees, beams=list(beams), draft=drafts if beams else [])
     logger.info("step costs measured in %.1fs (%d batch sizes x %d tree widths x %d contexts)",
                 time.perf_counter() - t0, len(batches), len(widths), len(contexts))
     return model
+
+
+def _contexts(launcher: StepLauncher, max_seq_len: int) -> list[int]:
+    """The two context lengths a model is measured at (COST_CONTEXTS, the longer capped by the engine's length)."""
+    hi = max(COST_CONTEXTS[0] + 1, min(COST_CONTEXTS[1], max_seq_len - launcher.tree_shape.max_tree_tokens - 1))
+    return [min(COST_CONTEXTS[0], hi - 1), hi]
+
+
+def _scratch(launcher: StepLauncher, slots: list[int], tokens: int) -> list[int]:
+    """Throw-away sequences of `tokens` KV positions bound to `slots` -> their ids (real ones count from 0)."""
+    ids = [-1 - i for i in range(len(slots))]
+    for sid, slot in zip(ids, slots):
+        launcher.cache.reserve(sid, tokens)
+        launcher.cache.bind(sid, slot)
+    launcher.cache.sync()
+    return ids
+
+
+def _release(launcher: StepLauncher, ids: list[int], slots: list[int]) -> None:
+    for sid in ids:
+        launcher.cache.free(sid)
+    idx = torch.tensor(slots, device=launcher.device)
+    put_rows(launcher.state.ctx_len, idx, torch.zeros_like(idx))
+
+
+def _once(launcher: StepLauncher, call, slots: list[int], ctx: int) -> float:
+    """Seconds of one step `call()` on `slots` at context `ctx` (its result read back)."""
+    idx = torch.tensor(slots, device=launcher.device)
+    put_rows(launcher.state.ctx_len, idx, torch.full_like(idx, ctx))
+    t = time.perf_counter()
+    call().cpu()
+    return time.perf_counter() - t
+
+
+@torch.inference_mode()
+def probe_steps(launcher: StepLauncher, free_slots: list[int], max_seq_len: int, draft: bool) -> tuple[float, float]:
+    """The median of STALE_PROBES AR steps and of as many width-1 tree steps (drafting where `draft`), alternating,
+    after one untimed call of each, batch 1 at the shorter of the model's contexts, in ms: what
+    `CostModel.outpaced_by` checks a cached model with (every rank calls it: the steps are collective)."""
+    slot = sorted(free_slots)[:1]
+    ctx, hi = _contexts(launcher, max_seq_len)
+    ids = _scratch(launcher, slot, hi + launcher.tree_shape.max_tree_tokens)
+    variant = StepVariant(True, AcceptanceRule.GREEDY, draft)
+    calls = [lambda: launcher.ar(slot, ctx + 1, AcceptanceRule.GREEDY),
+             lambda: launcher.tree(slot, 1, [1], ctx, variant)]
+    try:
+        times = [[_once(launcher, call, slot, ctx) for call in calls] for _ in range(STALE_PROBES + 1)][1:]
+    finally:
+        _release(launcher, ids, slot)
+    return tuple(1e3 * statistics.median(t[i] for t in times) for i in range(len(calls)))
