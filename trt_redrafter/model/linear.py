@@ -20,10 +20,11 @@ weights more slowly than its kernel for 4-6 (fp32 and bf16, 1 and 2 threads). (f
 not M-invariant: rows of M = 1, 2, 3 differ from larger M, and at 2 threads the bits depend on the row's place in
 the batch.)
 
-Where the CPU has AMX tiles (Intel Xeon from Sapphire Rapids on), oneDNN runs a bf16 GEMM of 16 rows or more on
-them in about the time one row takes on AVX-512 (the time it reads the weights), while its small-M path is many
-times slower. So `auto` takes oneDNN for bf16 float layers there, its inputs padded to `AMX_ROWS` rows: an AR step
-and every verified tree row take the same tile kernel, and verifying a tree costs little more than an AR step.
+Where the CPU has AMX tiles (Intel Xeon from Sapphire Rapids on), oneDNN runs bf16 GEMMs on them, 16 rows per tile
+instruction, so a GEMM of 16 rows should cost about what reading its weights costs, as one row does on AVX-512, while
+fewer rows may take a slower path (not measured on this project's machines: none has AMX; perf.md gives the command).
+So `auto` takes oneDNN for bf16 float layers there, its inputs padded to `AMX_ROWS` rows: an AR step and every
+verified tree row take the same tile kernel, and verifying a tree should cost little more than an AR step.
 Before it does, `rows_invariant` checks on this machine that a row's bits do not depend on M (a oneDNN whose AMX path
 did would break greedy ReDrafter == AR); if they do, auto keeps the AVX-512 kernel and says so. Weight-only layers
 stay in `linear_wo` (oneDNN would run their dequantized weights: twice the bytes of int8).
@@ -63,8 +64,8 @@ MIN_ROWS = 4
 # M = 2..26, 1 and 2 threads: in bf16 no hint (None), 1, 4, 16 and 64 are within noise; in fp32 1 costs 30-60% and
 # None up to 25% at 2 threads, 4 / 16 / 64 are the fastest. A row's bits do not depend on it (tests/test_cpu_linear.py)
 PACK_BATCH_HINT: Optional[int] = 16
-# oneDNN's inputs on a CPU with AMX tiles are padded to this many rows: a tile's height, where oneDNN takes its AMX
-# kernel for every M (fewer rows fall to a path that is many times slower; see above)
+# oneDNN's inputs on a CPU with AMX tiles are padded to this many rows: a tile's height, so that every M takes the same
+# tile kernel (see above)
 AMX_ROWS = 16
 
 
