@@ -17,6 +17,7 @@ from trt_redrafter.config import RuntimeConfig
 from trt_redrafter.errors import UserError
 from trt_redrafter.model.attention import AttentionMeta, cpu_tree_attention, torch_tree_attention
 from trt_redrafter.runtime.generate import generate
+from trt_redrafter.runtime.step import move_kv
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 MAX_NEW = 24
@@ -118,6 +119,27 @@ def test_refusals():
         RuntimeConfig.from_dict({"kernels": "cuda"})
 
 
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_kv_move_is_the_oracles_rewind_bit_for_bit(dtype):
+    """The eager step's one-call KV rewind (attention.cpp: kv_move) against runtime.step.move_kv: paths whose rows
+    move onto each other (a source that is another row's destination), rows that stay, a request whose path is its
+    root alone; and a row outside the cache refused."""
+    dt = DTYPES[dtype]
+    _need(dt)
+    g = torch.Generator().manual_seed(5)
+    caches = [torch.randn(64, 3, 16, generator=g).to(dt) for _ in range(7)]
+    src = torch.tensor([[10, 12, 13, 15], [40, 41, 41, 41], [20, 20, 20, 20]])
+    dst = torch.tensor([[10, 11, 12, 13], [40, 41, 42, 43], [20, 21, 22, 23]])
+    want = [c.clone() for c in caches]
+    move_kv(want, src, dst)
+    got = [c.clone() for c in caches]
+    cpu.kv_move(got, src, dst)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert not torch.equal(got[0][11], caches[0][11]) and torch.equal(got[0][11], caches[0][12])
+    with pytest.raises(RuntimeError, match="outside a cache of 64 rows"):
+        cpu.kv_move(got, torch.tensor([[64]]), torch.tensor([[0]]))
+
+
 def test_a_build_lock_left_by_a_killed_build_is_cleared():
     """torch's build lock file, left by a process killed mid-build, would make every later load wait forever."""
     _need(torch.float32)
@@ -145,6 +167,16 @@ def test_engine_uses_the_cpu_attention(tiny):
     engine = load_engine(tiny["engine_dir"])  # auto
     assert engine.kernels == "cpu" and engine.model.attention_impl is cpu_tree_attention
     assert load_engine(tiny["engine_dir"], kernels="torch").model.attention_impl is torch_tree_attention
+
+
+def test_the_eager_cpu_step_rewinds_in_one_call(tiny):
+    """Eager, the CPU kernels' step rewinds with kv_move (the greedy == AR tests below run it); compiled, and with
+    the PyTorch kernels, the step keeps the PyTorch rewind (inductor fuses it)."""
+    assert load_engine(tiny["engine_dir"], kernels="cpu").steps.kernels.move_kv is cpu.kv_move
+    assert load_engine(tiny["engine_dir"], kernels="torch").steps.kernels.move_kv is move_kv
+    from trt_redrafter.runtime.loading import plug_kernels
+    engine = load_engine(tiny["engine_dir"], kernels="cpu")
+    assert plug_kernels("cpu", engine.model, engine.cache, "inductor")[0].move_kv is move_kv
 
 
 def test_cpu_attention_ar_matches_torch_attention_ar(tiny):

@@ -91,7 +91,8 @@ class Engine:
         del tensors
         self.slots = BatchSlots(self.cache, self.state, tree.max_tree_tokens)
         self.kernels = resolve_kernels(runtime.kernels, dist.device, self.dtype, self.model.D)
-        step_kernels, select = plug_kernels(self.kernels, self.model, self.cache, runtime.compile)
+        self.compiler = Compiler(runtime.compile, dist.device, dist.world_size)
+        step_kernels, select = plug_kernels(self.kernels, self.model, self.cache, self.compiler.mode)
         self.device_drafter = BeamDrafter(self.drafter, self.model.embed, tree.num_beams, tree.draft_len_per_beam,
                                           select) if self.drafter is not None else None
         self.max_logprobs = min(runtime.max_logprobs, self.vocab_size)
@@ -108,7 +109,6 @@ class Engine:
             assert (proposer.num_beams, proposer.draft_len) == (tree.num_beams, tree.draft_len_per_beam), \
                 f"proposer drafts {proposer.num_beams}x{proposer.draft_len}, engine trees are " \
                 f"{tree.num_beams}x{tree.draft_len_per_beam}"
-        self.compiler = Compiler(runtime.compile, dist.device, dist.world_size)
         if "inductor" in self.compiler.mode:
             keep_inductor_cache(engine_dir, dist.rank, dist.world_size)
         self.timer = PhaseTimer(dist.device, enabled=runtime.profile_phases)

@@ -180,7 +180,9 @@ def plug_kernels(kernels: str, model: LlamaRank, cache: PagedKVCache, compile_mo
         return StepKernels.triton([*cache.k, *cache.v], with_mover="inductor" not in compile_mode), plugins.beam_step
     if kernels == "cpu":
         model.attention_impl = cpu_tree_attention
-        return StepKernels(), functools.partial(beam_search.select_beams_topk, topk=cpu_kernels.topk)
+        # the eager step rewinds every layer's cache in one call; compiled, inductor fuses the PyTorch rewind
+        step = StepKernels(move_kv=cpu_kernels.kv_move) if compile_mode == "off" else StepKernels()
+        return step, functools.partial(beam_search.select_beams_topk, topk=cpu_kernels.topk)
     return StepKernels(), None
 
 
