@@ -101,8 +101,7 @@ def load_drafter(cfg: Optional[DrafterConfig], tensors: dict[str, torch.Tensor],
     drafter = DrafterRank(cfg, tensors, dist, d_dtype, runtime.drafter_semantics or build.drafter_semantics, d_linear,
                           runtime.drafter_weights)
     if drafter.dtype != dtype or drafter.weights:
-        logger.info("drafter in %s%s (linear layers: %s)", drafter.dtype,
-                    f", {drafter.weights} weights" if drafter.weights else "", drafter.linear)
+        logger.info("drafter in %s%s", drafter.dtype, f", {drafter.weights} weights" if drafter.weights else "")
     return drafter
 
 
