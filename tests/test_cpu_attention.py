@@ -169,14 +169,14 @@ def test_engine_uses_the_cpu_attention(tiny):
     assert load_engine(tiny["engine_dir"], kernels="torch").model.attention_impl is torch_tree_attention
 
 
-def test_the_eager_cpu_step_rewinds_in_one_call(tiny):
-    """Eager, the CPU kernels' step rewinds with kv_move (the greedy == AR tests below run it); compiled, and with
-    the PyTorch kernels, the step keeps the PyTorch rewind (inductor fuses it)."""
+def test_the_cpu_step_rewinds_in_one_call(tiny):
+    """The CPU kernels' step rewinds with kv_move, eager and compiled (the greedy == AR tests below run it eager,
+    test_cpu_linear's and test_compile's compiled); with the PyTorch kernels the step keeps the PyTorch rewind."""
     assert load_engine(tiny["engine_dir"], kernels="cpu").steps.kernels.move_kv is cpu.kv_move
     assert load_engine(tiny["engine_dir"], kernels="torch").steps.kernels.move_kv is move_kv
     from trt_redrafter.runtime.loading import plug_kernels
     engine = load_engine(tiny["engine_dir"], kernels="cpu")
-    assert plug_kernels("cpu", engine.model, engine.cache, "inductor")[0].move_kv is move_kv
+    assert plug_kernels("cpu", engine.model, engine.cache, "inductor")[0].move_kv is cpu.kv_move
 
 
 def test_cpu_attention_ar_matches_torch_attention_ar(tiny):

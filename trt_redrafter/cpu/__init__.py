@@ -9,7 +9,7 @@ kernels (their fake functions below give it the output shapes).
                                                               oracle: model.attention.torch_tree_attention
     topk             each row's k largest values and their indices           topk.cpp     oracle: torch.topk
                      (the drafter's beam search: decoding.beam_search)
-    kv_move          the KV rewind of every layer cache in one call (eager)  attention.cpp
+    kv_move          the KV rewind of every layer cache in one call          attention.cpp
                                                               oracle: runtime.step.move_kv
 
 The linear and attention kernels compute every output element in one fixed order that does not depend on how many
@@ -137,7 +137,7 @@ def _topk_fake(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def kv_move(caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
     """cache[dst] = cache[src] in every cache (src, dst [bs, bl] rows; every source read before any destination is
-    written): `runtime.step.move_kv`'s contract in one call, for the eager step (attention.cpp)."""
+    written): `runtime.step.move_kv`'s contract in one call (attention.cpp)."""
     torch.ops.trt_redrafter_cpu.kv_move(caches, src.reshape(-1), dst.reshape(-1))
 
 

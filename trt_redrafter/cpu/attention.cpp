@@ -284,9 +284,10 @@ at::Tensor tree_attention(const at::Tensor& q_in, const at::Tensor& k_cache, con
 
 // The KV rewind of every layer cache in one call (the contract of runtime/step.py: move_kv, its oracle): cache[dst[i]] =
 // cache[src[i]] for each cache [slots, ...], every source row read before any destination row is written (a path's
-// rows may move onto each other). A plain copy of bytes, so the result is the oracle's bit for bit. The eager step
-// calls it instead of the oracle's two indexing ops per cache (60 for a 30-layer model: ~0.2 ms of dispatch per tree
-// step); under torch.compile inductor fuses the oracle itself.
+// rows may move onto each other). A plain copy of bytes, so the result is the oracle's bit for bit. The step calls it
+// instead of the oracle's two indexing ops per cache (60 for a 30-layer model: ~0.2 ms of dispatch per eager tree
+// step); compiled, inductor calls it in place (the schema marks the caches mutated), ~0.15 ms per step less than
+// the rewind it fuses from the oracle.
 void kv_move(at::TensorList caches, const at::Tensor& src_in, const at::Tensor& dst_in) {
   TORCH_CHECK(src_in.scalar_type() == at::kLong && dst_in.scalar_type() == at::kLong && src_in.numel() == dst_in.numel(),
               "kv_move: src and dst must be int64 tensors of one size");

@@ -179,9 +179,10 @@ def plug_kernels(kernels: str, model: LlamaRank, cache: PagedKVCache, compile_mo
         return StepKernels.triton([*cache.k, *cache.v], with_mover="inductor" not in compile_mode), plugins.beam_step
     if kernels == "cpu":
         model.attention_impl = cpu_tree_attention
-        # the eager step rewinds every layer's cache in one call; compiled, inductor fuses the PyTorch rewind
-        step = StepKernels(move_kv=cpu_kernels.kv_move) if compile_mode == "off" else StepKernels()
-        return step, functools.partial(beam_search.select_beams_topk, topk=cpu_kernels.topk)
+        # the step rewinds every layer's cache in one call, eager or compiled (inductor calls the op in place: its
+        # schema declares the caches mutated)
+        return StepKernels(move_kv=cpu_kernels.kv_move), functools.partial(beam_search.select_beams_topk,
+                                                                          topk=cpu_kernels.topk)
     return StepKernels(), None
 
 
