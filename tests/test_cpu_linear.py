@@ -125,6 +125,53 @@ def test_compiled_op_equals_eager_for_every_row_count(impl):
             assert torch.equal(compiled(x), mlp(x)), M
 
 
+def _need_vnni() -> None:
+    if not cpu.vnni_available():
+        pytest.skip("this CPU has no AVX512-VNNI (linear_w8a8's byte dot products)")
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("shape", SHAPES + [(33, 577), (8192, 512)])  # + a partial panel and K % 4, a drafter head
+def test_w8a8_kernel_equals_its_reference_bit_for_bit(dtype, shape):
+    """int8 weights and per-row int8 activations (`linear_w8a8`): the same bits as `cpu.w8a8_reference` (integer sums
+    are exact, the scaling one fixed order), with and without bias, a zero row included, and a row's bits do not
+    depend on the rows beside it."""
+    from trt_redrafter.checkpoint.quantization import quantize_per_channel
+
+    _need_vnni()
+    g = torch.Generator().manual_seed(5)
+    n, k = shape
+    q, s = quantize_per_channel(torch.randn(n, k, generator=g), 8, torch.float32)
+    packed, colsum, scales = cpu.pack_w8a8(q, s)
+    x = (3 * torch.randn(37, k, generator=g)).to(DTYPES[dtype])
+    x[5] = 0
+    op = torch.ops.trt_redrafter_cpu.linear_w8a8
+    for bias in (None, torch.randn(n, generator=g)):
+        y = op(x, packed, colsum, scales, n, bias)
+        assert y.dtype == x.dtype and y.shape == (37, n)
+        assert torch.equal(y, cpu.w8a8_reference(x, q, s, bias))
+        for start, m in ((0, 1), (5, 1), (3, 4), (30, 7)):
+            assert torch.equal(op(x[start:start + m].clone(), packed, colsum, scales, n, bias), y[start:start + m])
+
+
+def test_w8a8_layer_runs_the_byte_kernel_where_it_can_and_weight_only_elsewhere():
+    """A `QuantWeight` with `activations` runs `linear_w8a8` under the avx512 kernels (on a VNNI CPU), and as the
+    int8 weight-only layer elsewhere (torch: its dequantized weight)."""
+    from trt_redrafter.checkpoint.quantization import quantize_per_channel
+
+    _need_vnni()
+    g = torch.Generator().manual_seed(6)
+    w, b = torch.randn(96, 64, generator=g).bfloat16(), torch.randn(96, generator=g).bfloat16()
+    q, s = quantize_per_channel(w, 8, torch.bfloat16)
+    x = torch.randn(3, 2, 64, generator=g).bfloat16()
+    byte = lin.Linear(lin.QuantWeight(q, s, 8, 64, torch.bfloat16, activations=True), b, impl="avx512")
+    assert byte.path == "avx512 int8 weights and activations (VNNI)" and byte.quant is None
+    assert torch.equal(byte(x), cpu.w8a8_reference(x.reshape(6, 64), q, s, b.float()).view(3, 2, 96))
+    plain = lin.Linear(lin.QuantWeight(q, s, 8, 64, torch.bfloat16, activations=True), b, impl="torch")
+    assert plain.w8a8 is None and plain.path == "torch bfloat16"
+    assert torch.equal(plain(x), F.linear(x, (q.float() * s.float()).bfloat16(), b))
+
+
 def test_resolve_linear():
     cpu_dev, cuda = torch.device("cpu"), torch.device("cuda")
     assert lin.resolve_linear("torch", cpu_dev, torch.float32) == "torch"

@@ -5,6 +5,8 @@ kernels (their fake functions below give it the output shapes).
     pack, linear     y = x W^T (+ b) over W packed in 16-column panels      linear.cpp   oracle: F.linear
     linear_wo        the same over weight-only int8 / int4 W = q s           linear.cpp   oracle: F.linear of q s
                      (q and s packed by `pack_wo` below)
+    linear_w8a8      the same over int8 W = q s with the input quantized     linear.cpp   oracle: `w8a8_reference`
+                     to int8 per row (VNNI; the drafter: `pack_w8a8`)
     tree_attention   tree attention reading the paged KV cache in place      attention.cpp
                                                               oracle: model.attention.torch_tree_attention
     topk             each row's k largest values and their indices           topk.cpp     oracle: torch.topk
@@ -26,6 +28,7 @@ import hashlib
 import logging
 import os
 import sys
+from typing import Optional
 
 import torch
 
@@ -83,6 +86,7 @@ def ops():
         raise UserError(_BUILD_ERROR[0]) from e
     torch.library.register_fake("trt_redrafter_cpu::linear", _linear_fake)
     torch.library.register_fake("trt_redrafter_cpu::linear_wo", _linear_wo_fake)
+    torch.library.register_fake("trt_redrafter_cpu::linear_w8a8", _linear_w8a8_fake)
     torch.library.register_fake("trt_redrafter_cpu::tree_attention", _tree_attention_fake)
     torch.library.register_fake("trt_redrafter_cpu::topk", _topk_fake)
     return torch.ops.trt_redrafter_cpu
@@ -153,6 +157,40 @@ def _linear_fake(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias)
 
 def _linear_wo_fake(x, qweight, scales, bits: int, group_size: int, out_features: int, bias) -> torch.Tensor:
     return x.new_empty(x.shape[0], out_features)
+
+
+def _linear_w8a8_fake(x, packed, colsum, scales, out_features: int, bias) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features)
+
+
+def vnni_available() -> bool:
+    """Whether this CPU has AVX512-VNNI (`linear_w8a8`'s byte dot products) and the kernels build."""
+    try:
+        return bool(available(torch.float32) and ops().has_vnni())
+    except UserError:
+        return False
+
+
+def pack_w8a8(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """int8 q [out, in] and its per-channel scales [out] or [out, 1] -> (packed panels, column sums, scales padded to
+    whole panels, fp32): `linear_w8a8`'s weight arguments."""
+    packed, colsum = ops().pack_w8a8(q.contiguous())
+    padded = torch.zeros(colsum.numel(), dtype=torch.float32)
+    padded[:q.shape[0]] = scales.reshape(-1).float()
+    return packed, colsum, padded
+
+
+def w8a8_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
+                   bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`linear_w8a8`'s oracle: each row of x [M, in] quantized to int8 (symmetric, sx = max|x| / 127, round half to
+    even), the exact integer product with q [out, in], times sx * scales [out] in fp32, + bias, in x's dtype."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=1, keepdim=True)
+    sx = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    xq = torch.round(xf * (1 / sx))
+    acc = (xq.double() @ q.double().t()).float()  # the exact integer sum, rounded to fp32 as the kernel converts it
+    y = acc * (scales.reshape(1, -1).float() * sx)
+    return (y if bias is None else y + bias.float()).to(x.dtype)
 
 
 PANEL = 16  # output columns per panel (linear.cpp kCols)

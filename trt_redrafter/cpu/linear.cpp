@@ -23,7 +23,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <cmath>
 #include <type_traits>
+#include <vector>
 
 namespace {
 
@@ -342,16 +344,151 @@ at::Tensor linear_wo_op(const at::Tensor& x_in, const at::Tensor& qweight, const
   return y;
 }
 
+// ---- int8 weights and int8 activations (the drafter on VNNI CPUs): y = sx sw (xq . q) (+ b) ---------------------
+// A drafter only proposes (the base verifies every token), so its layers may trade exactness for speed. Here the
+// input is quantized per row, symmetric: sx = max|x| / 127, xq = round(x / sx) in [-127, 127], stored as u = xq + 128
+// (VPDPBUSD multiplies unsigned by signed bytes); q is int8 per output channel (scale sw), packed in panels
+// [P, ceil(K / 4), 16, 4] (four consecutive k of one column per 32-bit lane), zero-padded. Each output is the exact
+// int32 sum over k of u q (at most 255 * 127 * K, well inside int32 for K < 66,000), minus 128 * colsum(q), times
+// sx * sw in fp32, + b: integer sums do not depend on order, so a row's result does not depend on the other rows,
+// the tiling or the threads. VPDPBUSD does 64 byte products per instruction, VDPBF16PS 32 bf16 ones, and the bytes
+// read are half of bf16's.
+template <int MR, int NP, typename T>
+__attribute__((target("avx512vnni,avx512bw,avx512vl"))) void tile_w8a8(
+    const uint8_t* u, int64_t ldu, int64_t K4, const int8_t* qp, const int32_t* colsum, const float* sw,
+    const float* sx, int64_t n0, int64_t N, const float* bias, T* y, int64_t ldy) {
+  __m512i acc[MR][NP];
+  for (int m = 0; m < MR; ++m)
+    for (int p = 0; p < NP; ++p) acc[m][p] = _mm512_setzero_si512();
+  for (int64_t k4 = 0; k4 < K4; ++k4) {
+    __m512i w[NP];
+    for (int p = 0; p < NP; ++p) w[p] = _mm512_loadu_si512(qp + (p * K4 + k4) * kCols * 4);
+    for (int m = 0; m < MR; ++m) {
+      int32_t quad;
+      std::memcpy(&quad, u + m * ldu + 4 * k4, 4);
+      const __m512i xv = _mm512_set1_epi32(quad);
+      for (int p = 0; p < NP; ++p) acc[m][p] = _mm512_dpbusd_epi32(acc[m][p], xv, w[p]);
+    }
+  }
+  for (int p = 0; p < NP; ++p) {
+    const int64_t n = n0 + p * kCols;
+    if (n >= N) break;
+    const __mmask16 mk = tail_mask(N - n);
+    const __m512i off = _mm512_slli_epi32(_mm512_loadu_si512(colsum + n), 7);  // 128 * colsum
+    const __m512 s = _mm512_loadu_ps(sw + n);  // padded to whole panels
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mk, bias + n) : _mm512_setzero_ps();
+    for (int m = 0; m < MR; ++m) {
+      const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[m][p], off));
+      // rounded product, then + b: the explicit rounding keeps the compiler from contracting the two into an FMA
+      const __m512 scaled = _mm512_mul_round_ps(v, _mm512_mul_ps(s, _mm512_set1_ps(sx[m])),
+                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      store16(y + m * ldy + n, _mm512_add_ps(scaled, b), mk);
+    }
+  }
+}
+
+// q [N, K] int8 -> (panels [P, ceil(K / 4), 16, 4] int8, column sums [P * 16] int32), zero-padded past N and K
+std::vector<at::Tensor> pack_w8a8(const at::Tensor& q) {
+  TORCH_CHECK(q.dim() == 2 && q.device().is_cpu() && q.scalar_type() == at::kChar,
+              "cpu_pack_w8a8: q must be a 2-D CPU int8 tensor");
+  const int64_t N = q.size(0), K = q.size(1), P = (N + kCols - 1) / kCols, K4 = (K + 3) / 4;
+  at::Tensor padded = at::zeros({P * kCols, K4 * 4}, q.options());
+  padded.narrow(0, 0, N).narrow(1, 0, K).copy_(q);
+  at::Tensor colsum = padded.sum(1, /*keepdim=*/false, at::kInt).contiguous();
+  return {padded.view({P, kCols, K4, 4}).permute({0, 2, 1, 3}).contiguous(), colsum};
+}
+
+// one row of x [K] -> u [4 K4] (padding k at 128, i.e. 0) and its scale sx (see tile_w8a8); round to nearest even
+template <typename T>
+__attribute__((target("avx512vnni,avx512bw,avx512vl"))) float quantize_row(const T* x, int64_t K, int64_t K4,
+                                                                             uint8_t* u) {
+  using trt_redrafter_cpu::load16;
+  __m512 vmax = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k < K; k += kCols) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(load16(x + k, tail_mask(K - k))));
+  const float amax = _mm512_reduce_max_ps(vmax);
+  const float s = amax > 0.f ? amax / 127.f : 1.f;
+  const __m512 inv = _mm512_set1_ps(1.f / s);
+  const __m512i off = _mm512_set1_epi32(128);
+  for (k = 0; k < K; k += kCols) {
+    const __mmask16 mk = tail_mask(K - k);
+    const __m512i v = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(load16(x + k, mk), inv)), off);
+    _mm_mask_storeu_epi8(u + k, mk, _mm512_cvtusepi32_epi8(v));
+  }
+  for (k = K; k < 4 * K4; ++k) u[k] = 128;
+  return s;
+}
+
+template <typename T>
+__attribute__((target("avx512vnni,avx512bw,avx512vl"))) void linear_w8a8(
+    const T* x, int64_t M, int64_t K, const int8_t* qp, const int32_t* cs, const float* swp, int64_t N,
+    const float* bp, T* y) {
+  const int64_t K4 = (K + 3) / 4, ldu = 4 * K4, pe = ldu * kCols;  // bytes per row of u, per panel
+  std::vector<uint8_t> u(M * ldu);
+  std::vector<float> sx(M);
+  for (int64_t m = 0; m < M; ++m) sx[m] = quantize_row(x + m * K, K, K4, u.data() + m * ldu);
+  schedule<TileWidths>(M, N, [&](auto mr, auto nw, int64_t m, int64_t g, int64_t np) {
+    constexpr int MR = decltype(mr)::value, NP = decltype(nw)::value;
+    int64_t p = g;
+    for (; p + NP <= g + np; p += NP)
+      tile_w8a8<MR, NP>(u.data() + m * ldu, ldu, K4, qp + p * pe, cs, swp, sx.data() + m, p * kCols, N, bp,
+                        y + m * N, N);
+    for (; p < g + np; ++p)
+      tile_w8a8<MR, 1>(u.data() + m * ldu, ldu, K4, qp + p * pe, cs, swp, sx.data() + m, p * kCols, N, bp,
+                       y + m * N, N);
+  });
+}
+
+// x [M, K] float32 or bfloat16 -> y [M, N] of its dtype (see tile_w8a8); sw [P * 16] fp32 (padded), bias [N] fp32
+at::Tensor linear_w8a8_op(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& colsum,
+                          const at::Tensor& sw, int64_t N, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x_in.dim() == 2, "cpu_linear_w8a8: x must be [M, K]");
+  check_dtype(x_in, "x");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), P = (N + kCols - 1) / kCols, K4 = (K + 3) / 4;
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous() && packed.numel() == P * kCols * K4 * 4,
+              "cpu_linear_w8a8: the packed weight does not match x [", M, ", ", K, "] and ", N, " outputs");
+  TORCH_CHECK(colsum.scalar_type() == at::kInt && colsum.is_contiguous() && colsum.numel() == P * kCols &&
+                  sw.scalar_type() == at::kFloat && sw.is_contiguous() && sw.numel() == P * kCols,
+              "cpu_linear_w8a8: column sums and scales must be [", P * kCols, "]");
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  std::optional<at::Tensor> b;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N && bias->scalar_type() == at::kFloat, "cpu_linear_w8a8: bias must be [", N,
+                "] float32");
+    b = bias->contiguous();
+  }
+  const int8_t* qp = packed.data_ptr<int8_t>();
+  const int32_t* cs = colsum.data_ptr<int32_t>();
+  const float* swp = sw.data_ptr<float>();
+  const float* bp = b ? b->data_ptr<float>() : nullptr;
+  if (x.scalar_type() == at::kBFloat16) {
+    using T = c10::BFloat16;
+    linear_w8a8<T>(x.data_ptr<T>(), M, K, qp, cs, swp, N, bp, y.data_ptr<T>());
+  } else {
+    linear_w8a8<float>(x.data_ptr<float>(), M, K, qp, cs, swp, N, bp, y.data_ptr<float>());
+  }
+  return y;
+}
+
+bool has_vnni() { return __builtin_cpu_supports("avx512vnni"); }
+
 }  // namespace
 
 TORCH_LIBRARY(trt_redrafter_cpu, m) {
   m.def("pack(Tensor w) -> Tensor");
   m.def("linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
   m.def("linear_wo(Tensor x, Tensor qweight, Tensor scales, int bits, int group_size, int out_features, Tensor? bias) -> Tensor");
+  m.def("pack_w8a8(Tensor q) -> Tensor[]");
+  m.def("linear_w8a8(Tensor x, Tensor packed, Tensor colsum, Tensor scales, int out_features, Tensor? bias) -> Tensor");
+  m.def("has_vnni() -> bool", &has_vnni);
 }
 
 TORCH_LIBRARY_IMPL(trt_redrafter_cpu, CPU, m) {
   m.impl("pack", &pack);
   m.impl("linear", &linear_op);
   m.impl("linear_wo", &linear_wo_op);
+  m.impl("pack_w8a8", &pack_w8a8);
+  m.impl("linear_w8a8", &linear_w8a8_op);
 }

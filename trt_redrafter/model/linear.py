@@ -203,6 +203,9 @@ class QuantWeight:
     group_size: int
     dtype: torch.dtype
     pre_scale: Optional[torch.Tensor] = None  # [in]: AWQ's, the input is multiplied by it first (None: 1)
+    # int8 per channel only: the input may be quantized to int8 per row too, and the product taken in bytes (the
+    # drafter's `w8a8`; `Linear` does so where the avx512 kernels run on a CPU with VNNI, else as weight-only)
+    activations: bool = False
 
     @property
     def shape(self) -> torch.Size:
@@ -222,7 +225,7 @@ class QuantWeight:
                             "pre-quant scales; they read the same input, so quantize them with one scale "
                             "(ModelOpt does).")
         return QuantWeight(torch.cat([p.q for p in parts]), torch.cat([p.scales for p in parts]), first.bits,
-                           first.group_size, first.dtype, first.pre_scale)
+                           first.group_size, first.dtype, first.pre_scale, first.activations)
 
 
 def fp8_quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -281,7 +284,9 @@ class Linear(nn.Module):
     packed at construction ("onednn" / "avx512"); the unpacked W is then not kept (pass a copy if something else
     still reads it).
 
-    A `QuantWeight` runs in the avx512 kernel's weight-only path (`linear_wo`: int8 / int4 bytes read, scaled in
+    A `QuantWeight` with `activations` (int8 per channel) runs in the avx512 kernel's `linear_w8a8` on a CPU with
+    VNNI: the input quantized to int8 per row, the product in bytes (not the float layer's values: for the drafter,
+    which only proposes). Any other `QuantWeight` runs in the avx512 kernel's weight-only path (`linear_wo`: int8 / int4 bytes read, scaled in
     registers), on CUDA in the Triton weight-only GEMM (plugins/weight_only.py: the same bytes, scaled per group in
     fp32), and under any other impl as its dequantized float weight (the same quantized model, no bandwidth
     saved).
@@ -304,6 +309,8 @@ class Linear(nn.Module):
         self.pre_scale: Optional[torch.Tensor] = None  # [in], AWQ's input scale
         self.input_scale: Optional[torch.Tensor] = None  # FP8: the input's e4m3 scale (fp32 scalar)
         self.fp8: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # FP8 GEMMs: (w8 [out, in], its scale)
+        # int8 weights and activations: (column sums, scales padded to whole panels, fp32 bias or None)
+        self.w8a8: Optional[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]] = None
         if isinstance(weight, Fp8Weight):
             self.input_scale = weight.input_scale
             if impl == "torch" and scaled_mm_available(weight.w8.device):
@@ -313,6 +320,11 @@ class Linear(nn.Module):
         if isinstance(weight, QuantWeight):
             if weight.pre_scale is not None:
                 self.pre_scale = weight.pre_scale.to(weight.dtype)
+            if (impl == "avx512" and weight.activations and weight.bits == 8 and weight.pre_scale is None
+                    and weight.group_size == weight.q.shape[1] and cpu.vnni_available()):
+                self.packed, colsum, scales = cpu.pack_w8a8(weight.q, weight.scales)
+                self.w8a8 = (colsum, scales, None if bias is None else bias.float())
+                return
             if impl == "avx512":
                 self.packed, scales = cpu.pack_wo(weight.q, weight.scales, weight.bits)
                 self.quant = (scales, weight.bits, weight.group_size)
@@ -341,7 +353,10 @@ class Linear(nn.Module):
             return F.linear(x, self.weight, self.bias)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        if self.quant is not None and self.packed.is_cuda:
+        if self.w8a8 is not None:
+            colsum, scales, bias = self.w8a8
+            y = torch.ops.trt_redrafter_cpu.linear_w8a8(x2, self.packed, colsum, scales, self.out_features, bias)
+        elif self.quant is not None and self.packed.is_cuda:
             from ..plugins import weight_only
             scales, bits, group_size = self.quant
             y = weight_only.wo_linear(x2.contiguous(), self.packed, scales, bits, group_size)
@@ -378,6 +393,8 @@ class Linear(nn.Module):
         bfloat16 (AMX tiles)", "torch float32" (bench-engine counts the layers by it)."""
         if self.fp8 is not None:
             return "fp8 GEMM (torch._scaled_mm)"
+        if self.w8a8 is not None:
+            return "avx512 int8 weights and activations (VNNI)"
         if self.quant is not None:
             return f"{'triton' if self.packed.is_cuda else self.impl} int{self.quant[1]} weights"
         dtype = str((self.weight if self.weight is not None else self.packed).dtype).removeprefix("torch.")
@@ -388,7 +405,8 @@ class Linear(nn.Module):
     def extra_repr(self) -> str:
         if self.input_scale is not None:
             return f"{self.in_features} -> {self.out_features}, {'fp8 GEMM' if self.fp8 else self.impl + ', fp8 model'}"
-        q = f", int{self.quant[1]} weights{' (triton)' if self.packed.is_cuda else ''}" if self.quant else ""
+        q = f", int{self.quant[1]} weights{' (triton)' if self.packed.is_cuda else ''}" if self.quant else \
+            ", int8 weights and activations" if self.w8a8 else ""
         return f"{self.in_features} -> {self.out_features}, {self.impl}{q}"
 
 
