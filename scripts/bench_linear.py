@@ -8,7 +8,11 @@ compiled engines of different layouts cannot share one process (their step graph
         --tokens 1,2,4,8,16,26 --threads 2
 
 With `--gemms`, times instead the base model's linear layers alone (every layer's, and the lm_head), each called
-once on T random rows: what one verify step spends in GEMMs.
+once on T random rows: what one verify step spends in GEMMs; with `--gemms --drafter`, the drafter's (T: the rows of
+one drafted token, requests x beams), under each `--drafter-weights` value:
+
+    python scripts/bench_linear.py --engine ENGINE --linear avx512 --gemms --drafter --drafter-weights ,w8a8 \
+        --tokens 1,4,8,16,32 --threads 2
 
 Prints per engine and T the median and minimum step time over rounds and the cost relative to that engine's T = 1,
 with the load average; the last stdout line is one JSON document.
@@ -41,16 +45,21 @@ def main() -> int:
     ap.add_argument("--calls", type=int, default=5, help="timed calls per (engine, T) per round")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--gemms", action="store_true", help="time the base model's linear layers alone")
+    ap.add_argument("--drafter", action="store_true", help="with --gemms: the drafter's linear layers instead")
+    ap.add_argument("--drafter-weights", default="auto",
+                    help="comma-separated RuntimeConfig.drafter_weights values, each a variant ('' : as stored)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     Ts = [int(t) for t in args.tokens.split(",")]
 
     variants = {}
+    weights = args.drafter_weights.split(",")
     for path in args.engine:
-        for impl in args.linear.split(","):
+        for impl, dw in ((i, w) for i in args.linear.split(",") for w in weights):
             t0 = time.perf_counter()
             # speculate full: no step cost model to measure at load (the policy's; nothing here decodes by it)
-            runtime = RuntimeConfig(device="cpu", compile="off", linear=impl, threads=args.threads, speculate="full")
+            runtime = RuntimeConfig(device="cpu", compile="off", linear=impl, threads=args.threads, speculate="full",
+                                    drafter_weights=dw)
             engine = Engine.load(path, Dist(0, 1, torch.device("cpu")), runtime)
             load_s = time.perf_counter() - t0
             g = torch.Generator().manual_seed(0)
@@ -59,11 +68,16 @@ def main() -> int:
             engine.step([seq])  # the prompt: KV for prompt_len positions
             engine.cache.reserve(seq.seq_id, seq.ctx_len + max(Ts))
             engine.cache.sync()
-            variants[f"{os.path.basename(path.rstrip('/'))}/{engine.linear}"] = (engine, seq, load_s)
+            name = f"{os.path.basename(path.rstrip('/'))}/{engine.linear}"
+            if len(weights) > 1:
+                name += f"/drafter {engine.drafter.dtype if not engine.drafter.weights else engine.drafter.weights}"
+            variants[name] = (engine, seq, load_s)
 
     def gemms(engine, T: int):
-        layers = [m for m in engine.model.modules() if isinstance(m, Linear)]
-        xs = {n: torch.randn(T, n, generator=torch.Generator().manual_seed(T)).to(engine.dtype)
+        model = engine.drafter if args.drafter else engine.model
+        layers = [m for m in model.modules() if isinstance(m, Linear)]
+        dtype = engine.drafter.dtype if args.drafter else engine.dtype
+        xs = {n: torch.randn(T, n, generator=torch.Generator().manual_seed(T)).to(dtype)
               for n in {m.in_features for m in layers}}
 
         def run():
@@ -106,11 +120,12 @@ def main() -> int:
         cost = f"{r['cost_vs_T1']:.2f}" if r["cost_vs_T1"] else "-"
         print(f"| {r['engine']} | {r['T']} | {r['median_ms']:.2f} | {r['min_ms']:.2f} | {cost} |")
     load = os.getloadavg()
-    print(f"{'linear layers alone' if args.gemms else 'verify step'}, {args.threads} thread(s), eager, "
+    what = ("the drafter's" if args.drafter else "the base's") + " linear layers alone" if args.gemms else "verify step"
+    print(f"{what}, {args.threads} thread(s), eager, "
           f"{args.rounds} rounds x {args.calls} calls, load average "
           f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} CPUs")
     print(json.dumps({"rows": rows, "threads": args.threads, "loadavg": load, "rounds": args.rounds,
-                      "what": "gemms" if args.gemms else "verify"}))
+                      "what": ("drafter " if args.drafter else "") + "gemms" if args.gemms else "verify"}))
     return 0
 
 

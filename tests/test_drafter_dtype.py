@@ -1,5 +1,6 @@
-"""RuntimeConfig.drafter_dtype (`--drafter-dtype`) and drafter_weights (`--drafter-weights int8`): the drafter
-computes in its own dtype, from int8 weights if asked. It only proposes and the
+"""RuntimeConfig.drafter_dtype (`--drafter-dtype`) and drafter_weights (`--drafter-weights int8|w8a8|auto`): the
+drafter computes in its own dtype, from int8 weights if asked (w8a8: its inputs in int8 too; auto, the default: w8a8 on
+a CPU with VNNI). It only proposes and the
 model verifies every token, so greedy output stays the model's; on a float32 engine a bfloat16 drafter reads half
 the bytes per drafted token, and its drafts (so tokens per step) stay close to the float32 drafter's. Sampled
 output still follows the model's distribution: the acceptance rule uses the distribution the drafts came from."""
@@ -37,8 +38,8 @@ def _prompts() -> list[list[int]]:
 @needs_small
 @pytest.mark.parametrize("linear", ["torch", "auto"])
 def test_a_bfloat16_drafter_on_a_float32_engine_keeps_the_output_and_the_acceptance(small_engine, linear):
-    fp32 = load_engine(small_engine, linear=linear, drafter_dtype="float32")
-    bf16 = load_engine(small_engine, linear=linear, drafter_dtype="bfloat16")
+    fp32 = load_engine(small_engine, linear=linear, drafter_dtype="float32", drafter_weights="")
+    bf16 = load_engine(small_engine, linear=linear, drafter_dtype="bfloat16", drafter_weights="")
     assert fp32.dtype == bf16.dtype == torch.float32 and fp32.drafter.dtype == torch.float32
     assert bf16.drafter.dtype == torch.bfloat16
     head = bf16.drafter.lm_head
@@ -91,15 +92,21 @@ def test_the_default_drafter_dtype_is_bfloat16_where_the_cpu_computes_it(small_e
 
 
 @needs_small
+@pytest.mark.parametrize("weights", ["int8", "w8a8"])
 @pytest.mark.parametrize("linear", ["torch", "auto"])
-def test_int8_drafter_weights_keep_the_output_and_the_acceptance(small_engine, linear):
+def test_int8_drafter_weights_keep_the_output_and_the_acceptance(small_engine, linear, weights):
     """int8 weights, one scale per output channel: each drafter layer reads int8 (the avx512 kernel's weight-only
-    path, or its dequantized weight under torch), greedy output is still AR's, and the drafts stay about as good."""
-    plain = load_engine(small_engine, linear=linear)
-    int8 = load_engine(small_engine, linear=linear, drafter_weights="int8")
-    assert int8.drafter.weights == "int8" and int8.drafter.dtype == plain.drafter.dtype
+    path; with w8a8 on a VNNI CPU its input in int8 too, multiplied in bytes; or its dequantized weight under
+    torch), greedy output is still AR's, and the drafts stay about as good."""
+    from trt_redrafter import cpu
+
+    plain = load_engine(small_engine, linear=linear, drafter_weights="")
+    int8 = load_engine(small_engine, linear=linear, drafter_weights=weights)
+    assert int8.drafter.weights == weights and int8.drafter.dtype == plain.drafter.dtype
     layers = [int8.drafter.lm_head, *int8.drafter.layers, *int8.drafter.rnn]
-    if int8.drafter.linear == "avx512":
+    if int8.drafter.linear == "avx512" and weights == "w8a8" and cpu.vnni_available():
+        assert all(m.w8a8 is not None and "activations" in m.path for m in layers)
+    elif int8.drafter.linear == "avx512":
         assert all(m.quant is not None and m.quant[1] == 8 for m in layers)
     else:  # under F.linear the layer computes the dequantized weight: the same quantized drafter
         w, ref = layers[0].weight, plain.drafter.lm_head.weight
@@ -112,6 +119,24 @@ def test_int8_drafter_weights_keep_the_output_and_the_acceptance(small_engine, l
     tps = sum(r.tokens_per_step for r in rd) / len(rd)
     tps8 = sum(r.tokens_per_step for r in rd8) / len(rd8)
     assert tps > 1.5 and tps8 > 0.9 * tps, (tps, tps8)
+
+
+@needs_small
+def test_the_default_drafter_weights_are_w8a8_where_the_cpu_multiplies_bytes(small_engine):
+    """auto: w8a8 where the drafter runs the AVX-512 kernels on a VNNI CPU, else its weights as stored."""
+    from trt_redrafter import cpu
+
+    engine = load_engine(small_engine)
+    vnni = engine.drafter.linear == "avx512" and cpu.vnni_available()
+    assert engine.drafter.weights == ("w8a8" if vnni else "")
+    assert ("avx512 int8 weights and activations (VNNI)" in lin_paths(engine)) == vnni
+    torch_engine = load_engine(small_engine, linear="torch")
+    assert torch_engine.drafter.weights == "" and torch_engine.drafter.lm_head.weight is not None
+
+
+def lin_paths(engine) -> dict[str, int]:
+    from trt_redrafter.model.linear import linear_paths
+    return linear_paths(engine.drafter)
 
 
 def test_refusal():

@@ -556,11 +556,15 @@ class RuntimeConfig(ConfigBase):
                                      "only proposes and the model verifies every token, so it changes how many tokens "
                                      "a step accepts, not which (greedy); bfloat16 halves a float32 engine's drafter "
                                      "reads", choices=DTYPES + ("",))
-    drafter_weights: str = option("", help="int8: the drafter's linear layers as int8 weights, one scale per output "
-                                         "channel (quantized at load, computed in its dtype), half the bytes a "
-                                         "drafted token reads in bfloat16; like drafter_dtype it changes how many "
-                                         "tokens a step accepts, not which (greedy). Empty: as stored",
-                                  choices=("", "int8"))
+    drafter_weights: str = option("auto", help="int8: the drafter's linear layers as int8 weights, one scale per "
+                                         "output channel (quantized at load, computed in its dtype), half the bytes a "
+                                         "drafted token reads in bfloat16; w8a8: the same weights, and each layer's "
+                                         "input quantized to int8 per row, multiplied in bytes (AVX512-VNNI CPUs; "
+                                         "elsewhere as int8); empty: as stored; auto (default): w8a8 where the "
+                                         "drafter runs this project's AVX-512 kernels on a CPU with VNNI, else as "
+                                         "stored. Like drafter_dtype they change how many tokens a step accepts, not "
+                                         "which (greedy)",
+                                  choices=("auto", "", "int8", "w8a8"))
     drafter_semantics: str = option("", help="override the engine's drafter math (build-engine --drafter-semantics): "
                                          "apple or trtllm-0.13; empty means the engine's (model/drafter.py)",
                                 choices=DRAFTER_SEMANTICS + ("",))

@@ -90,16 +90,28 @@ def default_drafter_dtype(device: torch.device, dtype: torch.dtype, linear: str)
     return dtype
 
 
+def default_drafter_weights(device: torch.device, d_dtype: torch.dtype, linear: str) -> str:
+    """`drafter_weights` auto: w8a8 where the drafter's float layers would run this project's AVX-512 kernels on a CPU
+    with VNNI (its weights read in half the bytes of bf16, its products in bytes: docs/perf.md, "int8 drafter"),
+    else as stored (CUDA, oneDNN's AMX tiles, --linear torch / onednn)."""
+    if device.type == "cpu" and resolve_linear(linear, device, d_dtype) == "avx512" and cpu_kernels.vnni_available():
+        return "w8a8"
+    return ""
+
+
 def load_drafter(cfg: Optional[DrafterConfig], tensors: dict[str, torch.Tensor], dist: Dist, runtime: RuntimeConfig,
                  build: BuildConfig, dtype: torch.dtype, linear: str) -> Optional[DrafterRank]:
-    """This rank's drafter (None for an engine without one), in the asked-for dtype or `default_drafter_dtype`."""
+    """This rank's drafter (None for an engine without one), in the asked-for dtype or `default_drafter_dtype`, its
+    weights as asked or `default_drafter_weights`."""
     if cfg is None:
         return None
     d_dtype = torch_dtype(runtime.drafter_dtype) if runtime.drafter_dtype else \
         default_drafter_dtype(dist.device, dtype, linear)
-    d_linear = resolve_linear(runtime.linear, dist.device, d_dtype, quantized=bool(runtime.drafter_weights))
+    weights = default_drafter_weights(dist.device, d_dtype, runtime.linear) if runtime.drafter_weights == "auto" \
+        else runtime.drafter_weights
+    d_linear = resolve_linear(runtime.linear, dist.device, d_dtype, quantized=bool(weights))
     drafter = DrafterRank(cfg, tensors, dist, d_dtype, runtime.drafter_semantics or build.drafter_semantics, d_linear,
-                          runtime.drafter_weights)
+                          weights)
     if drafter.dtype != dtype or drafter.weights:
         logger.info("drafter in %s%s", drafter.dtype, f", {drafter.weights} weights" if drafter.weights else "")
     return drafter
