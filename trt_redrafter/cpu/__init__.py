@@ -159,7 +159,8 @@ def _linear_wo_fake(x, qweight, scales, bits: int, group_size: int, out_features
     return x.new_empty(x.shape[0], out_features)
 
 
-def _linear_w8a8_fake(x, packed, colsum, scales, out_features: int, bias) -> torch.Tensor:
+def _linear_w8a8_fake(x, packed, colsum, scales, out_features: int, bias, wide, wide_bias, wide_rows: int
+                      ) -> torch.Tensor:
     return x.new_empty(x.shape[0], out_features)
 
 
