@@ -291,7 +291,8 @@ class Linear(nn.Module):
 
     A `QuantWeight` with `activations` (int8 per channel) runs in the avx512 kernel's `linear_w8a8` on a CPU with
     VNNI: the input quantized to int8 per row, the product in bytes (not the float layer's values: for the drafter,
-    which only proposes); inputs of W8A8_WIDE_ROWS rows or more take the dequantized weight in the float kernel. Any other `QuantWeight` runs in the avx512 kernel's weight-only path (`linear_wo`: int8 / int4 bytes read, scaled in
+    which only proposes); inputs of W8A8_WIDE_ROWS rows or more take the dequantized weight in the float kernel.
+    Any other `QuantWeight` runs in the avx512 kernel's weight-only path (`linear_wo`: int8 / int4 bytes read, scaled in
     registers), on CUDA in the Triton weight-only GEMM (plugins/weight_only.py: the same bytes, scaled per group in
     fp32), and under any other impl as its dequantized float weight (the same quantized model, no bandwidth
     saved).

@@ -90,11 +90,11 @@ def default_drafter_dtype(device: torch.device, dtype: torch.dtype, linear: str)
     return dtype
 
 
-def default_drafter_weights(device: torch.device, d_dtype: torch.dtype, linear: str) -> str:
-    """`drafter_weights` auto: w8a8 where the drafter's float layers would run this project's AVX-512 kernels on a CPU
-    with VNNI (its weights read in half the bytes of bf16, its products in bytes: docs/perf.md, "int8 drafter"),
-    else as stored (CUDA, oneDNN's AMX tiles, --linear torch / onednn)."""
-    if device.type == "cpu" and resolve_linear(linear, device, d_dtype) == "avx512" and cpu_kernels.vnni_available():
+def default_drafter_weights(device: torch.device, linear: str) -> str:
+    """`drafter_weights` auto, given the drafter's float layers' resolved `linear`: w8a8 where they run this project's
+    AVX-512 kernels on a CPU with VNNI (its weights read in half the bytes of bf16, its products in bytes:
+    docs/perf.md, "The drafter in bytes"), else as stored (CUDA, oneDNN's AMX tiles, --linear torch / onednn)."""
+    if device.type == "cpu" and linear == "avx512" and cpu_kernels.vnni_available():
         return "w8a8"
     return ""
 
@@ -107,9 +107,11 @@ def load_drafter(cfg: Optional[DrafterConfig], tensors: dict[str, torch.Tensor],
         return None
     d_dtype = torch_dtype(runtime.drafter_dtype) if runtime.drafter_dtype else \
         default_drafter_dtype(dist.device, dtype, linear)
-    weights = default_drafter_weights(dist.device, d_dtype, runtime.linear) if runtime.drafter_weights == "auto" \
-        else runtime.drafter_weights
-    d_linear = resolve_linear(runtime.linear, dist.device, d_dtype, quantized=bool(weights))
+    # auto resolves as float layers do; where it picks w8a8 they run avx512, which quantized layers resolve to as well
+    explicit = runtime.drafter_weights != "auto"
+    d_linear = resolve_linear(runtime.linear, dist.device, d_dtype,
+                              quantized=explicit and bool(runtime.drafter_weights))
+    weights = runtime.drafter_weights if explicit else default_drafter_weights(dist.device, d_linear)
     drafter = DrafterRank(cfg, tensors, dist, d_dtype, runtime.drafter_semantics or build.drafter_semantics, d_linear,
                           weights)
     if drafter.dtype != dtype or drafter.weights:
