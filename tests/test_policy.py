@@ -276,6 +276,20 @@ def test_a_drafter_that_is_never_right_is_probed_rarely():
     assert not policy.decide(cands(1, weak, never_right(), fresh=False), can_draft=False).is_tree
 
 
+def test_a_rest_weighs_the_stale_trees_again_when_the_batch_shrinks():
+    """Trees that do not pay at batch 8 on a compute-bound machine are hopeless there: no probe before PROBE_MAX. When
+    the other requests finish, the one left would pay at batch 1: it is probed within PROBE_MIN steps, not left to
+    finish its answer auto-regressively (the quickstart's third chat answer did, in an eager `run`)."""
+    policy = Policy(Speculation.parse("auto"), 13, flat_costs(per_node=10.0 / 8))
+    good = [0, q(0.8), q(0.6), q(0.45), q(0.3)]
+    assert not policy.decide(cands(8, good, Calibration()), True).is_tree  # batch 8: rest
+    batch8 = cands(8, good, Calibration(), fresh=False)
+    assert not any(policy.decide(batch8, True).is_tree for _ in range(2 * PROBE_MIN))  # hopeless: no probe
+    d = policy.decide(cands(1, good, Calibration(), fresh=False), True)  # rest > probe_every already
+    assert d.is_tree and d.width == 1 and d.draft and policy.state.phase is pol.Phase.PROBING  # the probe
+    assert policy.decide(cands(1, good, Calibration()), True).width > 1  # its fresh tree is verified
+
+
 def test_probes_back_off_while_they_find_nothing():
     """Requests whose last trees would pay (if drafted again) are probed after PROBE_MIN steps, then after twice as
     many each time the probe's tree does not pay."""

@@ -137,9 +137,10 @@ class PolicyState:
     host_resting: bool = False  # resting from host trees: AR steps that compose nothing (but the one before a probe)
     rest: int = 0  # AR steps while resting, since it began or since the last probe
     probe_every: int = PROBE_MIN  # ... after which the next probe comes (doubling while probes find nothing)
-    # the stale trees, weighed once per rest, would not pay: no probe before PROBE_MAX (until a probe, or drafting that
-    # stops paying, clears it)
-    hopeless: bool = False
+    # the batch size at which the stale trees, weighed once per rest and batch size, would not pay (0: not weighed, or
+    # they would): no probe before PROBE_MAX while the batch keeps that size (a probe, or drafting that stops paying,
+    # clears it)
+    hopeless: int = 0
     mean_gain: float = 1.0  # SPECULATING: running means of a drafting step's tokens and cost, in AR steps, ...
     mean_cost: float = 1.0
     mean_batch: int = 0  # ... at this batch size (they hold for one)
@@ -184,9 +185,11 @@ def decide(state: PolicyState, cands: list[Candidate], can_draft: bool, costs: S
                    rest + 1 < probe_every
       any          stale trees, can draft, rest + 1 >= probe_every, and -> PROBING      a probe: width 1, drafts; rest
                    the trees, drafted again, would nearly pay (asked                    0, probe_every doubled,
-                   once per rest: `hopeless`) or rest + 1 >= PROBE_MAX                  hopeless cleared
+                   once per rest and batch size: `hopeless`) or rest +                  hopeless cleared
+                   1 >= PROBE_MAX
                    ... neither                                          -> same         AR step; rest + 1, hopeless
-                                                                                        set where they would not pay
+                                                                                        set to the batch size where
+                                                                                        they would not pay
       PROBING      fresh trees, can draft, their claims pay             -> RESTING      verify them by their claims
       PROBING      fresh trees, can draft, their claims do not pay      -> as RESTING below
       RESTING      fresh trees, can draft: the running means start      -> SPECULATING  tree step, drafts; rest 0,
@@ -239,15 +242,16 @@ def _decide(s: PolicyState, cands: list[Candidate], can_draft: bool, costs: Step
         if not can_draft or rest < s.probe_every:
             return AR_STEP, replace(s, rest=rest)
         hopeful, hopeless = False, s.hopeless
-        if not hopeless:  # asked once per rest: the stale trees do not change while nothing drafts
+        if hopeless != B:  # asked once per rest and batch size: the stale trees do not change while nothing drafts,
+            # but what verifying them costs does with the batch (requests that finish can leave one that would pay)
             stale = [c for c in spec if c.scores]  # their last trees, as if drafted again now
             width, expected, ms = _best(stale, B, context, widths, costs)
             hopeful = (B + expected) / ms >= PROBE_HOPE * B / ar_ms
-            hopeless = not hopeful
+            hopeless = 0 if hopeful else B
         if hopeful or rest >= PROBE_MAX:
             probe = StepDecision(1, {c.seq_id: 1 for c in cands}, True)
             return probe, replace(s, phase=Phase.PROBING, rest=0, probe_every=min(2 * s.probe_every, PROBE_MAX),
-                                  hopeless=False)
+                                  hopeless=0)
         return AR_STEP, replace(s, rest=rest, hopeless=hopeless)
     if not can_draft:  # trees from the host: verify the best part of them, or take AR steps and rest from them
         width, expected, ms = _best(fresh, B, context, widths[1:], costs)  # width 1 would verify nothing
@@ -279,7 +283,7 @@ def _decide(s: PolicyState, cands: list[Candidate], can_draft: bool, costs: Step
     if mean_gain >= mean_cost:
         return (StepDecision(width, _keep(cands, width), True, expected / B, beams=beams),
                 replace(s, phase=Phase.SPECULATING, probe_every=PROBE_MIN))
-    return AR_STEP, replace(s, phase=Phase.RESTING, hopeless=False)
+    return AR_STEP, replace(s, phase=Phase.RESTING, hopeless=0)
 
 
 def _best(cands: list[Candidate], B: int, context: float, widths: Sequence[int], costs: StepCosts,
