@@ -80,6 +80,25 @@ def test_compiled_step_does_not_recompile_across_steps(tiny, compiled):
     assert all(len(r.output_ids) == 70 for r in res)
 
 
+def test_the_compiled_ar_step_is_one_graph_for_every_batch_size(tiny):
+    """The AR step's batch is an unbacked size on the CPU (`Compiler.mark_any_batch`): the graph compiled at batch 2
+    runs batch 1 without compiling another (a dynamic size would specialize 1), and its tokens are AR's."""
+    from trt_redrafter.config import RuntimeConfig
+    from trt_redrafter.runtime.distributed import Dist
+    from trt_redrafter.runtime.engine import Engine
+
+    _, engine_dir, prompts, ar = tiny
+    cold = Engine.load(engine_dir, Dist(0, 1, torch.device("cpu")),
+                       RuntimeConfig(device="cpu", compile="inductor", speculate="full"), warmup=False)
+    two = generate(cold, prompts[:2], greedy(8), "ar")  # its AR graph compiles here, at batch 2
+    torch.compiler.set_stance("fail_on_recompile")
+    try:
+        one = generate(cold, prompts[2:3], greedy(40), "ar")
+    finally:
+        torch.compiler.set_stance("default")
+    assert [r.output_ids for r in two] == [a[:8] for a in ar[:2]] and one[0].output_ids == ar[2]
+
+
 def test_compiled_root_only_steps_run_the_one_tree_graph(tiny, compiled):
     """`--speculate 1`: every step verifies its root alone and drafts the next trees, the fixed cost of speculating.
     It verifies one node, not two (the width an unbacked size: the graph compiled at the whole tree's width runs

@@ -199,6 +199,16 @@ class Compiler:
         else:
             self.mark_dynamic(width)
 
+    def mark_any_batch(self, slots: torch.Tensor) -> None:
+        """Mark an AR step's slots [bs] under inductor on the CPU as an unbacked size (hinted at 2), so that one AR
+        graph serves batch 1 too: a dynamic size would specialize 1 and compile a second graph. Its steps ran as fast
+        as the two graphs' (SmolLM2 fp32, batch 1, 2 and 8, paired). Not the tree step's: with an unbacked batch its
+        graph ran 3-5% slower than the batch-1 one (docs/perf-history.md, 2026-11-29, night)."""
+        if self.any_width and "inductor" in self.mode:
+            torch._dynamo.decorators.mark_unbacked(slots, 0, hint_override=2)
+        else:
+            self.mark_dynamic(slots)
+
     def mark_dynamic(self, *tensors: torch.Tensor) -> None:
         """Tell inductor that the first dimension of each tensor varies, so it compiles one graph for all sizes
         (CUDA graphs are still captured per size)."""

@@ -125,6 +125,7 @@ class StepLauncher:
         """An AR step for these slots -> their output rows (on the device, maybe still running). grammar
         [len(slots), words]: token bitmasks (structured output)."""
         args = self._inputs(slots, 1, longest)
+        self.compiler.mark_any_batch(args[0])
         return self._unit(False)(*args[:2], rule, logprobs, self._padded(grammar, args[0].shape[0]))[:len(slots)]
 
     def tree(self, slots: list[int], width: int, keep: list[int], longest: int, variant: StepVariant,
@@ -175,7 +176,8 @@ class StepLauncher:
                words: int = 0) -> None:
         """Compile / capture the AR step and (`trees`) every given tree-step variant before the first request, on
         padding-slot batches: at every tree width the policy may choose and every batch bucket under CUDA graphs; at
-        two batch sizes (one, and more: inductor specializes size 1) otherwise. `guided`: the AR step with token
+        two batch sizes (one, and more: inductor specializes size 1, but for the CPU's AR step, one graph:
+        `Compiler.mark_any_batch`) otherwise. `guided`: the AR step with token
         bitmasks too (`words` int32 words per row; the tree variants with grammars are among `variants`)."""
         from tqdm import tqdm
 
