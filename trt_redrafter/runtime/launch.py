@@ -124,8 +124,7 @@ class StepLauncher:
            grammar: Optional[torch.Tensor] = None) -> torch.Tensor:
         """An AR step for these slots -> their output rows (on the device, maybe still running). grammar
         [len(slots), words]: token bitmasks (structured output)."""
-        args = self._inputs(slots, 1, longest)
-        self.compiler.mark_any_batch(args[0])
+        args = self._inputs(slots, 1, longest, any_batch=True)
         return self._unit(False)(*args[:2], rule, logprobs, self._padded(grammar, args[0].shape[0]))[:len(slots)]
 
     def tree(self, slots: list[int], width: int, keep: list[int], longest: int, variant: StepVariant,
@@ -202,10 +201,11 @@ class StepLauncher:
                     widths if trees else "none: AR steps only", time.perf_counter() - t0)
 
     # ---- inputs and units --------------------------------------------------------------------------------------
-    def _inputs(self, slots: list[int], T: int, longest: int, keep: Optional[list[int]] = None
-                ) -> tuple[torch.Tensor, ...]:
+    def _inputs(self, slots: list[int], T: int, longest: int, keep: Optional[list[int]] = None,
+                any_batch: bool = False) -> tuple[torch.Tensor, ...]:
         """(slots, key_blocks, tree_width, keep) of a decode step: slots padded to a batch bucket under CUDA graphs
-        (padding rows keep their root), and every varying size marked dynamic for inductor."""
+        (padding rows keep their root), and every varying size marked dynamic for inductor; `any_batch`: the batch
+        as `Compiler.mark_any_batch` marks it (the AR step's)."""
         pad = bucket_for(len(slots), self.buckets) - len(slots) if self.compiler.uses_graphs else 0
         keep = (keep or [1] * len(slots)) + [1] * pad
         dev = self.device
@@ -213,7 +213,12 @@ class StepLauncher:
                 self._key_blocks(longest), torch.arange(T, device=dev),
                 torch.tensor(keep, dtype=torch.long, device=dev))
         # key_blocks varies only where the attention reads every block it is given
-        self.compiler.mark_dynamic(*((args[0], args[1], args[3]) if self.trims_key_blocks else (args[0], args[3])))
+        varying = (args[1], args[3]) if self.trims_key_blocks else (args[3],)
+        if any_batch:
+            self.compiler.mark_any_batch(args[0])
+        else:
+            varying = (args[0], *varying)
+        self.compiler.mark_dynamic(*varying)
         self.compiler.mark_width(args[2])
         return args
 
