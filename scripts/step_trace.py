@@ -29,8 +29,9 @@ PARTS = ("verify linear", "attention", "verify other", "drafter linear", "topk",
          "library ops", "gaps")
 
 
-def parts_of_step(events: list[dict], call: dict) -> dict[str, float]:
-    """The top-level events inside one compiled-graph call (one thread), summed by part, in ms."""
+def parts_of_step(events: list[dict], call: dict) -> tuple[dict[str, float], dict[str, float]]:
+    """The top-level events inside one compiled-graph call (one thread), summed by part, in ms; and those after the
+    verify (the drafter's, accept's, rewind's, pack's), summed by kernel name, in ms."""
     t0, t1 = call["ts"], call["ts"] + call["dur"]
     inner = sorted((e for e in events if e is not call and e["tid"] == call["tid"] and t0 <= e["ts"]
                     and e["ts"] + e["dur"] <= t1), key=lambda e: e["ts"])
@@ -39,13 +40,14 @@ def parts_of_step(events: list[dict], call: dict) -> dict[str, float]:
         if e["ts"] >= end:
             top.append(e)
             end = e["ts"] + e["dur"]
-    def is_linear(name: str) -> bool:  # the CPU linear kernels (cpu/linear.cpp): float and weight-only
-        return name.endswith(("::linear", "::linear_wo"))
+    def is_linear(name: str) -> bool:  # the CPU linear kernels (cpu/linear.cpp): float, weight-only, int8 x int8
+        return name.endswith(("::linear", "::linear_wo", "::linear_w8a8"))
 
     linear = [e for e in top if is_linear(e["name"])]
     head_end = max(linear, key=lambda e: e["dur"]) if linear else None  # the lm_head ends the verify
     cut = head_end["ts"] + head_end["dur"] if head_end else t0
     out = dict.fromkeys(PARTS, 0.0)
+    after: dict[str, float] = {}
     prev = t0
     for e in top:
         out["gaps"] += e["ts"] - prev
@@ -64,8 +66,10 @@ def parts_of_step(events: list[dict], call: dict) -> dict[str, float]:
         else:
             part = "after-verify kernels"
         out[part] += e["dur"]
+        if not verify:
+            after[name] = after.get(name, 0.0) + e["dur"] / 1e3
     out["gaps"] += t1 - prev
-    return {k: v / 1e3 for k, v in out.items()} | {"step": call["dur"] / 1e3}
+    return {k: v / 1e3 for k, v in out.items()} | {"step": call["dur"] / 1e3}, after
 
 
 def main() -> None:
@@ -76,6 +80,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=32, help="committed positions before the step")
     ap.add_argument("--steps", type=int, default=5, help="steps traced per kind")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--top", type=int, default=0, help="also list the tree step's N costliest kernels after the verify")
     args = ap.parse_args()
 
     import torch._inductor.config as inductor_config
@@ -120,8 +125,11 @@ def main() -> None:
                 prof.export_chrome_trace(f"{d}/trace.json")
                 events = [e for e in json.load(open(f"{d}/trace.json"))["traceEvents"] if e.get("ph") == "X"]
             calls = [e for e in events if e["name"].startswith("## Call CompiledFxGraph")]
-            steps = [parts_of_step(events, c) for c in calls[-args.steps:]]
+            steps, after = zip(*(parts_of_step(events, c) for c in calls[-args.steps:]))
             result["parts_ms"][kind] = {k: statistics.median(s[k] for s in steps) for k in steps[0]}
+            names = set().union(*after)
+            result.setdefault("after_verify_ms", {})[kind] = dict(sorted(
+                ((n, statistics.median(a.get(n, 0.0) for a in after)) for n in names), key=lambda kv: -kv[1]))
     ar, tree = result["parts_ms"].values()
     print(f"{args.engine}: batch {bs}, context {ctx}, {args.threads} threads, C++ wrapper "
           f"{'on' if result['cpp_wrapper'] else 'off'}; ms per step, median of {args.steps} traced steps")
@@ -129,6 +137,12 @@ def main() -> None:
     print("|---|---|---|---|")
     for part in (*PARTS, "step"):
         print(f"| {part} | {ar[part]:.3f} | {tree[part]:.3f} | {tree[part] - ar[part]:+.3f} |")
+    if args.top:
+        kernels = result["after_verify_ms"][f"tree T={T}"]
+        print(f"\nthe tree step's {args.top} costliest kernels after the verify (ms per step, of "
+              f"{sum(kernels.values()):.3f} in {len(kernels)} kernels):")
+        for name, ms in list(kernels.items())[:args.top]:
+            print(f"  {ms:7.3f}  {name}")
     print(json.dumps(result))
 
 

@@ -133,3 +133,50 @@ def test_path_packed_indices():
     assert n.tolist() == [5, 3]
     idx, n = path_packed_indices(tree.unpacker, torch.tensor([0, 1]), torch.tensor([1, 4]))
     assert idx.tolist() == [[0, 0, 0, 0, 0], [0, 1, 2, 5, 0]]
+
+
+# ---- the step's running reductions against the scans and sorts they replace (bit for bit) ----------------------
+
+def _dedup_by_cumprod(beams: torch.Tensor) -> torch.Tensor:
+    nb = beams.shape[1]
+    same_prefix = torch.cumprod((beams[:, :, None, :] == beams[:, None, :, :]).to(torch.int32), dim=-1).bool()
+    return torch.where(same_prefix, torch.arange(nb).view(1, 1, nb, 1), nb).amin(dim=2)
+
+
+def _order_by_sorts(tree: PackedTree, score: torch.Tensor) -> torch.Tensor:
+    by_depth = torch.sort(tree.position_offsets, dim=1, stable=True).indices
+    return by_depth.gather(1, torch.sort(score.gather(1, by_depth), dim=1, descending=True, stable=True).indices)
+
+
+def test_running_reductions_equal_the_scans_and_sorts_they_replace():
+    """dedup_prefix, the packed ranks, node_scores' running minimum, order_by_score and the accepted prefix length
+    are reductions over `up_to` masks (they compile into the step's kernels); each equals the cumprod / cumsum /
+    cummin / stable sort it replaces, on random trees with many shared prefixes and tied scores."""
+    from trt_redrafter.decoding.acceptance import _leading_true
+    from trt_redrafter.decoding.tree import node_scores, order_by_score
+
+    g = torch.Generator().manual_seed(1)
+    for trial in range(80):
+        bs, nb, bl = (int(torch.randint(lo, hi, (1,), generator=g)) for lo, hi in ((1, 4), (1, 7), (2, 6)))
+        beams = torch.randint(0, 3, (bs, nb, bl), generator=g)
+        beams[:, :, 0] = beams[:, :1, 0]
+        assert torch.equal(dedup_prefix(beams), _dedup_by_cumprod(beams))
+        P = 1 + nb * (bl - 1)
+        tree = pack_beams(beams, pad_to=P + int(torch.randint(0, 3, (1,), generator=g)))
+        keep = (dedup_prefix(beams) == torch.arange(nb).view(1, nb, 1)).reshape(bs, -1)
+        ranks = tree.unpacker.reshape(bs, -1).gather(1, torch.arange(nb * bl).expand(bs, -1))
+        assert torch.equal(ranks[keep], (torch.cumsum(keep, dim=1) - 1)[keep])
+        scores = -torch.randint(0, 4, (bs, nb, bl - 1), generator=g) * 1024  # few values: many ties
+        node = node_scores(tree, scores, -99999)
+        per_position = torch.cat([torch.zeros_like(scores[:, :, :1]), scores], dim=2).reshape(bs, -1)
+        first = per_position.gather(1, tree.beam_positions)
+        along = first.gather(1, tree.unpacker.reshape(bs, -1)).reshape(bs, nb, bl).cummin(dim=2).values
+        valid = torch.arange(tree.tokens.shape[1])[None, :] < tree.lengths[:, None]
+        expect = torch.where(valid, along.reshape(bs, -1).gather(1, tree.beam_positions), -99999)
+        assert torch.equal(node, expect)
+        ordered, by = order_by_score(tree, node)
+        order = _order_by_sorts(tree, node)
+        assert torch.equal(ordered.tokens, tree.tokens.gather(1, order)) and torch.equal(by, node.gather(1, order))
+        assert torch.equal(ordered.beam_positions, tree.beam_positions.gather(1, order))
+        ok = torch.rand(bs, nb, bl, generator=g) < 0.7
+        assert torch.equal(_leading_true(ok), torch.cumprod(ok.to(torch.int32), dim=-1).sum(dim=-1).long())

@@ -284,7 +284,9 @@ at::Tensor tree_attention(const at::Tensor& q_in, const at::Tensor& k_cache, con
 
 // The KV rewind of every layer cache in one call (the contract of runtime/step.py: move_kv, its oracle): cache[dst[i]] =
 // cache[src[i]] for each cache [slots, ...], every source row read before any destination row is written (a path's
-// rows may move onto each other). A plain copy of bytes, so the result is the oracle's bit for bit. The step calls it
+// rows may move onto each other). A plain copy of bytes, so the result is the oracle's bit for bit; a row moved onto
+// itself (a position past the accepted path: most of a step's rows) is not copied, which is the same where no two
+// rows share a destination (a rewind's destinations are distinct positions). The step calls it
 // instead of the oracle's two indexing ops per cache (60 for a 30-layer model: ~0.2 ms of dispatch per eager tree
 // step); compiled, inductor calls it in place (the schema marks the caches mutated), ~0.15 ms per step less than
 // the rewind it fuses from the oracle.
@@ -310,8 +312,10 @@ void kv_move(at::TensorList caches, const at::Tensor& src_in, const at::Tensor& 
       const int64_t row = c.stride(0) * c.element_size();
       char* base = static_cast<char*>(c.data_ptr());
       rows.resize(n * row);
-      for (int64_t i = 0; i < n; ++i) std::memcpy(rows.data() + i * row, base + s[i] * row, row);
-      for (int64_t i = 0; i < n; ++i) std::memcpy(base + d[i] * row, rows.data() + i * row, row);
+      for (int64_t i = 0; i < n; ++i)
+        if (s[i] != d[i]) std::memcpy(rows.data() + i * row, base + s[i] * row, row);
+      for (int64_t i = 0; i < n; ++i)
+        if (s[i] != d[i]) std::memcpy(base + d[i] * row, rows.data() + i * row, row);
     }
   });
 }

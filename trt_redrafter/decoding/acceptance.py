@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import sampling
+from . import sampling, tree
 
 
 @dataclass
@@ -61,7 +61,8 @@ def _first_max(n: torch.Tensor) -> torch.Tensor:
 
 def _leading_true(ok: torch.Tensor) -> torch.Tensor:
     """Length of the all-True prefix along the last dim: [bs, nb, dl] bool -> [bs, nb] long."""
-    return torch.cumprod(ok.to(torch.int32), dim=-1).sum(dim=-1).long()
+    lead = (ok[..., None, :] | ~tree.up_to(ok.shape[-1], ok.device)).all(dim=-1)  # [bs, nb, dl]: all True up to j
+    return lead.sum(dim=-1)
 
 
 def accept_greedy(beams: torch.Tensor, target_logits: torch.Tensor) -> Acceptance:

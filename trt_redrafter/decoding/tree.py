@@ -26,16 +26,24 @@ from dataclasses import dataclass
 import torch
 
 
+def up_to(n: int, device: torch.device) -> torch.Tensor:
+    """[n, n] bool: [j, k] = k <= j. A running product, sum, minimum or "any" over a short static dimension, written
+    as a reduction over this mask (`(x[..., None, :] | ~up_to(n)).all(-1)` for a running "all"), is exact and
+    compiles into the step's fused kernels, where the scan itself (cumprod, cumsum, cummin) or a sort is a library
+    call of its own on the CPU (docs/perf.md, "CPU: what a tree step costs")."""
+    return torch.ones(n, n, dtype=torch.bool, device=device).tril()
+
+
 def dedup_prefix(beams: torch.Tensor) -> torch.Tensor:
     """prefix_tree[b, i, j] = smallest k such that beams[b, k, :j+1] == beams[b, i, :j+1] (paper, Listing 1).
 
     The paper's `matches[i][j][k]` compares token k of beam i with token k of beam j (across beams); a running
-    product over depth turns per-token equality into prefix equality.
+    product over depth (here: "all" over depths up to j) turns per-token equality into prefix equality.
     """
     assert beams.dim() == 3, f"beams must be [bs, nb, bl], got shape {tuple(beams.shape)}"
     bs, nb, bl = beams.shape
     same_token = beams[:, :, None, :] == beams[:, None, :, :]  # [bs, nb(i), nb(k), bl]
-    same_prefix = torch.cumprod(same_token.to(torch.int32), dim=-1).bool()  # [bs, nb, nb, bl]
+    same_prefix = (same_token[..., None, :] | ~up_to(bl, beams.device)).all(dim=-1)  # [bs, nb, nb, bl]
     k_index = torch.arange(nb, device=beams.device).view(1, 1, nb, 1)
     # k = i always matches, so the minimum is <= i; non-matching k are pushed past the end.
     return torch.where(same_prefix, k_index, nb).amin(dim=2)  # [bs, nb, bl]
@@ -95,7 +103,7 @@ def pack_beams(beams: torch.Tensor, pad_to: int | None = None) -> PackedTree:
         assert pad_to >= 1 + nb * (bl - 1), f"pad_to={pad_to} < the largest possible tree 1 + nb*dl = {1 + nb * (bl - 1)}"
         P = pad_to
     # Packed index of every kept beam position: its rank among kept positions in row-major order.
-    rank = torch.cumsum(keep, dim=1) - 1  # [bs, nb*bl]
+    rank = (keep[:, None, :] & up_to(nb * bl, device)).sum(dim=2) - 1  # [bs, nb*bl]: kept positions up to each
     flat = torch.arange(nb * bl, device=device).expand(bs, nb * bl)
     # Scatter kept positions to their rank; dropped ones go to a discard column past the end.
     slot = torch.where(keep, rank, nb * bl)
@@ -114,9 +122,8 @@ def pack_beams(beams: torch.Tensor, pad_to: int | None = None) -> PackedTree:
     unpacker = rank.gather(1, first_flat.reshape(bs, nb * bl)).reshape(bs, nb, bl)  # [bs, nb, bl]
 
     # Ancestors-or-self of beam position (i, j) are the packed tokens of (i, 0..j).
-    on_path = torch.zeros(bs, nb, bl, P, dtype=torch.int32, device=device)
-    on_path.scatter_(3, unpacker.unsqueeze(-1), 1)  # [bs, nb, bl, P] one-hot of each position's node
-    beam_mask = torch.cumsum(on_path, dim=2) > 0  # [bs, nb, bl, P]
+    node = unpacker[:, :, None, :, None] == torch.arange(P, device=device)  # [bs, nb, 1, bl(k), P]: (i, k)'s node
+    beam_mask = (node & up_to(bl, device)[:, :, None]).any(dim=3)  # [bs, nb, bl(j), P]: some k <= j on it
     mask = beam_mask.reshape(bs, nb * bl, P).gather(
         1, beam_positions.unsqueeze(-1).expand(bs, P, P))  # [bs, P, P]
     eye = torch.eye(P, dtype=torch.bool, device=device).expand(bs, P, P)
@@ -154,7 +161,9 @@ def node_scores(tree: PackedTree, scores: torch.Tensor, pad: float) -> torch.Ten
     nb, bl = tree.num_beams, tree.beam_length
     per_position = torch.cat([torch.zeros_like(scores[:, :, :1]), scores], dim=2).reshape(bs, -1)  # [bs, nb*bl]
     node = per_position.gather(1, tree.beam_positions)  # [bs, P] first occurrences
-    along = node.gather(1, tree.unpacker.reshape(bs, nb * bl)).reshape(bs, nb, bl).cummin(dim=2).values
+    along = node.gather(1, tree.unpacker.reshape(bs, nb * bl)).reshape(bs, nb, bl)  # each position's own score
+    top = torch.finfo(along.dtype).max if along.is_floating_point() else torch.iinfo(along.dtype).max
+    along = along[..., None, :].masked_fill(~up_to(bl, along.device), top).amin(dim=-1)  # the least along its path
     node = along.reshape(bs, nb * bl).gather(1, tree.beam_positions)
     valid = torch.arange(P, device=node.device)[None, :] < tree.lengths[:, None]
     return torch.where(valid, node, torch.full_like(node, pad))
@@ -170,9 +179,15 @@ def order_by_score(tree: PackedTree, score: torch.Tensor) -> tuple[PackedTree, t
     on both axes and the unpacker points at the new indices.
     """
     bs, P = tree.tokens.shape
-    by_depth = torch.sort(tree.position_offsets, dim=1, stable=True).indices
-    order = by_depth.gather(1, torch.sort(score.gather(1, by_depth), dim=1, descending=True, stable=True).indices)
-    new_index = torch.empty_like(order).scatter_(1, order, torch.arange(P, device=order.device).expand(bs, P))
+    # a node's new index is how many nodes come before it: a higher score, or as high and shallower, or as high, as
+    # deep and earlier (what a stable sort by depth, then a stable descending one by score, gives: see the test)
+    s, d = score, tree.position_offsets
+    idx = torch.arange(P, device=score.device)
+    tie = s[:, None, :] == s[:, :, None]  # [bs, P(node), P(other)]
+    before = (s[:, None, :] > s[:, :, None]) | (tie & (d[:, None, :] < d[:, :, None])) | \
+        (tie & (d[:, None, :] == d[:, :, None]) & (idx[None, :] < idx[:, None]))
+    new_index = before.sum(dim=2)  # [bs, P], a permutation of 0..P-1
+    order = torch.empty_like(new_index).scatter_(1, new_index, idx.expand(bs, P))
     nb, bl = tree.num_beams, tree.beam_length
     mask = tree.mask.gather(1, order[:, :, None].expand(bs, P, P)).gather(2, order[:, None, :].expand(bs, P, P))
     return PackedTree(tokens=tree.tokens.gather(1, order), lengths=tree.lengths,
