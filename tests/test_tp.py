@@ -90,7 +90,8 @@ def test_tp2_compiled_gives_the_tp1_tokens(engines, monkeypatch):
     ref = [r.output_ids for r in generate(load_engine(engines[1]), prompts, greedy(20))]  # eager, TP=1
     assert run_json(engines[2], prompts, "redrafter", ["--compile", "inductor"]) == ref
     for rank in range(2):
-        code = [f.read_text() for f in (engines[2] / ".cache" / "inductor" / f"rank{rank}").rglob("*.py")]
+        kept = list((engines[2] / ".cache" / "inductor").glob(f"kernels-*/rank{rank}"))  # keep_inductor_cache
+        code = [f.read_text() for d in kept for f in d.rglob("*.py")]
         # a compiled graph's module: Python's wrapper defines call(), the C++ wrapper (the CPU's) inductor_entry_impl
         assert any("def call(" in c or "inductor_entry_impl" in c for c in code), \
             f"rank {rank} kept no compiled graph beside the engine"

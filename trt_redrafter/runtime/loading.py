@@ -162,8 +162,13 @@ def keep_inductor_cache(engine_dir: Optional[Path], rank: int, world_size: int) 
     """Inductor's compiled kernels go beside the engine (`.cache/inductor`), so that the next process that loads it
     reuses them instead of compiling for minutes again; or where TORCHINDUCTOR_CACHE_DIR says; or, if the engine
     directory cannot be written, inductor's default under /tmp. Under TP each rank has its own subdirectory, as the
-    ranks compile the same graphs at the same moment."""
+    ranks compile the same graphs at the same moment. Either way under a subdirectory per copy of the step kernels'
+    sources (`kernel_sources_digest`): a compiled graph calls this project's ops by their schemas, which inductor's
+    cache key does not hold (an argument left at its default is not in the traced graph), so kernels compiled
+    against another version's ops must not be found (they fail at their first call)."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from .costs import kernel_sources_digest
 
     user = _users_inductor_cache()
     where = [Path(user)] if user else []
@@ -171,7 +176,8 @@ def keep_inductor_cache(engine_dir: Optional[Path], rank: int, world_size: int) 
         where.append(engine_dir / ".cache" / "inductor")
     where.append(Path(default_cache_dir()))
     for base in where:
-        d = base / f"rank{rank}" if world_size > 1 else base
+        d = base / f"kernels-{kernel_sources_digest()}"
+        d = d / f"rank{rank}" if world_size > 1 else d
         try:
             d.mkdir(parents=True, exist_ok=True)
         except OSError:
