@@ -130,28 +130,31 @@ def _need_vnni() -> None:
         pytest.skip("this CPU has no AVX512-VNNI (linear_w8a8's byte dot products)")
 
 
+@pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
-@pytest.mark.parametrize("shape", SHAPES + [(33, 577), (8192, 512)])  # + a partial panel and K % 4, a drafter head
-def test_w8a8_kernel_equals_its_reference_bit_for_bit(dtype, shape):
-    """int8 weights and per-row int8 activations (`linear_w8a8`): the same bits as `cpu.w8a8_reference` (integer sums
-    are exact, the scaling one fixed order), with and without bias, a zero row included, and a row's bits do not
-    depend on the rows beside it."""
+@pytest.mark.parametrize("shape", SHAPES + [(33, 577), (8192, 512)])  # + a partial panel and K % 8, a drafter head
+def test_w8a8_kernel_equals_its_reference_bit_for_bit(dtype, shape, bits):
+    """int8 (or int4) weights and per-row int8 activations (`linear_w8a8`): the same bits as `cpu.w8a8_reference`
+    (integer sums are exact, the scaling one fixed order), with and without bias, a zero row included, and a row's
+    bits do not depend on the rows beside it."""
     from trt_redrafter.checkpoint.quantization import quantize_per_channel
 
     _need_vnni()
     g = torch.Generator().manual_seed(5)
     n, k = shape
-    q, s = quantize_per_channel(torch.randn(n, k, generator=g), 8, torch.float32)
-    packed, colsum, scales = cpu.pack_w8a8(q, s)
+    q, s = quantize_per_channel(torch.randn(n, k, generator=g), bits, torch.float32)
+    assert bits == 8 or (q.min() == -8 and q.max() == 7)  # every nibble value, the extremes included
+    packed, colsum, scales = cpu.pack_w8a8(q, s, bits)
+    assert packed.numel() == -(-n // 16) * 16 * -(-k // (32 // bits)) * (32 // bits) * bits // 8
     x = (3 * torch.randn(37, k, generator=g)).to(DTYPES[dtype])
     x[5] = 0
     op = torch.ops.trt_redrafter_cpu.linear_w8a8
     for bias in (None, torch.randn(n, generator=g)):
-        y = op(x, packed, colsum, scales, n, bias, None, None, 0)
+        y = op(x, packed, colsum, scales, n, bias, None, None, 0, bits)
         assert y.dtype == x.dtype and y.shape == (37, n)
         assert torch.equal(y, cpu.w8a8_reference(x, q, s, bias))
         for start, m in ((0, 1), (5, 1), (3, 4), (30, 7)):
-            assert torch.equal(op(x[start:start + m].clone(), packed, colsum, scales, n, bias, None, None, 0),
+            assert torch.equal(op(x[start:start + m].clone(), packed, colsum, scales, n, bias, None, None, 0, bits),
                                y[start:start + m])
 
 
@@ -167,7 +170,7 @@ def test_w8a8_layer_runs_the_byte_kernel_where_it_can_and_weight_only_elsewhere(
     q, s = quantize_per_channel(w, 8, torch.bfloat16)
     x = torch.randn(3, 2, 64, generator=g).bfloat16()
     byte = lin.Linear(lin.QuantWeight(q, s, 8, 64, torch.bfloat16, activations=True), b, impl="avx512")
-    assert byte.path == "avx512 int8 weights and activations (VNNI)" and byte.quant is None
+    assert byte.path == "avx512 int8 weights, int8 activations (VNNI)" and byte.quant is None
     assert torch.equal(byte(x), cpu.w8a8_reference(x.reshape(6, 64), q, s, b.float()).view(3, 2, 96))
     wide = torch.randn(lin.W8A8_WIDE_ROWS, 64, generator=g).bfloat16()  # from this many rows: the float kernel
     dequantized = cpu.ops().pack((q.float() * s.float()).bfloat16())

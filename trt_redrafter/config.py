@@ -560,11 +560,12 @@ class RuntimeConfig(ConfigBase):
                                          "output channel (quantized at load, computed in its dtype), half the bytes a "
                                          "drafted token reads in bfloat16; w8a8: the same weights, and each layer's "
                                          "input quantized to int8 per row, multiplied in bytes (AVX512-VNNI CPUs; "
-                                         "elsewhere as int8); empty: as stored; auto (default): w8a8 where the "
+                                         "elsewhere as int8); w4a8: as w8a8, the head (the drafter's largest "
+                                         "layer) in int4 weights; empty: as stored; auto (default): w8a8 where the "
                                          "drafter runs this project's AVX-512 kernels on a CPU with VNNI, else as "
                                          "stored. Like drafter_dtype they change how many tokens a step accepts, not "
                                          "which (greedy)",
-                                  choices=("auto", "", "int8", "w8a8"))
+                                  choices=("auto", "", "int8", "w8a8", "w4a8"))
     drafter_semantics: str = option("", help="override the engine's drafter math (build-engine --drafter-semantics): "
                                          "apple or trtllm-0.13; empty means the engine's (model/drafter.py)",
                                 choices=DRAFTER_SEMANTICS + ("",))

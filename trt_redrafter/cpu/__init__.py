@@ -5,8 +5,8 @@ kernels (their fake functions below give it the output shapes).
     pack, linear     y = x W^T (+ b) over W packed in 16-column panels      linear.cpp   oracle: F.linear
     linear_wo        the same over weight-only int8 / int4 W = q s           linear.cpp   oracle: F.linear of q s
                      (q and s packed by `pack_wo` below)
-    linear_w8a8      the same over int8 W = q s with the input quantized     linear.cpp   oracle: `w8a8_reference`
-                     to int8 per row (VNNI; the drafter: `pack_w8a8`)
+    linear_w8a8      the same over int8 (or int4) W = q s with the input     linear.cpp   oracle: `w8a8_reference`
+                     quantized to int8 per row (VNNI; the drafter: `pack_w8a8`)
     tree_attention   tree attention reading the paged KV cache in place      attention.cpp
                                                               oracle: model.attention.torch_tree_attention
     topk             each row's k largest values and their indices           topk.cpp     oracle: torch.topk
@@ -159,8 +159,8 @@ def _linear_wo_fake(x, qweight, scales, bits: int, group_size: int, out_features
     return x.new_empty(x.shape[0], out_features)
 
 
-def _linear_w8a8_fake(x, packed, colsum, scales, out_features: int, bias, wide, wide_bias, wide_rows: int
-                      ) -> torch.Tensor:
+def _linear_w8a8_fake(x, packed, colsum, scales, out_features: int, bias, wide, wide_bias, wide_rows: int,
+                      bits: int = 8) -> torch.Tensor:
     return x.new_empty(x.shape[0], out_features)
 
 
@@ -172,10 +172,11 @@ def vnni_available() -> bool:
         return False
 
 
-def pack_w8a8(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """int8 q [out, in] and its per-channel scales [out] or [out, 1] -> (packed panels, column sums, scales padded to
-    whole panels, fp32): `linear_w8a8`'s weight arguments."""
-    packed, colsum = ops().pack_w8a8(q.contiguous())
+def pack_w8a8(q: torch.Tensor, scales: torch.Tensor, bits: int = 8
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """int8 q [out, in] (bits 4: values in [-8, 7]) and its per-channel scales [out] or [out, 1] -> (packed panels,
+    column sums, scales padded to whole panels, fp32): `linear_w8a8`'s weight arguments (and its `bits`)."""
+    packed, colsum = ops().pack_w8a8(q.contiguous(), bits)
     padded = torch.zeros(colsum.numel(), dtype=torch.float32)
     padded[:q.shape[0]] = scales.reshape(-1).float()
     return packed, colsum, padded

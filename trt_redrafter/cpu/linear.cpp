@@ -344,7 +344,7 @@ at::Tensor linear_wo_op(const at::Tensor& x_in, const at::Tensor& qweight, const
   return y;
 }
 
-// ---- int8 weights and int8 activations (the drafter on VNNI CPUs): y = sx sw (xq . q) (+ b) ---------------------
+// ---- int8 (or int4) weights and int8 activations (the drafter on VNNI CPUs): y = sx sw (xq . q) (+ b) ----------
 // A drafter only proposes (the base verifies every token), so its layers may trade exactness for speed. Here the
 // input is quantized per row, symmetric: sx = max|x| / 127, xq = round(x / sx) in [-127, 127], stored as u = xq + 128
 // (VPDPBUSD multiplies unsigned by signed bytes); q is int8 per output channel (scale sw), packed in panels
@@ -353,21 +353,47 @@ at::Tensor linear_wo_op(const at::Tensor& x_in, const at::Tensor& qweight, const
 // sx * sw in fp32, + b: integer sums do not depend on order, so a row's result does not depend on the other rows,
 // the tiling or the threads. VPDPBUSD does 64 byte products per instruction, VDPBF16PS 32 bf16 ones, and the bytes
 // read are half of bf16's.
-template <int MR, int NP, typename T>
+//
+// int4 weights (q in [-8, 7], the drafter's head under `w4a8`) are the same products from half the bytes: panels
+// [P, ceil(K / 8), 16, 4] of bytes whose low nibble holds q + 8 of k = 8 j + c and whose high nibble that of
+// k = 8 j + 4 + c (c = 0..3), each block of 64 bytes unpacked into two blocks of int8 q in registers. The sums are the
+// same exact integers, so the result is `w8a8_reference`'s over the int4 values, bit for bit. A layer reads half its
+// int8 bytes: the drafter's 8192 x 512 head, 2 MB a core in int8 and read at every drafted token, fits in a 2 MB L2
+// at 1 MB a core.
+template <int MR, int NP, int BITS, typename T>
 __attribute__((target("avx512vnni,avx512bw,avx512vl"))) void tile_w8a8(
-    const uint8_t* u, int64_t ldu, int64_t K4, const int8_t* qp, const int32_t* colsum, const float* sw,
+    const uint8_t* u, int64_t ldu, int64_t KB, const int8_t* qp, const int32_t* colsum, const float* sw,
     const float* sx, int64_t n0, int64_t N, const float* bias, T* y, int64_t ldy) {
   __m512i acc[MR][NP];
   for (int m = 0; m < MR; ++m)
     for (int p = 0; p < NP; ++p) acc[m][p] = _mm512_setzero_si512();
-  for (int64_t k4 = 0; k4 < K4; ++k4) {
-    __m512i w[NP];
-    for (int p = 0; p < NP; ++p) w[p] = _mm512_loadu_si512(qp + (p * K4 + k4) * kCols * 4);
-    for (int m = 0; m < MR; ++m) {
-      int32_t quad;
-      std::memcpy(&quad, u + m * ldu + 4 * k4, 4);
-      const __m512i xv = _mm512_set1_epi32(quad);
-      for (int p = 0; p < NP; ++p) acc[m][p] = _mm512_dpbusd_epi32(acc[m][p], xv, w[p]);
+  if constexpr (BITS == 8) {
+    for (int64_t kb = 0; kb < KB; ++kb) {
+      __m512i w[NP];
+      for (int p = 0; p < NP; ++p) w[p] = _mm512_loadu_si512(qp + (p * KB + kb) * kCols * 4);
+      for (int m = 0; m < MR; ++m) {
+        int32_t quad;
+        std::memcpy(&quad, u + m * ldu + 4 * kb, 4);
+        const __m512i xv = _mm512_set1_epi32(quad);
+        for (int p = 0; p < NP; ++p) acc[m][p] = _mm512_dpbusd_epi32(acc[m][p], xv, w[p]);
+      }
+    }
+  } else {
+    const __m512i low = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
+    for (int64_t kb = 0; kb < KB; ++kb) {
+      __m512i x0[MR], x1[MR];
+      for (int m = 0; m < MR; ++m) {
+        int32_t quad[2];
+        std::memcpy(quad, u + m * ldu + 8 * kb, 8);
+        x0[m] = _mm512_set1_epi32(quad[0]);
+        x1[m] = _mm512_set1_epi32(quad[1]);
+      }
+      for (int p = 0; p < NP; ++p) {
+        const __m512i v = _mm512_loadu_si512(qp + (p * KB + kb) * kCols * 4);
+        const __m512i lo = _mm512_sub_epi8(_mm512_and_si512(v, low), eight);
+        const __m512i hi = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), low), eight);
+        for (int m = 0; m < MR; ++m) acc[m][p] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[m][p], x0[m], lo), x1[m], hi);
+      }
     }
   }
   for (int p = 0; p < NP; ++p) {
@@ -387,20 +413,33 @@ __attribute__((target("avx512vnni,avx512bw,avx512vl"))) void tile_w8a8(
   }
 }
 
-// q [N, K] int8 -> (panels [P, ceil(K / 4), 16, 4] int8, column sums [P * 16] int32), zero-padded past N and K
-std::vector<at::Tensor> pack_w8a8(const at::Tensor& q) {
+// k values per 64-byte block of a panel: 4 (int8), 8 (int4)
+inline int64_t block_k(int64_t bits) { return bits == 4 ? 8 : 4; }
+
+// q [N, K] int8 (bits 4: values in [-8, 7]) -> (panels [P, ceil(K / kb), 16, 4] bytes, column sums [P * 16] int32),
+// zero-padded past N and K; kb = block_k(bits), int4 as the nibbles tile_w8a8 unpacks
+std::vector<at::Tensor> pack_w8a8(const at::Tensor& q, int64_t bits) {
   TORCH_CHECK(q.dim() == 2 && q.device().is_cpu() && q.scalar_type() == at::kChar,
               "cpu_pack_w8a8: q must be a 2-D CPU int8 tensor");
-  const int64_t N = q.size(0), K = q.size(1), P = (N + kCols - 1) / kCols, K4 = (K + 3) / 4;
-  at::Tensor padded = at::zeros({P * kCols, K4 * 4}, q.options());
+  TORCH_CHECK(bits == 8 || bits == 4, "cpu_pack_w8a8: bits must be 8 or 4, got ", bits);
+  const int64_t N = q.size(0), K = q.size(1), P = (N + kCols - 1) / kCols, kb = block_k(bits),
+                KB = (K + kb - 1) / kb;
+  at::Tensor padded = at::zeros({P * kCols, KB * kb}, q.options());
   padded.narrow(0, 0, N).narrow(1, 0, K).copy_(q);
+  if (bits == 4)
+    TORCH_CHECK(padded.min().item<int8_t>() >= -8 && padded.max().item<int8_t>() <= 7,
+                "cpu_pack_w8a8: int4 values must lie in [-8, 7]");
   at::Tensor colsum = padded.sum(1, /*keepdim=*/false, at::kInt).contiguous();
-  return {padded.view({P, kCols, K4, 4}).permute({0, 2, 1, 3}).contiguous(), colsum};
+  if (bits == 8) return {padded.view({P, kCols, KB, 4}).permute({0, 2, 1, 3}).contiguous(), colsum};
+  // [P, 16, KB, 2 (low, high), 4] -> nibbles q + 8, low | high << 4 -> [P, KB, 16, 4]
+  at::Tensor biased = (padded.view({P, kCols, KB, 2, 4}) + 8).to(at::kByte);
+  at::Tensor both = biased.select(3, 0).bitwise_or(biased.select(3, 1).__lshift__(4));
+  return {both.permute({0, 2, 1, 3}).contiguous().view(at::kChar), colsum};
 }
 
-// one row of x [K] -> u [4 K4] (padding k at 128, i.e. 0) and its scale sx (see tile_w8a8); round to nearest even
+// one row of x [K] -> u [Kp] (padding k at 128, i.e. 0) and its scale sx (see tile_w8a8); round to nearest even
 template <typename T>
-__attribute__((target("avx512vnni,avx512bw,avx512vl"))) float quantize_row(const T* x, int64_t K, int64_t K4,
+__attribute__((target("avx512vnni,avx512bw,avx512vl"))) float quantize_row(const T* x, int64_t K, int64_t Kp,
                                                                              uint8_t* u) {
   using trt_redrafter_cpu::load16;
   __m512 vmax = _mm512_setzero_ps();
@@ -415,45 +454,53 @@ __attribute__((target("avx512vnni,avx512bw,avx512vl"))) float quantize_row(const
     const __m512i v = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(load16(x + k, mk), inv)), off);
     _mm_mask_storeu_epi8(u + k, mk, _mm512_cvtusepi32_epi8(v));
   }
-  for (k = K; k < 4 * K4; ++k) u[k] = 128;
+  for (k = K; k < Kp; ++k) u[k] = 128;
   return s;
 }
 
-template <typename T>
+struct W4A8TileWidths {  // MR NP accumulators + 2 MR broadcast inputs + the unpacked pair
+  static constexpr int np[kRows] = {8, 6, 4, 4, 3, 3};
+};
+
+template <int BITS, typename T>
 __attribute__((target("avx512vnni,avx512bw,avx512vl"))) void linear_w8a8(
     const T* x, int64_t M, int64_t K, const int8_t* qp, const int32_t* cs, const float* swp, int64_t N,
     const float* bp, T* y) {
-  const int64_t K4 = (K + 3) / 4, ldu = 4 * K4, pe = ldu * kCols;  // bytes per row of u, per panel
+  const int64_t kb = block_k(BITS), KB = (K + kb - 1) / kb, ldu = kb * KB, pe = KB * kCols * 4;  // bytes per panel
   std::vector<uint8_t> u(M * ldu);
   std::vector<float> sx(M);
-  for (int64_t m = 0; m < M; ++m) sx[m] = quantize_row(x + m * K, K, K4, u.data() + m * ldu);
-  schedule<TileWidths>(M, N, [&](auto mr, auto nw, int64_t m, int64_t g, int64_t np) {
+  for (int64_t m = 0; m < M; ++m) sx[m] = quantize_row(x + m * K, K, ldu, u.data() + m * ldu);
+  using Widths = std::conditional_t<BITS == 8, TileWidths, W4A8TileWidths>;
+  schedule<Widths>(M, N, [&](auto mr, auto nw, int64_t m, int64_t g, int64_t np) {
     constexpr int MR = decltype(mr)::value, NP = decltype(nw)::value;
     int64_t p = g;
     for (; p + NP <= g + np; p += NP)
-      tile_w8a8<MR, NP>(u.data() + m * ldu, ldu, K4, qp + p * pe, cs, swp, sx.data() + m, p * kCols, N, bp,
-                        y + m * N, N);
+      tile_w8a8<MR, NP, BITS>(u.data() + m * ldu, ldu, KB, qp + p * pe, cs, swp, sx.data() + m, p * kCols, N, bp,
+                              y + m * N, N);
     for (; p < g + np; ++p)
-      tile_w8a8<MR, 1>(u.data() + m * ldu, ldu, K4, qp + p * pe, cs, swp, sx.data() + m, p * kCols, N, bp,
-                       y + m * N, N);
+      tile_w8a8<MR, 1, BITS>(u.data() + m * ldu, ldu, KB, qp + p * pe, cs, swp, sx.data() + m, p * kCols, N, bp,
+                             y + m * N, N);
   });
 }
 
-// x [M, K] float32 or bfloat16 -> y [M, N] of its dtype (see tile_w8a8); sw [P * 16] fp32 (padded), bias [N] fp32.
+// x [M, K] float32 or bfloat16 -> y [M, N] of its dtype (see tile_w8a8); sw [P * 16] fp32 (padded), bias [N] fp32;
+// `bits`: the packed weight's, 8 or 4 (pack_w8a8).
 // `wide` (optional): the same layer's float weight packed for `linear` (and its bias in x's dtype), which inputs of
 // `wide_rows` rows or more take instead: where the byte products issue at half the float ones' rate (Zen 4), reading
-// half the bytes pays only for a few rows.
+// fewer bytes pays only for a few rows.
 at::Tensor linear_w8a8_op(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& colsum,
                           const at::Tensor& sw, int64_t N, const std::optional<at::Tensor>& bias,
                           const std::optional<at::Tensor>& wide, const std::optional<at::Tensor>& wide_bias,
-                          int64_t wide_rows) {
+                          int64_t wide_rows, int64_t bits) {
   TORCH_CHECK(x_in.dim() == 2, "cpu_linear_w8a8: x must be [M, K]");
+  TORCH_CHECK(bits == 8 || bits == 4, "cpu_linear_w8a8: bits must be 8 or 4, got ", bits);
   if (wide.has_value() && wide->defined() && x_in.size(0) >= wide_rows) return linear_op(x_in, *wide, N, wide_bias);
   check_dtype(x_in, "x");
   const at::Tensor x = x_in.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), P = (N + kCols - 1) / kCols, K4 = (K + 3) / 4;
-  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous() && packed.numel() == P * kCols * K4 * 4,
-              "cpu_linear_w8a8: the packed weight does not match x [", M, ", ", K, "] and ", N, " outputs");
+  const int64_t M = x.size(0), K = x.size(1), P = (N + kCols - 1) / kCols, kb = block_k(bits), KB = (K + kb - 1) / kb;
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous() && packed.numel() == P * kCols * KB * 4,
+              "cpu_linear_w8a8: the packed weight does not match x [", M, ", ", K, "], ", N, " outputs and ", bits,
+              " bits");
   TORCH_CHECK(colsum.scalar_type() == at::kInt && colsum.is_contiguous() && colsum.numel() == P * kCols &&
                   sw.scalar_type() == at::kFloat && sw.is_contiguous() && sw.numel() == P * kCols,
               "cpu_linear_w8a8: column sums and scales must be [", P * kCols, "]");
@@ -469,12 +516,13 @@ at::Tensor linear_w8a8_op(const at::Tensor& x_in, const at::Tensor& packed, cons
   const int32_t* cs = colsum.data_ptr<int32_t>();
   const float* swp = sw.data_ptr<float>();
   const float* bp = b ? b->data_ptr<float>() : nullptr;
-  if (x.scalar_type() == at::kBFloat16) {
-    using T = c10::BFloat16;
-    linear_w8a8<T>(x.data_ptr<T>(), M, K, qp, cs, swp, N, bp, y.data_ptr<T>());
-  } else {
-    linear_w8a8<float>(x.data_ptr<float>(), M, K, qp, cs, swp, N, bp, y.data_ptr<float>());
-  }
+  auto run = [&](auto zero) {
+    using T = decltype(zero);
+    if (bits == 4) linear_w8a8<4, T>(x.data_ptr<T>(), M, K, qp, cs, swp, N, bp, y.data_ptr<T>());
+    else linear_w8a8<8, T>(x.data_ptr<T>(), M, K, qp, cs, swp, N, bp, y.data_ptr<T>());
+  };
+  if (x.scalar_type() == at::kBFloat16) run(c10::BFloat16());
+  else run(float());
   return y;
 }
 
@@ -486,8 +534,8 @@ TORCH_LIBRARY(trt_redrafter_cpu, m) {
   m.def("pack(Tensor w) -> Tensor");
   m.def("linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
   m.def("linear_wo(Tensor x, Tensor qweight, Tensor scales, int bits, int group_size, int out_features, Tensor? bias) -> Tensor");
-  m.def("pack_w8a8(Tensor q) -> Tensor[]");
-  m.def("linear_w8a8(Tensor x, Tensor packed, Tensor colsum, Tensor scales, int out_features, Tensor? bias, Tensor? wide, Tensor? wide_bias, int wide_rows) -> Tensor");
+  m.def("pack_w8a8(Tensor q, int bits=8) -> Tensor[]");
+  m.def("linear_w8a8(Tensor x, Tensor packed, Tensor colsum, Tensor scales, int out_features, Tensor? bias, Tensor? wide, Tensor? wide_bias, int wide_rows, int bits=8) -> Tensor");
   m.def("has_vnni() -> bool", &has_vnni);
 }
 

@@ -49,11 +49,12 @@ class DrafterRank(nn.Module):
         """`linear`: the linear layers' implementation, "torch", "onednn" or "avx512" (`linear.resolve_linear`).
         `weights`: "int8" quantizes every linear layer's weight to int8 per output channel (weight-only: the layer
         reads int8 and computes in `dtype`); "w8a8" too, and each layer's input is quantized to int8 per row and
-        multiplied in bytes where the layers run the avx512 kernels on a CPU with VNNI (elsewhere as "int8"); "" keeps
-        them in `dtype`."""
+        multiplied in bytes where the layers run the avx512 kernels on a CPU with VNNI (elsewhere as "int8"); "w4a8"
+        as "w8a8" with the head's weight in int4 per output channel (elsewhere int4 weight-only); "" keeps them in
+        `dtype`."""
         super().__init__()
         assert semantics in SEMANTICS, semantics
-        assert weights in ("", "int8", "w8a8"), weights
+        assert weights in ("", "int8", "w8a8", "w4a8"), weights
         self.cfg, self.dist, self.dtype, self.semantics, self.linear = cfg, dist, dtype, semantics, linear
         self.weights = weights
         dev = dist.device
@@ -65,8 +66,9 @@ class DrafterRank(nn.Module):
             if not weights:
                 return take(name)
             # per output channel: a column-parallel rank holds whole rows, so its amax is the row's
-            q, s = quantize_per_channel(tensors[f"drafter.{name}"], 8, dtype)
-            return QuantWeight(q.to(dev), s.to(dev), 8, q.shape[1], dtype, activations=weights == "w8a8")
+            bits = 4 if weights == "w4a8" and name == "lm_head.weight" else 8
+            q, s = quantize_per_channel(tensors[f"drafter.{name}"], bits, dtype)
+            return QuantWeight(q.to(dev), s.to(dev), bits, q.shape[1], dtype, activations=weights in ("w8a8", "w4a8"))
 
         def lin(name: str, bias: bool = True) -> Linear:
             return Linear(weight(f"{name}.weight"), take(f"{name}.bias") if bias else None, impl=linear)

@@ -208,8 +208,8 @@ class QuantWeight:
     group_size: int
     dtype: torch.dtype
     pre_scale: Optional[torch.Tensor] = None  # [in]: AWQ's, the input is multiplied by it first (None: 1)
-    # int8 per channel only: the input may be quantized to int8 per row too, and the product taken in bytes (the
-    # drafter's `w8a8`; `Linear` does so where the avx512 kernels run on a CPU with VNNI, else as weight-only)
+    # per channel only: the input may be quantized to int8 per row too, and the product taken in bytes (the
+    # drafter's `w8a8` / `w4a8`; `Linear` does so where the avx512 kernels run on a CPU with VNNI, else as weight-only)
     activations: bool = False
 
     @property
@@ -315,9 +315,9 @@ class Linear(nn.Module):
         self.pre_scale: Optional[torch.Tensor] = None  # [in], AWQ's input scale
         self.input_scale: Optional[torch.Tensor] = None  # FP8: the input's e4m3 scale (fp32 scalar)
         self.fp8: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # FP8 GEMMs: (w8 [out, in], its scale)
-        # int8 weights and activations: (column sums, scales padded to whole panels, fp32 bias or None, the dequantized
-        # weight packed for the float kernel, which W8A8_WIDE_ROWS rows or more take)
-        self.w8a8: Optional[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor]] = None
+        # int8 (int4) weights and int8 activations: (column sums, scales padded to whole panels, fp32 bias or None, the
+        # dequantized weight packed for the float kernel, which W8A8_WIDE_ROWS rows or more take, the weight's bits)
+        self.w8a8: Optional[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor, int]] = None
         if isinstance(weight, Fp8Weight):
             self.input_scale = weight.input_scale
             if impl == "torch" and scaled_mm_available(weight.w8.device):
@@ -327,11 +327,11 @@ class Linear(nn.Module):
         if isinstance(weight, QuantWeight):
             if weight.pre_scale is not None:
                 self.pre_scale = weight.pre_scale.to(weight.dtype)
-            if (impl == "avx512" and weight.activations and weight.bits == 8 and weight.pre_scale is None
+            if (impl == "avx512" and weight.activations and weight.pre_scale is None
                     and weight.group_size == weight.q.shape[1] and cpu.vnni_available()):
-                self.packed, colsum, scales = cpu.pack_w8a8(weight.q, weight.scales)
+                self.packed, colsum, scales = cpu.pack_w8a8(weight.q, weight.scales, weight.bits)
                 wide = cpu.ops().pack(weight.dequantize().contiguous())
-                self.w8a8 = (colsum, scales, None if bias is None else bias.float(), wide)
+                self.w8a8 = (colsum, scales, None if bias is None else bias.float(), wide, weight.bits)
                 return
             if impl == "avx512":
                 self.packed, scales = cpu.pack_wo(weight.q, weight.scales, weight.bits)
@@ -362,9 +362,9 @@ class Linear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if self.w8a8 is not None:
-            colsum, scales, bias, wide = self.w8a8
+            colsum, scales, bias, wide, bits = self.w8a8
             y = torch.ops.trt_redrafter_cpu.linear_w8a8(x2, self.packed, colsum, scales, self.out_features, bias, wide,
-                                                        self.bias, W8A8_WIDE_ROWS)
+                                                        self.bias, W8A8_WIDE_ROWS, bits)
         elif self.quant is not None and self.packed.is_cuda:
             from ..plugins import weight_only
             scales, bits, group_size = self.quant
@@ -403,7 +403,7 @@ class Linear(nn.Module):
         if self.fp8 is not None:
             return "fp8 GEMM (torch._scaled_mm)"
         if self.w8a8 is not None:
-            return "avx512 int8 weights and activations (VNNI)"
+            return f"avx512 int{self.w8a8[4]} weights, int8 activations (VNNI)"
         if self.quant is not None:
             return f"{'triton' if self.packed.is_cuda else self.impl} int{self.quant[1]} weights"
         dtype = str((self.weight if self.weight is not None else self.packed).dtype).removeprefix("torch.")
@@ -415,7 +415,7 @@ class Linear(nn.Module):
         if self.input_scale is not None:
             return f"{self.in_features} -> {self.out_features}, {'fp8 GEMM' if self.fp8 else self.impl + ', fp8 model'}"
         q = f", int{self.quant[1]} weights{' (triton)' if self.packed.is_cuda else ''}" if self.quant else \
-            ", int8 weights and activations" if self.w8a8 else ""
+            f", int{self.w8a8[4]} weights, int8 activations" if self.w8a8 else ""
         return f"{self.in_features} -> {self.out_features}, {self.impl}{q}"
 
 
