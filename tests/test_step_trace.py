@@ -30,12 +30,15 @@ def test_a_traced_step_is_split_at_the_end_of_the_lm_head():
               _event("inner child", 141, 1),  # inside it: not counted again
               _event("trt_redrafter_cpu::linear", 150, 400),  # the largest linear: the lm_head ends the verify
               _event("cpp_fused_argmax_1", 560, 10),  # accept
-              _event("trt_redrafter_cpu::linear", 575, 50),  # the drafter
+              _event("trt_redrafter_cpu::linear_w8a8", 575, 50),  # the drafter (int8 weights and activations)
               _event("trt_redrafter_cpu::topk", 630, 30),
               _event("aoti_torch_cpu_sort_stable", 665, 20),  # pack's library op
               _event("trt_redrafter_cpu::linear", 700, 5, tid=2)]  # another thread: not this step's
-    parts = st.parts_of_step(events, call)
+    parts, after = st.parts_of_step(events, call)
     ms = {k: round(v * 1e3, 6) for k, v in parts.items()}  # back to microseconds
+    assert {k: round(v * 1e3, 6) for k, v in after.items()} == {  # the kernels after the verify, by name (--top)
+        "cpp_fused_argmax_1": 10, "trt_redrafter_cpu::linear_w8a8": 50, "trt_redrafter_cpu::topk": 30,
+        "aoti_torch_cpu_sort_stable": 20}
     assert ms == {"verify linear": 500, "attention": 20, "verify other": 5, "drafter linear": 50, "topk": 30,
                   "after-verify kernels": 10, "library ops": 20,
                   "gaps": 1000 - (500 + 20 + 5 + 50 + 30 + 10 + 20), "step": 1000}

@@ -61,8 +61,7 @@ def _first_max(n: torch.Tensor) -> torch.Tensor:
 
 def _leading_true(ok: torch.Tensor) -> torch.Tensor:
     """Length of the all-True prefix along the last dim: [bs, nb, dl] bool -> [bs, nb] long."""
-    lead = (ok[..., None, :] | ~tree.up_to(ok.shape[-1], ok.device)).all(dim=-1)  # [bs, nb, dl]: all True up to j
-    return lead.sum(dim=-1)
+    return tree.running_all(ok).sum(dim=-1)
 
 
 def accept_greedy(beams: torch.Tensor, target_logits: torch.Tensor) -> Acceptance:

@@ -30,8 +30,13 @@ def up_to(n: int, device: torch.device) -> torch.Tensor:
     """[n, n] bool: [j, k] = k <= j. A running product, sum, minimum or "any" over a short static dimension, written
     as a reduction over this mask (`(x[..., None, :] | ~up_to(n)).all(-1)` for a running "all"), is exact and
     compiles into the step's fused kernels, where the scan itself (cumprod, cumsum, cummin) or a sort is a library
-    call of its own on the CPU (docs/perf.md, "CPU: what a tree step costs")."""
+    call of its own on the CPU (docs/perf-history.md, "The tree step's scans as reductions")."""
     return torch.ones(n, n, dtype=torch.bool, device=device).tril()
+
+
+def running_all(x: torch.Tensor) -> torch.Tensor:
+    """x [..., n] bool -> [..., n]: [..., j] = x[..., :j + 1].all() (a running product, as a reduction)."""
+    return (x[..., None, :] | ~up_to(x.shape[-1], x.device)).all(dim=-1)
 
 
 def dedup_prefix(beams: torch.Tensor) -> torch.Tensor:
@@ -43,7 +48,7 @@ def dedup_prefix(beams: torch.Tensor) -> torch.Tensor:
     assert beams.dim() == 3, f"beams must be [bs, nb, bl], got shape {tuple(beams.shape)}"
     bs, nb, bl = beams.shape
     same_token = beams[:, :, None, :] == beams[:, None, :, :]  # [bs, nb(i), nb(k), bl]
-    same_prefix = (same_token[..., None, :] | ~up_to(bl, beams.device)).all(dim=-1)  # [bs, nb, nb, bl]
+    same_prefix = running_all(same_token)  # [bs, nb, nb, bl]
     k_index = torch.arange(nb, device=beams.device).view(1, 1, nb, 1)
     # k = i always matches, so the minimum is <= i; non-matching k are pushed past the end.
     return torch.where(same_prefix, k_index, nb).amin(dim=2)  # [bs, nb, bl]
