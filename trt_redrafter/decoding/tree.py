@@ -188,9 +188,8 @@ def order_by_score(tree: PackedTree, score: torch.Tensor) -> tuple[PackedTree, t
     # deep and earlier (what a stable sort by depth, then a stable descending one by score, gives: see the test)
     s, d = score, tree.position_offsets
     idx = torch.arange(P, device=score.device)
-    tie = s[:, None, :] == s[:, :, None]  # [bs, P(node), P(other)]
-    before = (s[:, None, :] > s[:, :, None]) | (tie & (d[:, None, :] < d[:, :, None])) | \
-        (tie & (d[:, None, :] == d[:, :, None]) & (idx[None, :] < idx[:, None]))
+    shallower = (d[:, None, :] < d[:, :, None]) | ((d[:, None, :] == d[:, :, None]) & (idx[None, :] < idx[:, None]))
+    before = (s[:, None, :] > s[:, :, None]) | ((s[:, None, :] == s[:, :, None]) & shallower)  # [bs, P(node), P(other)]
     new_index = before.sum(dim=2)  # [bs, P], a permutation of 0..P-1
     order = torch.empty_like(new_index).scatter_(1, new_index, idx.expand(bs, P))
     nb, bl = tree.num_beams, tree.beam_length

@@ -175,9 +175,9 @@ def keep_inductor_cache(engine_dir: Optional[Path], rank: int, world_size: int) 
     if not where and engine_dir is not None:
         where.append(engine_dir / ".cache" / "inductor")
     where.append(Path(default_cache_dir()))
+    kernels = f"kernels-{kernel_sources_digest()}"
     for base in where:
-        d = base / f"kernels-{kernel_sources_digest()}"
-        d = d / f"rank{rank}" if world_size > 1 else d
+        d = base / kernels / f"rank{rank}" if world_size > 1 else base / kernels
         try:
             d.mkdir(parents=True, exist_ok=True)
         except OSError:
