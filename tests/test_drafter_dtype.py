@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from engine_utils import SMALL, build_small_engine, load_engine
 from trt_redrafter.config import RuntimeConfig, SamplingConfig
@@ -122,6 +123,22 @@ def test_int8_drafter_weights_keep_the_output_and_the_acceptance(small_engine, l
     tps = sum(r.tokens_per_step for r in rd) / len(rd)
     tps8 = sum(r.tokens_per_step for r in rd8) / len(rd8)
     assert tps > 1.5 and tps8 > 0.9 * tps, (tps, tps8)
+
+
+@needs_small
+@pytest.mark.parametrize("weights", ["", "int8", "w8a8"])
+def test_the_first_depth_adds_rnn_u_s_bias_instead_of_reading_it(small_engine, weights):
+    """Beam search starts from Apple's zero state, where rnn_u(s) is rnn_u's bias: depth 0 adds the bias without
+    reading rnn_u's weights, the same sum bit for bit (also from int8 weights and inputs: a zero row's product is
+    zero)."""
+    d = load_engine(small_engine, drafter_weights=weights).drafter
+    assert weights == "" or all(m.quant is not None or m.w8a8 is not None for m in d.rnn)
+    g = torch.Generator().manual_seed(0)
+    emb, s = (torch.randn(5, d.cfg.hidden_size, generator=g).to(d.dtype) for _ in range(2))
+    w, u = d.rnn
+    zero = d.init_state(5)
+    assert torch.equal(d.update_state(emb, zero, 0), F.silu(d._col(emb, w) + d._col(zero, u)))
+    assert torch.equal(d.update_state(emb, s, 1), F.silu(d._col(emb, w) + d._col(s, u)))  # later depths read it
 
 
 @needs_small

@@ -84,9 +84,13 @@ class DrafterRank(nn.Module):
         self.draft_vocab = _draft_vocab(tensors["drafter.draft_vocab"], cfg.vocab_size).to(dev) \
             if cfg.draft_vocab_size else None
 
+    def _gather(self, x: torch.Tensor) -> torch.Tensor:
+        """A column-parallel output, gathered (a replicated drafter's rank computed it whole)."""
+        return x if self.cfg.replicated else self.dist.all_gather(x, dim=-1)
+
     def _col(self, x: torch.Tensor, linear: Linear) -> torch.Tensor:
-        """Column-parallel linear with gathered output (a replicated drafter's rank computes it whole)."""
-        return linear(x) if self.cfg.replicated else self.dist.all_gather(linear(x), dim=-1)
+        """Column-parallel linear with gathered output."""
+        return self._gather(linear(x))
 
     # ---- the protocol `decoding.beam_search` drives ---------------------------------------------------------
     def init_state(self, n: int) -> torch.Tensor:
@@ -98,10 +102,12 @@ class DrafterRank(nn.Module):
         if self.rnn is None:
             return emb + state
         w, u = self.rnn
-        we = self._col(emb, w)
         if self.semantics == "trtllm-0.13":
+            we = self._col(emb, w)
             return we if step == 0 else we + self._col(state, u)
-        return F.silu(we + self._col(state, u))
+        if step == 0:  # from Apple's zero state, where rnn_u(s) is its bias: the same sum, without reading rnn_u
+            return F.silu(self._gather(w(emb) + u.bias))
+        return F.silu(self._col(emb, w) + self._col(state, u))
 
     def logits(self, h: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
         """h, state: [n, H] -> float32 logits [n, V]."""
