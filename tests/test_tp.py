@@ -94,8 +94,8 @@ def test_tp2_compiled_gives_the_tp1_tokens(tmp_path_factory, monkeypatch):
     from trt_redrafter.runtime.generate import generate
 
     ref = [r.output_ids for r in generate(load_engine(engines[1]), prompts, greedy(20), "ar")]  # eager, TP=1
-    docs = run_json(engines[2], prompts, "redrafter", ["--compile", "inductor", "--speculate", "5", "--proposer", "mixed"],
-                    full=True)
+    docs = run_json(engines[2], prompts, "redrafter",
+                    ["--compile", "inductor", "--speculate", "5", "--proposer", "mixed"], full=True)
     assert [d["output_ids"] for d in docs] == ref
     assert sum(d["draft_tokens"] for d in docs) > 0 and sum(d["accepted_draft_tokens"] for d in docs) > 0
     for rank in range(2):
