@@ -5,6 +5,7 @@ oracle that always is."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -288,6 +289,42 @@ def test_a_rest_weighs_the_stale_trees_again_when_the_batch_shrinks():
     d = policy.decide(cands(1, good, Calibration(), fresh=False), True)  # rest > probe_every already
     assert d.is_tree and d.width == 1 and d.draft and policy.state.phase is pol.Phase.PROBING  # the probe
     assert policy.decide(cands(1, good, Calibration()), True).width > 1  # its fresh tree is verified
+
+
+def test_a_rest_that_began_close_to_paying_is_probed_after_probe_min_steps():
+    """Drafting that stopped on running means just short of paying (the quickstart's first answer: 1.53 tokens
+    against 1.55 AR steps, at batch 3) is probed after PROBE_MIN AR steps, however bad the requests' last trees were;
+    a rest that began far from paying waits PROBE_MAX."""
+    costs, widths = pol.StepCosts(flat_costs()), tree_buckets(13)
+    empty = cands(1, [0, q(0.01)], never_right(), fresh=False)  # last trees with nothing worth verifying
+    for gain, cost, first_probe in ((1.53, 1.55, PROBE_MIN - 1), (1.0, 1.55, PROBE_MAX - 1)):
+        s = pol.PolicyState(phase=pol.Phase.RESTING, mean_gain=gain, mean_cost=cost, mean_batch=1)
+        for i in range(PROBE_MAX):
+            d, s = pol.decide(s, empty, True, costs, widths, None)
+            if d.is_tree:
+                break
+        assert d.is_tree and d.width == 1 and d.draft and i == first_probe, (gain, cost, i)
+    # means at another batch size say nothing about this one: the last trees alone decide
+    s = pol.PolicyState(phase=pol.Phase.RESTING, mean_gain=1.53, mean_cost=1.55, mean_batch=2)
+    assert not any(pol.decide(s, empty, True, costs, widths, None)[0].is_tree for _ in range(PROBE_MIN))
+
+
+def test_a_batch_change_restarts_what_a_drafting_step_costs_not_what_it_earns():
+    """Speculating at batch 2 with trees that pay, one request finishes and the one left drafts a tree with nothing
+    worth verifying: drafting goes on (the mean of what a step earns per request carries over; only its cost, which
+    the batch size changes, restarts), where restarting both from that one tree stopped it for the rest of the
+    answer."""
+    costs, widths = pol.StepCosts(flat_costs()), tree_buckets(13)
+    s = pol.PolicyState(phase=pol.Phase.SPECULATING, mean_gain=1.8, mean_cost=1.3, mean_batch=2)
+    d, after = pol.decide(s, cands(1, [0, q(0.01)], never_right()), True, costs, widths, None)
+    assert d.is_tree and d.width == 1 and d.draft and after.phase is pol.Phase.SPECULATING
+    assert after.mean_batch == 1 and after.mean_gain == pytest.approx(pol.MEAN_DECAY * 1.8 + (1 - pol.MEAN_DECAY))
+    assert after.mean_cost == pytest.approx(costs.tree_ms(1, 1, 100) / costs.ar_ms(1, 100))
+    # at the same batch size, both means go on
+    d, after = pol.decide(dataclasses.replace(s, mean_batch=1), cands(1, [0, q(0.01)], never_right()), True, costs,
+                          widths, None)
+    assert after.mean_cost == pytest.approx(pol.MEAN_DECAY * 1.3 + (1 - pol.MEAN_DECAY) * costs.tree_ms(1, 1, 100) /
+                                            costs.ar_ms(1, 100))
 
 
 def test_probes_back_off_while_they_find_nothing():

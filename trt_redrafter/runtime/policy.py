@@ -63,7 +63,7 @@ from .step import SCORE_SCALE
 
 PROBE_MIN, PROBE_MAX = 4, 64  # AR steps between probes while resting (doubling while probes find nothing)
 BEAM_EXPLORE = 8  # drafting steps with fewer beams, after which one drafts every beam (the choice made again)
-PROBE_HOPE = 0.95  # probe sooner than PROBE_MAX only where the last trees, drafted again, would nearly pay
+PROBE_HOPE = 0.95  # probe sooner than PROBE_MAX only where drafting (the last trees, or the last means) nearly pays
 MEAN_DECAY = 0.8  # running means of a drafting step's gain and cost: weight of the past
 # the cost model, measured once, against the steps as they run now: a running mean (weight of the past) of each kind's
 # measured / modelled step time, each observation clamped to [1 / STEP_SCALE_CLAMP, STEP_SCALE_CLAMP]
@@ -124,7 +124,7 @@ class Phase(enum.Enum):
 
     RESTING = "resting"  # no verdict that drafting pays (as it starts): stale trees get AR steps, now and then a probe
     PROBING = "probing"  # a probe drafted: the next fresh trees are verified where the proposer's claims say they pay
-    SPECULATING = "speculating"  # drafting pays, by the running means of its gain and cost at `mean_batch`
+    SPECULATING = "speculating"  # drafting pays, by the running means of its gain and cost (at `mean_batch`)
 
 
 @dataclass(frozen=True)
@@ -143,7 +143,7 @@ class PolicyState:
     hopeless: int = 0
     mean_gain: float = 1.0  # SPECULATING: running means of a drafting step's tokens and cost, in AR steps, ...
     mean_cost: float = 1.0
-    mean_batch: int = 0  # ... at this batch size (they hold for one)
+    mean_batch: int = 0  # ... the cost's at this batch size (it restarts where the batch changes)
     # drafting steps with fewer beams than every one in a row: at BEAM_EXPLORE the next drafts every beam
     beam_hold: int = 0
 
@@ -184,16 +184,18 @@ def decide(state: PolicyState, cands: list[Candidate], can_draft: bool, costs: S
       any          stale trees (no fresh one), cannot draft, or         -> same         AR step; rest + 1
                    rest + 1 < probe_every
       any          stale trees, can draft, rest + 1 >= probe_every, and -> PROBING      a probe: width 1, drafts; rest
-                   the trees, drafted again, would nearly pay (asked                    0, probe_every doubled,
-                   once per rest and batch size: `hopeless`) or rest +                  hopeless cleared
-                   1 >= PROBE_MAX
+                   the trees, drafted again, would nearly pay, or the                   0, probe_every doubled,
+                   last drafting step's running means at this batch                     hopeless cleared
+                   size nearly paid (asked once per rest and batch
+                   size: `hopeless`), or rest + 1 >= PROBE_MAX
                    ... neither                                          -> same         AR step; rest + 1, hopeless
                                                                                         set to the batch size where
                                                                                         they would not pay
       PROBING      fresh trees, can draft, their claims pay             -> RESTING      verify them by their claims
       PROBING      fresh trees, can draft, their claims do not pay      -> as RESTING below
       RESTING      fresh trees, can draft: the running means start      -> SPECULATING  tree step, drafts; rest 0,
-      SPECULATING  (go on at the same batch size) and pay                               probe_every PROBE_MIN
+      SPECULATING  (go on; the cost's restarts where the batch size                     probe_every PROBE_MIN
+                   changed) and pay
                    ... and do not pay                                   -> RESTING      AR step; rest 0, hopeless
                                                                                         cleared
       any          fresh trees, cannot draft (from the host), that pay  -> same         tree step, no drafting; rest
@@ -246,7 +248,11 @@ def _decide(s: PolicyState, cands: list[Candidate], can_draft: bool, costs: Step
             # but what verifying them costs does with the batch (requests that finish can leave one that would pay)
             stale = [c for c in spec if c.scores]  # their last trees, as if drafted again now
             width, expected, ms = _best(stale, B, context, widths, costs)
-            hopeful = (B + expected) / ms >= PROBE_HOPE * B / ar_ms
+            # or drafting's last verdict at this batch size (the running means that stopped it, or a probe's step)
+            # was close: one pessimistic last tree must not hold off probes for PROBE_MAX steps, the rest of a short
+            # answer (the quickstart's first, at batch 3, rested 31 steps on means of 1.53 tokens against 1.55)
+            near = s.mean_batch == B and s.mean_gain >= PROBE_HOPE * s.mean_cost
+            hopeful = near or (B + expected) / ms >= PROBE_HOPE * B / ar_ms
             hopeless = 0 if hopeful else B
         if hopeful or rest >= PROBE_MAX:
             probe = StepDecision(1, {c.seq_id: 1 for c in cands}, True)
@@ -268,14 +274,20 @@ def _decide(s: PolicyState, cands: list[Candidate], can_draft: bool, costs: Step
         width, expected, ms = _best(fresh, B, context, widths[1:], costs, claims=True, beams=full)
         if (B + expected) / ms > B / ar_ms:
             return StepDecision(width, _keep(cands, width), True, expected / B, beams=full), s
-    # drafting: worth its cost while the trees it makes pay on average (running means, at this batch size, of what a
-    # step emits and costs in AR steps); a run of trees with nothing worth verifying stops it. Width 1: verify
-    # nothing, draft the next trees
+    # drafting: worth its cost while the trees it makes pay on average (running means of what a step emits per
+    # request, and of what it costs in AR steps at this batch size); a run of trees with nothing worth verifying stops
+    # it. Width 1: verify nothing, draft the next trees
     beams, s = _next_beams(s, fresh, B, context, widths, costs, beam_options)
     width, expected, ms = _best(fresh, B, context, widths, costs, beams=beams)
     gain, cost = 1 + expected / B, ms / ar_ms
-    if s.phase is not Phase.SPECULATING or B != s.mean_batch:  # the means hold for one batch size
+    if s.phase is not Phase.SPECULATING:
         mean_gain, mean_cost = gain, cost
+    elif B != s.mean_batch:
+        # the batch changed (a request came or went): what a step costs in AR steps changed with it, what the drafter
+        # earns per request on this text did not. Restarting both from this one step let a single empty tree stop
+        # drafting for the rest of an answer (the quickstart's last request, left alone at batch 1, rested 18 steps)
+        mean_gain = MEAN_DECAY * s.mean_gain + (1 - MEAN_DECAY) * gain
+        mean_cost = cost
     else:
         mean_gain = MEAN_DECAY * s.mean_gain + (1 - MEAN_DECAY) * gain
         mean_cost = MEAN_DECAY * s.mean_cost + (1 - MEAN_DECAY) * cost
