@@ -8,8 +8,15 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from trt_redrafter.cli import main as cli
+from trt_redrafter.config import RuntimeConfig, SamplingConfig
+from trt_redrafter.errors import UserError
+from trt_redrafter.runtime.costs import COST_MODEL_FILE
+from trt_redrafter.runtime.distributed import Dist
+from trt_redrafter.runtime.engine import Engine
+from trt_redrafter.runtime.generate import generate
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +47,24 @@ def test_run_json_reports_the_documented_fields(engine, capsys):
     for key in ("output_ids", "text", "tokens_per_step", "accepted_draft_tokens", "steps", "ms_per_token"):
         assert key in doc
     assert len(doc["output_ids"]) == 8 and doc["steps"] == 7
+
+
+def test_an_ar_run_measures_no_step_cost_model(engine):
+    """`run --mode ar` decodes auto-regressively only: it measures no step cost model for the speculation policy (tens
+    of seconds on a fresh real engine), where a ReDrafter run measures one and keeps it beside the engine. An engine
+    loaded for AR requests only refuses a speculative one."""
+    model = engine / COST_MODEL_FILE
+    model.unlink(missing_ok=True)
+    run = ["run", "--engine", str(engine), "--prompt", "def f(x):", "--max-tokens", "4", "--speculate", "auto"]
+    assert cli([*run, "--mode", "ar"]) == 0
+    assert not model.exists()
+    assert cli([*run, "--mode", "redrafter"]) == 0
+    assert model.is_file()
+    ar_only = Engine.load(engine, Dist(0, 1, torch.device("cpu")), RuntimeConfig(device="cpu", compile="off"),
+                          speculative=False)
+    assert ar_only.policy.costs is None
+    with pytest.raises(UserError, match="auto-regressive requests only"):
+        generate(ar_only, [[1, 2, 3]], SamplingConfig(max_tokens=4), "redrafter")
 
 
 @pytest.mark.parametrize("flag, check", [

@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
 
     dist = init_dist(tp, runtime.device)
     try:
-        engine = Engine.load(args.engine, dist, runtime)
+        engine = Engine.load(args.engine, dist, runtime, speculative=args.mode != "ar")
         if dist.is_driver:
             results = generate(engine, prompts, params, args.mode, stop, proposer=args.proposer, guide=guide)
         else:

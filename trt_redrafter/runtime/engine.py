@@ -71,10 +71,12 @@ class Engine:
 
     def __init__(self, cfg: EngineConfig, tensors: dict[str, torch.Tensor], dist: Dist,
                  runtime: RuntimeConfig | None = None, proposer: Optional[Proposer] = None, warmup: bool = True,
-                 record_hidden: bool = False, engine_dir: Optional[Path] = None):
+                 record_hidden: bool = False, engine_dir: Optional[Path] = None, speculative: bool = True):
         """`tensors` already on the device in the compute dtype are used without a copy; `proposer`: a test's oracle
         that drafts every speculative request's trees; `record_hidden`: prompt and AR steps keep each request's last
-        verified final-norm hidden state (`hidden_states`), for a drafter's distillation corpus."""
+        verified final-norm hidden state (`hidden_states`), for a drafter's distillation corpus; `speculative=False`:
+        every request will be auto-regressive (`run --mode ar`), so no tree step is compiled and no step cost model
+        measured (the policy's, tens of seconds on a fresh engine), and a speculative request is refused."""
         runtime = runtime or RuntimeConfig()
         self.cfg, self.runtime, self.dist, self.engine_dir = cfg, runtime, dist, engine_dir
         if runtime.threads:
@@ -119,15 +121,17 @@ class Engine:
         self.step_times = StepTimes()
         self._ids = itertools.count()
         self.outcomes: Optional[list[tuple[str, int, int, bool]]] = None  # a list: record verified nodes (tools)
+        self.speculative = speculative
         if warmup and self.compiler.mode != "off":
-            self.warmup()
+            self.warmup(trees=speculative)
         spec = runtime.speculation
-        self.policy = Policy(spec, tree.max_tree_tokens, self.cost_model() if spec.auto else None,
+        self.policy = Policy(spec, tree.max_tree_tokens, self.cost_model() if spec.auto and speculative else None,
                              draft_beam_options(runtime.draft_beams, self.launcher.beam_options, tree.num_beams))
 
     @classmethod
     def load(cls, engine_dir: str | Path, dist: Dist, runtime: RuntimeConfig | None = None,
-             proposer: Optional[Proposer] = None, warmup: bool = True, record_hidden: bool = False) -> "Engine":
+             proposer: Optional[Proposer] = None, warmup: bool = True, record_hidden: bool = False,
+             speculative: bool = True) -> "Engine":
         """The engine of `engine_dir`, this rank's shard."""
         engine_dir = Path(engine_dir)
         cfg = load_engine_config(engine_dir)
@@ -137,7 +141,7 @@ class Engine:
         path = engine_dir / f"rank{dist.rank}.safetensors"
         if not path.is_file():
             raise UserError(f"engine {engine_dir} has no {path.name}; rebuild it with build-engine.")
-        return cls(cfg, load_file(str(path)), dist, runtime, proposer, warmup, record_hidden, engine_dir)
+        return cls(cfg, load_file(str(path)), dist, runtime, proposer, warmup, record_hidden, engine_dir, speculative)
 
     # ---- warm-up and the cost model -------------------------------------------------------------------------------
     @property
@@ -179,6 +183,9 @@ class Engine:
         name = spec.proposer or self.cfg.proposer.proposer
         if name not in self.proposers:
             raise UserError(f"proposer must be one of {', '.join(PROPOSERS)}, got {name!r}.")
+        if not self.speculative and spec.mode != DecodingMode.AR:
+            raise UserError(f"mode {spec.mode!r}: this engine was loaded for auto-regressive requests only (no tree "
+                            f"step compiled, no step cost model); load it with speculative=True to serve both.")
         spec = dataclasses.replace(spec, mode=DecodingMode(spec.mode), prompt=list(spec.prompt),
                                    stop_sequences=tuple(tuple(q) for q in spec.stop_sequences if q))
         self.proposers[name].check(spec)
