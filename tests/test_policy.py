@@ -309,17 +309,19 @@ def test_a_rest_that_began_close_to_paying_is_probed_after_probe_min_steps():
     assert not any(pol.decide(s, empty, True, costs, widths, None)[0].is_tree for _ in range(PROBE_MIN))
 
 
-def test_a_batch_change_restarts_what_a_drafting_step_costs_not_what_it_earns():
+def test_a_batch_that_shrinks_restarts_what_a_drafting_step_costs_not_what_it_earns():
     """Speculating at batch 2 with trees that pay, one request finishes and the one left drafts a tree with nothing
-    worth verifying: drafting goes on (the mean of what a step earns per request carries over; only its cost, which
-    the batch size changes, restarts), where restarting both from that one tree stopped it for the rest of the
-    answer."""
+    worth verifying: drafting goes on (verifying is no dearer at batch 1, so the mean of what a step earned per
+    request carries over; only its cost, which the batch size changes, restarts), where restarting both from that
+    one tree stopped it for the rest of the answer. Where the batch grows, both restart: one such tree stops it."""
     costs, widths = pol.StepCosts(flat_costs()), tree_buckets(13)
     s = pol.PolicyState(phase=pol.Phase.SPECULATING, mean_gain=1.8, mean_cost=1.3, mean_batch=2)
     d, after = pol.decide(s, cands(1, [0, q(0.01)], never_right()), True, costs, widths, None)
     assert d.is_tree and d.width == 1 and d.draft and after.phase is pol.Phase.SPECULATING
     assert after.mean_batch == 1 and after.mean_gain == pytest.approx(pol.MEAN_DECAY * 1.8 + (1 - pol.MEAN_DECAY))
     assert after.mean_cost == pytest.approx(costs.tree_ms(1, 1, 100) / costs.ar_ms(1, 100))
+    d, after = pol.decide(s, cands(4, [0, q(0.01)], never_right()), True, costs, widths, None)  # grown to 4
+    assert not d.is_tree and after.phase is pol.Phase.RESTING and after.mean_gain == pytest.approx(1.0, abs=0.01)
     # at the same batch size, both means go on
     d, after = pol.decide(dataclasses.replace(s, mean_batch=1), cands(1, [0, q(0.01)], never_right()), True, costs,
                           widths, None)

@@ -143,7 +143,7 @@ class PolicyState:
     hopeless: int = 0
     mean_gain: float = 1.0  # SPECULATING: running means of a drafting step's tokens and cost, in AR steps, ...
     mean_cost: float = 1.0
-    mean_batch: int = 0  # ... the cost's at this batch size (it restarts where the batch changes)
+    mean_batch: int = 0  # ... at this batch size (the cost's restarts where it changes, the gain's where it grows)
     # drafting steps with fewer beams than every one in a row: at BEAM_EXPLORE the next drafts every beam
     beam_hold: int = 0
 
@@ -195,7 +195,7 @@ def decide(state: PolicyState, cands: list[Candidate], can_draft: bool, costs: S
       PROBING      fresh trees, can draft, their claims do not pay      -> as RESTING below
       RESTING      fresh trees, can draft: the running means start      -> SPECULATING  tree step, drafts; rest 0,
       SPECULATING  (go on; the cost's restarts where the batch size                     probe_every PROBE_MIN
-                   changed) and pay
+                   changed, the gain's where it grew) and pay
                    ... and do not pay                                   -> RESTING      AR step; rest 0, hopeless
                                                                                         cleared
       any          fresh trees, cannot draft (from the host), that pay  -> same         tree step, no drafting; rest
@@ -283,10 +283,11 @@ def _decide(s: PolicyState, cands: list[Candidate], can_draft: bool, costs: Step
     if s.phase is not Phase.SPECULATING:
         mean_gain, mean_cost = gain, cost
     elif B != s.mean_batch:
-        # the batch changed (a request came or went): what a step costs in AR steps changed with it, what the drafter
-        # earns per request on this text did not. Restarting both from this one step let a single empty tree stop
-        # drafting for the rest of an answer (the quickstart's last request, left alone at batch 1, rested 18 steps)
-        mean_gain = MEAN_DECAY * s.mean_gain + (1 - MEAN_DECAY) * gain
+        # the batch changed: what a step costs in AR steps changed with it, so that mean restarts. Where requests
+        # left, verifying is no dearer than it was, so what drafting earned per request is a floor, and it carries
+        # over: restarting it from this one step let a single empty tree stop drafting for the rest of an answer (the
+        # quickstart's last request, left alone at batch 1, rested 18 steps). Where requests came, it restarts too
+        mean_gain = MEAN_DECAY * s.mean_gain + (1 - MEAN_DECAY) * gain if B < s.mean_batch else gain
         mean_cost = cost
     else:
         mean_gain = MEAN_DECAY * s.mean_gain + (1 - MEAN_DECAY) * gain
