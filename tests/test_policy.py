@@ -292,21 +292,39 @@ def test_a_rest_weighs_the_stale_trees_again_when_the_batch_shrinks():
 
 
 def test_a_rest_that_began_close_to_paying_is_probed_after_probe_min_steps():
-    """Drafting that stopped on running means just short of paying (the quickstart's first answer: 1.53 tokens
-    against 1.55 AR steps, at batch 3) is probed after PROBE_MIN AR steps, however bad the requests' last trees were;
-    a rest that began far from paying waits PROBE_MAX."""
+    """Drafting that paid and stopped on running means just short of paying (the quickstart's first answer: 1.53
+    tokens against 1.55 AR steps, at batch 3) is probed after PROBE_MIN AR steps, however bad the requests' last trees
+    were; a rest that began far from paying, or that never speculated (a batch 8 from its first step, where probes
+    cost what AR gains), waits PROBE_MAX."""
     costs, widths = pol.StepCosts(flat_costs()), tree_buckets(13)
     empty = cands(1, [0, q(0.01)], never_right(), fresh=False)  # last trees with nothing worth verifying
-    for gain, cost, first_probe in ((1.53, 1.55, PROBE_MIN - 1), (1.0, 1.55, PROBE_MAX - 1)):
-        s = pol.PolicyState(phase=pol.Phase.RESTING, mean_gain=gain, mean_cost=cost, mean_batch=1)
+
+    def first_probe(s: pol.PolicyState) -> int:
         for i in range(PROBE_MAX):
             d, s = pol.decide(s, empty, True, costs, widths, None)
             if d.is_tree:
-                break
-        assert d.is_tree and d.width == 1 and d.draft and i == first_probe, (gain, cost, i)
-    # means at another batch size say nothing about this one: the last trees alone decide
-    s = pol.PolicyState(phase=pol.Phase.RESTING, mean_gain=1.53, mean_cost=1.55, mean_batch=2)
-    assert not any(pol.decide(s, empty, True, costs, widths, None)[0].is_tree for _ in range(PROBE_MIN))
+                assert d.width == 1 and d.draft
+                return i
+        return PROBE_MAX
+
+    s = pol.PolicyState(phase=pol.Phase.SPECULATING, mean_gain=1.55, mean_cost=1.55, mean_batch=1)
+    d, s = pol.decide(s, cands(1, [0, q(0.01)], never_right()), True, costs, widths, None)  # an empty tree: stop
+    assert not d.is_tree and s.phase is pol.Phase.RESTING and s.faded == 1
+    assert pol.PROBE_HOPE * s.mean_cost <= s.mean_gain < s.mean_cost
+    assert first_probe(s) == PROBE_MIN - 1
+    assert first_probe(dataclasses.replace(s, faded=0)) == PROBE_MAX - 1  # the same means, never speculated
+    assert first_probe(dataclasses.replace(s, faded=2)) == PROBE_MAX - 1  # faded at another batch size
+    # the probes keep the doubling schedule while the batch keeps its size, whatever each probe's tree earns
+    policy = pol.Policy(Speculation.parse("auto"), 13, flat_costs())
+    policy.state = s
+    kinds = rest_kinds(policy, empty, 1 + PROBE_MIN + 2 * PROBE_MIN + 4 * PROBE_MIN + 3)
+    probes = [i for i, k in enumerate(kinds) if k]
+    assert probes[0] == PROBE_MIN - 1 and [b - a for a, b in zip(probes, probes[1:])] == [2 * PROBE_MIN, 4 * PROBE_MIN]
+    # stopping far from paying, or a first verdict (no drafting that paid before it), leaves the rest unfaded
+    for start in (pol.PolicyState(phase=pol.Phase.SPECULATING, mean_gain=1.0, mean_cost=1.55, mean_batch=1),
+                  pol.PolicyState()):
+        d, after = pol.decide(start, cands(1, [0, q(0.01)], never_right()), True, costs, widths, None)
+        assert not d.is_tree and after.faded == 0
 
 
 def test_a_batch_that_shrinks_restarts_what_a_drafting_step_costs_not_what_it_earns():

@@ -63,7 +63,7 @@ from .step import SCORE_SCALE
 
 PROBE_MIN, PROBE_MAX = 4, 64  # AR steps between probes while resting (doubling while probes find nothing)
 BEAM_EXPLORE = 8  # drafting steps with fewer beams, after which one drafts every beam (the choice made again)
-PROBE_HOPE = 0.95  # probe sooner than PROBE_MAX only where drafting (the last trees, or the last means) nearly pays
+PROBE_HOPE = 0.95  # probe sooner than PROBE_MAX only where the last trees nearly pay, or drafting faded this close
 MEAN_DECAY = 0.8  # running means of a drafting step's gain and cost: weight of the past
 # the cost model, measured once, against the steps as they run now: a running mean (weight of the past) of each kind's
 # measured / modelled step time, each observation clamped to [1 / STEP_SCALE_CLAMP, STEP_SCALE_CLAMP]
@@ -144,6 +144,9 @@ class PolicyState:
     mean_gain: float = 1.0  # SPECULATING: running means of a drafting step's tokens and cost, in AR steps, ...
     mean_cost: float = 1.0
     mean_batch: int = 0  # ... at this batch size (the cost's restarts where it changes, the gain's where it grows)
+    # the batch size at which drafting that paid stopped on running means within PROBE_HOPE of paying (0: it did not,
+    # or never paid): probes on the doubling schedule while the batch keeps that size, whatever the last trees say
+    faded: int = 0
     # drafting steps with fewer beams than every one in a row: at BEAM_EXPLORE the next drafts every beam
     beam_hold: int = 0
 
@@ -184,10 +187,10 @@ def decide(state: PolicyState, cands: list[Candidate], can_draft: bool, costs: S
       any          stale trees (no fresh one), cannot draft, or         -> same         AR step; rest + 1
                    rest + 1 < probe_every
       any          stale trees, can draft, rest + 1 >= probe_every, and -> PROBING      a probe: width 1, drafts; rest
-                   the trees, drafted again, would nearly pay, or the                   0, probe_every doubled,
-                   last drafting step's running means at this batch                     hopeless cleared
-                   size nearly paid (asked once per rest and batch
-                   size: `hopeless`), or rest + 1 >= PROBE_MAX
+                   the trees, drafted again, would nearly pay (asked                    0, probe_every doubled,
+                   once per rest and batch size: `hopeless`), or                        hopeless cleared
+                   drafting faded close to paying at this batch size
+                   (`faded`), or rest + 1 >= PROBE_MAX
                    ... neither                                          -> same         AR step; rest + 1, hopeless
                                                                                         set to the batch size where
                                                                                         they would not pay
@@ -197,7 +200,9 @@ def decide(state: PolicyState, cands: list[Candidate], can_draft: bool, costs: S
       SPECULATING  (go on; the cost's restarts where the batch size                     probe_every PROBE_MIN
                    changed, the gain's where it grew) and pay
                    ... and do not pay                                   -> RESTING      AR step; rest 0, hopeless
-                                                                                        cleared
+                                                                                        cleared; faded = B where
+                                                                                        SPECULATING and the means
+                                                                                        are within PROBE_HOPE
       any          fresh trees, cannot draft (from the host), that pay  -> same         tree step, no drafting; rest
                    for their verify and their composing                                 0, probe_every PROBE_MIN,
                                                                                         host_resting off
@@ -248,13 +253,13 @@ def _decide(s: PolicyState, cands: list[Candidate], can_draft: bool, costs: Step
             # but what verifying them costs does with the batch (requests that finish can leave one that would pay)
             stale = [c for c in spec if c.scores]  # their last trees, as if drafted again now
             width, expected, ms = _best(stale, B, context, widths, costs)
-            # or drafting's last verdict at this batch size (the running means that stopped it, or a probe's step)
-            # was close: one pessimistic last tree must not hold off probes for PROBE_MAX steps, the rest of a short
-            # answer (the quickstart's first, at batch 3, rested 31 steps on means of 1.53 tokens against 1.55)
-            near = s.mean_batch == B and s.mean_gain >= PROBE_HOPE * s.mean_cost
-            hopeful = near or (B + expected) / ms >= PROBE_HOPE * B / ar_ms
+            hopeful = (B + expected) / ms >= PROBE_HOPE * B / ar_ms
             hopeless = 0 if hopeful else B
-        if hopeful or rest >= PROBE_MAX:
+        # drafting that paid and faded close to paying at this batch size: one pessimistic last tree (or probe) must
+        # not hold off probes for PROBE_MAX steps, the rest of a short answer (the quickstart's first, at batch 3,
+        # rested 31 steps on means of 1.53 tokens against 1.55). A rest that never speculated (a large batch from its
+        # start) has only the last trees to hope by
+        if hopeful or s.faded == B or rest >= PROBE_MAX:
             probe = StepDecision(1, {c.seq_id: 1 for c in cands}, True)
             return probe, replace(s, phase=Phase.PROBING, rest=0, probe_every=min(2 * s.probe_every, PROBE_MAX),
                                   hopeless=0)
@@ -295,8 +300,9 @@ def _decide(s: PolicyState, cands: list[Candidate], can_draft: bool, costs: Step
     s = replace(s, mean_gain=mean_gain, mean_cost=mean_cost, mean_batch=B, rest=0)
     if mean_gain >= mean_cost:
         return (StepDecision(width, _keep(cands, width), True, expected / B, beams=beams),
-                replace(s, phase=Phase.SPECULATING, probe_every=PROBE_MIN))
-    return AR_STEP, replace(s, phase=Phase.RESTING, hopeless=0)
+                replace(s, phase=Phase.SPECULATING, probe_every=PROBE_MIN, faded=0))
+    faded = B if s.phase is Phase.SPECULATING and mean_gain >= PROBE_HOPE * mean_cost else s.faded
+    return AR_STEP, replace(s, phase=Phase.RESTING, hopeless=0, faded=faded)
 
 
 def _best(cands: list[Candidate], B: int, context: float, widths: Sequence[int], costs: StepCosts,
