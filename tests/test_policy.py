@@ -78,6 +78,27 @@ def test_cost_cache_round_trip_and_keys(tmp_path):
     assert load_cost_model(paths, {"k": 1}) is None  # a damaged file is measured again, not trusted
 
 
+def test_saving_a_cost_model_drops_the_ones_other_code_measured(tmp_path):
+    """Entries whose fingerprint names other code (kernel sources, PyTorch, cost-model version) can never be looked up
+    again: a save drops them, so the file does not grow with every upgrade; other settings' entries stay."""
+    paths = [tmp_path / costs.COST_MODEL_FILE]
+
+    def saved(**key) -> CostModel:
+        m = model()
+        m.key = {"version": costs.COST_MODEL_VERSION, "torch": "2.13", "kernel_sources": "a", "threads": 2, **key}
+        save_cost_model(paths, m)
+        return m
+
+    old = saved()
+    saved(threads=1)  # another setting of the same code: both kept
+    assert len(json.loads(paths[0].read_text())["entries"]) == 2
+    new = saved(kernel_sources="b")  # the kernels changed: the two measured by the old ones go
+    assert list(json.loads(paths[0].read_text())["entries"]) == [costs._key_id(new.key)]
+    assert load_cost_model(paths, old.key) is None and load_cost_model(paths, new.key) is not None
+    saved(kernel_sources="b", torch="2.14")
+    assert len(json.loads(paths[0].read_text())["entries"]) == 1
+
+
 def test_cost_cache_falls_back_to_the_user_cache_for_a_read_only_engine(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     engine_dir = tmp_path / "engine"

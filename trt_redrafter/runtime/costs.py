@@ -220,8 +220,13 @@ def load_cost_model(paths: Iterable[Path], key: dict) -> Optional[CostModel]:
     return None
 
 
+CODE_KEYS = ("version", "torch", "kernel_sources")  # a fingerprint's parts that name the code that measured it
+
+
 def save_cost_model(paths: Iterable[Path], model: CostModel) -> Optional[Path]:
-    """Add `model` to the first writable cache file (written under a temporary name, then renamed)."""
+    """Add `model` to the first writable cache file (written under a temporary name, then renamed), dropping the
+    entries that other code measured (another cost-model version, PyTorch or kernel sources: `CODE_KEYS`), which
+    this install can never look up again; other machines' and settings' entries stay."""
     kid = _key_id(model.key)
     for path in paths:
         try:
@@ -232,6 +237,9 @@ def save_cost_model(paths: Iterable[Path], model: CostModel) -> Optional[Path]:
                     raise ValueError
             except (OSError, ValueError, AttributeError):
                 doc = {"entries": {}}
+            code = {k: model.key.get(k) for k in CODE_KEYS}
+            doc["entries"] = {k: e for k, e in doc["entries"].items()
+                              if isinstance(e, dict) and {c: e.get("key", {}).get(c) for c in CODE_KEYS} == code}
             doc["entries"][kid] = model.to_dict()
             tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
             tmp.write_text(json.dumps(doc, indent=1))
