@@ -20,10 +20,11 @@ whose step emits the most per millisecond for the trees at hand. Whether to draf
 trees, an AR step does not): while the running means of what drafting steps emit and cost, in AR steps, say they pay.
 When they do not (a drafter that is wrong, a batch so large that verifying is compute-bound), the policy takes AR
 steps; as those draft nothing, it probes after PROBE_MIN steps, backing off to PROBE_MAX while probes find nothing
-worth verifying, and waits PROBE_MAX where the requests' last trees, drafted again, would not pay either. A probe is
-a step that drafts (width 1) and then one that verifies the fresh trees where the proposer's own claims say they
-would pay, whatever the calibration says: a calibration that turned pessimistic on a hard stretch of text learns
-only from verified nodes, and a policy that stopped verifying would never see the drafter recover.
+worth verifying, and waits PROBE_MAX where the requests' last trees, drafted again, would not pay either (but not
+where drafting that paid stopped close to paying: `faded`). A probe is a step that drafts (width 1) and then one that
+verifies the fresh trees where the proposer's own claims say they would pay, whatever the calibration says: a
+calibration that turned pessimistic on a hard stretch of text learns only from verified nodes, and a policy that
+stopped verifying would never see the drafter recover.
 
 A third, where one compiled step drafts any beam count (eager, inductor on the CPU: the count is an unbacked size,
 step.py `_propose`): how many beams a drafting step searches for the next trees. Drafting costs per beam (the cost
