@@ -153,9 +153,13 @@ def _interp(xs: list[int], ys: list[float], x: float) -> float:
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
+CODE_KEYS = ("version", "torch", "kernel_sources")  # the fingerprint's parts that name the code that measured it
+
+
 def fingerprint(**parts) -> dict:
     """What a cost model depends on besides the engine's weights: the machine, how the engine runs, and the sources
-    of the step's own kernels (a changed kernel changes the step's costs)."""
+    of the step's own kernels (a changed kernel changes the step's costs). `CODE_KEYS` names the parts that say which
+    code measured it (a save drops other code's entries)."""
     device = parts.pop("device")
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
@@ -218,9 +222,6 @@ def load_cost_model(paths: Iterable[Path], key: dict) -> Optional[CostModel]:
             except (KeyError, TypeError):
                 continue
     return None
-
-
-CODE_KEYS = ("version", "torch", "kernel_sources")  # a fingerprint's parts that name the code that measured it
 
 
 def save_cost_model(paths: Iterable[Path], model: CostModel) -> Optional[Path]:
