@@ -84,10 +84,14 @@ def test_tp2_compiled_gives_the_tp1_tokens(tmp_path_factory, monkeypatch):
     so none of the kernels inductor wrote beside the engine, one directory per rank, calls a functional collective.
     One decoder layer (each layer's collectives are the same ones) and one tree width (pruned: fewer nodes than the
     tree): the ranks compile each graph piece between collectives, and with every width and the policy's cost model
-    (`test_tp2_every_tree_width_and_the_policy_give_the_tp1_ar_tokens`, eager) this test took 4 minutes."""
+    (`test_tp2_every_tree_width_and_the_policy_give_the_tp1_ar_tokens`, eager) this test took 4 minutes. One batch
+    bucket (max batch size 1: the prompts run one after the other): the ranks compile the AR step and the mixed
+    proposer's two tree steps once, where buckets 1 and 2 compiled each tree step twice (warm-up 130 s against 72 s
+    here). Batches of several requests at TP 2 are the eager tests' (`decoded`), compiled ones TP 1's."""
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)  # the engine's own cache: the user set none
     _, engines = build_tiny_engines(tmp_path_factory.mktemp("tp-compiled"), seed=5, num_beams=4, draft_len=3,
-                                    tps=(1, 2), num_heads=4, num_kv_heads=2, rnn=True, vocab_size=512, num_layers=1)
+                                    tps=(1, 2), num_heads=4, num_kv_heads=2, rnn=True, vocab_size=512, num_layers=1,
+                                    max_batch_size=1)
     a, b = random_prompts(512, [4, 9], seed=8)
     prompts = [a * 3, b]  # repeated text: the mixed trees' n-gram beams are accepted (the random drafter's are not)
     from engine_utils import greedy, load_engine
