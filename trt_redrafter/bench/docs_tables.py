@@ -113,11 +113,13 @@ def _quant_cpu(docs: list[dict], names: tuple[str, ...]) -> list[str]:
     labels = {"quant-smollm2-b1-int8_wo": "int8_wo (+lm_head)", "quant-smollm2-b1-int4_awq": "int4_awq g64 (+lm_head)",
               "quant-smollm2-b1-bf16": "bf16", "quant-smollm2-b1-fp8": "fp8 (emulated)"}
     peers = ("f32", "bf16", "q8_0", "q4_1")
-    out = _head("base", "batch", "AR ms/token", "ReDrafter ms/token", "ReDrafter vs AR", "tokens/step",
+    out = _head("base", "batch", "prompts", "AR ms/token", "ReDrafter ms/token", "ReDrafter vs AR", "tokens/step",
                 "steps by verified nodes (0: AR)", "== AR", "llama.cpp " + " / ".join(p.upper() for p in peers) +
                 " ms/token", "linear weights MB", "AR at memory floor (read GB/s)", "JSON")
     for name, doc in zip(names, docs):
         roof = doc["roofline"]
+        # bench-engine's --prompt-order (recorded since it has one; the runs before it took the file's first prompts)
+        prompts = {"categories": "one per category"}.get(doc.get("prompt_order", "file"), "the first (all writing)")
         for (batch, mode), rd in _rows_of(doc).items():
             if mode != "redrafter":
                 continue
@@ -126,7 +128,7 @@ def _quant_cpu(docs: list[dict], names: tuple[str, ...]) -> list[str]:
             llama = " / ".join(_f(hf[f"llama.cpp_{p}"]["ms_per_token"]) if f"llama.cpp_{p}" in hf else "-"
                                for p in peers) if batch == 1 else "-"
             floor = f"{roof['floor_ms'] / ar['ms_per_token']:.0%} ({roof['read_gb_s']:.0f})" if batch == 1 else "-"
-            out.append(_row([labels.get(name, name), batch, _f(ar["ms_per_token"]), _f(rd["ms_per_token"]),
+            out.append(_row([labels.get(name, name), batch, prompts, _f(ar["ms_per_token"]), _f(rd["ms_per_token"]),
                              _x(rd["speedup"]), _f(rd["tokens_per_step"]), _widths(rd["steps_by_width"]),
                              "yes" if rd["greedy_outputs_equal"] else "**no**", llama,
                              f"{roof['weight_mb']:.0f}" if batch == 1 else "-", floor, _link(name)]))
