@@ -67,22 +67,25 @@ def build_small_engine(root: Path, *, num_beams: int, draft_len: int, max_batch_
     return en
 
 
-def run_json(engine_dir, prompts: list[list[int]], mode: str, extra=(), max_new: int = 20, full: bool = False
-             ) -> list:
+def run_json(engine_dir, prompts: list[list[int]], mode: str, extra=(), max_new: int = 20, full: bool = False,
+             stderr: list[str] | None = None) -> list:
     """`trt-redrafter run --json` in a fresh process (TP > 1 relaunches itself under mpirun): each prompt's output
-    ids (`full`: its whole JSON document), greedy, eos ignored; rank 0 alone prints."""
+    ids (`full`: its whole JSON document), greedy, eos ignored; rank 0 alone prints. `stderr`: a list the run's
+    standard error (every rank's) is appended to."""
     cmd = [sys.executable, "-m", "trt_redrafter", "run", "--engine", str(engine_dir), "--mode", mode, "--json",
            "--max-tokens", str(max_new), "--ignore-eos", "--prompt-ids", *[",".join(map(str, p)) for p in prompts],
            *extra]
-    docs = _json_lines(cmd, len(prompts))
+    docs = _json_lines(cmd, len(prompts), stderr)
     return docs if full else [d["output_ids"] for d in docs]
 
 
-def _json_lines(cmd: list[str], n: int) -> list[dict]:
+def _json_lines(cmd: list[str], n: int, stderr: list[str] | None = None) -> list[dict]:
     """Run `cmd` (a run on one or more ranks; rank 0 prints) -> the n JSON lines it printed."""
     # a compiled TP=2 run compiles on every rank: ~200 s alone on 2 cores, over 300 s when the machine is shared
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    if stderr is not None:
+        stderr.append(proc.stderr)
     docs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(docs) == n, proc.stdout[-3000:]
     return docs

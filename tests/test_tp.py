@@ -98,9 +98,12 @@ def test_tp2_compiled_gives_the_tp1_tokens(tmp_path_factory, monkeypatch):
     from trt_redrafter.runtime.generate import generate
 
     ref = [r.output_ids for r in generate(load_engine(engines[1]), prompts, greedy(20), "ar")]  # eager, TP=1
+    err: list[str] = []
     docs = run_json(engines[2], prompts, "redrafter",
-                    ["--compile", "inductor", "--speculate", "5", "--proposer", "mixed"], full=True)
+                    ["--compile", "inductor", "--speculate", "5", "--proposer", "mixed"], full=True, stderr=err)
     assert [d["output_ids"] for d in docs] == ref
+    # every collective runs outside the graphs by design (model/tp.py), none by dynamo giving up inside one
+    assert "Dynamo does not know how to trace" not in err[0], err[0][-2000:]
     assert sum(d["draft_tokens"] for d in docs) > 0 and sum(d["accepted_draft_tokens"] for d in docs) > 0
     for rank in range(2):
         kept = list((engines[2] / ".cache" / "inductor").glob(f"kernels-*/rank{rank}"))  # keep_inductor_cache

@@ -30,15 +30,19 @@ class Dist:
     device: torch.device
     _all_reduce: Callable = field(init=False, repr=False, compare=False)
     _all_gather: Callable = field(init=False, repr=False, compare=False)
+    _broadcast: Callable = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        self._all_reduce, self._all_gather = _all_reduce, _all_gather
+        self._all_reduce, self._all_gather, self._broadcast = _all_reduce, _all_gather, _broadcast
         if self.world_size > 1 and self.device.type != "cuda":
             # the CPU's collectives are never traced (module docstring). Wrapped here, not at import:
             # torch.compiler.disable imports dynamo and with it triton, whose jit reads TRITON_INTERPRET when a kernel
             # is defined (tests set it before they import the kernels)
             self._all_reduce = torch.compiler.disable(_all_reduce)
             self._all_gather = torch.compiler.disable(_all_gather)
+            # the decode step's broadcasts of rank 0's decisions too: dynamo would otherwise break the graph inside
+            # the process group's Python call, warning that it cannot trace a pybind11 constructor
+            self._broadcast = torch.compiler.disable(_broadcast)
 
     @property
     def is_driver(self) -> bool:
@@ -65,7 +69,7 @@ class Dist:
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Rank `src`'s value everywhere; decisions (accepted tokens, drafts) use this so ranks never drift."""
         if self.world_size > 1:
-            tdist.broadcast(x, src)
+            self._broadcast(x, src)
         return x
 
     def broadcast_object(self, obj=None, src: int = 0):
@@ -82,6 +86,10 @@ class Dist:
 
 def _all_reduce(x: torch.Tensor) -> None:
     tdist.all_reduce(x)
+
+
+def _broadcast(x: torch.Tensor, src: int) -> None:
+    tdist.broadcast(x, src)
 
 
 def _all_gather(x: torch.Tensor, world_size: int, dim: int) -> torch.Tensor:
