@@ -249,18 +249,19 @@ def _decide(s: PolicyState, cands: list[Candidate], can_draft: bool, costs: Step
         rest = s.rest + 1
         if not can_draft or rest < s.probe_every:
             return AR_STEP, replace(s, rest=rest)
-        hopeful, hopeless = False, s.hopeless
-        if hopeless != B:  # asked once per rest and batch size: the stale trees do not change while nothing drafts,
-            # but what verifying them costs does with the batch (requests that finish can leave one that would pay)
-            stale = [c for c in spec if c.scores]  # their last trees, as if drafted again now
-            width, expected, ms = _best(stale, B, context, widths, costs)
-            hopeful = (B + expected) / ms >= PROBE_HOPE * B / ar_ms
-            hopeless = 0 if hopeful else B
         # drafting that paid and faded close to paying at this batch size: one pessimistic last tree (or probe) must
         # not hold off probes for PROBE_MAX steps, the rest of a short answer (the quickstart's first, at batch 3,
         # rested 31 steps on means of 1.53 tokens against 1.55). A rest that never speculated (a large batch from its
         # start) has only the last trees to hope by
-        if hopeful or s.faded == B or rest >= PROBE_MAX:
+        hopeful, hopeless = s.faded == B, s.hopeless
+        if not hopeful and hopeless != B:  # asked once per rest and batch size: the stale trees do not change while
+            # nothing drafts, but what verifying them costs does with the batch (requests that finish can leave one
+            # that would pay)
+            stale = [c for c in spec if c.scores]  # their last trees, as if drafted again now
+            width, expected, ms = _best(stale, B, context, widths, costs)
+            hopeful = (B + expected) / ms >= PROBE_HOPE * B / ar_ms
+            hopeless = 0 if hopeful else B
+        if hopeful or rest >= PROBE_MAX:
             probe = StepDecision(1, {c.seq_id: 1 for c in cands}, True)
             return probe, replace(s, phase=Phase.PROBING, rest=0, probe_every=min(2 * s.probe_every, PROBE_MAX),
                                   hopeless=0)
