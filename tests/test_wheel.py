@@ -93,8 +93,9 @@ def test_installed_wheel_makes_and_serves_a_repository(tmp_path):
     assert Path(where[1]).resolve().is_relative_to(site), where[1]
     # the CPU kernels' sources and their header ship in the wheel (built at first use; without them auto falls back)
     assert [Path(p).name for p in where[2] if Path(p).is_file() and Path(p).resolve().is_relative_to(site)] == \
-        ["linear.cpp", "attention.cpp", "topk.cpp"], where[2]
-    assert (Path(where[2][0]).parent / "simd.h").is_file(), "simd.h is not in the wheel"
+        ["linear.cpp", "attention.cpp", "topk.cpp", "draft.cpp"], where[2]
+    for header in ("simd.h", "kernels.h"):
+        assert (Path(where[2][0]).parent / header).is_file(), f"{header} is not in the wheel"
 
     cli = tmp_path / "venv" / "bin" / "trt-redrafter"
     tiny, ckpt, engine, repo = work / "tiny", work / "ckpt", work / "engine", work / "repo"

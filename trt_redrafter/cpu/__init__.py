@@ -13,6 +13,9 @@ kernels (their fake functions below give it the output shapes).
                      (the drafter's beam search: decoding.beam_search)
     kv_move          the KV rewind of every layer cache in one call          attention.cpp
                                                               oracle: runtime.step.move_kv
+    beam_draft       the drafter's whole beam search: its layers (the        draft.cpp
+                     kernels above), top-k and the beams' bookkeeping
+                                               oracle: decoding.beam_search.beam_search (runtime/drafter.py)
 
 The linear and attention kernels compute every output element in one fixed order that does not depend on how many
 rows (tokens) a step has, which greedy ReDrafter == greedy AR needs. The build needs a C++ compiler (the one inductor
@@ -37,7 +40,8 @@ from ..log import get_logger
 
 logger = get_logger(__name__)
 
-_SOURCES = [os.path.join(os.path.dirname(__file__), name) for name in ("linear.cpp", "attention.cpp", "topk.cpp")]
+_SOURCES = [os.path.join(os.path.dirname(__file__), name) for name in ("linear.cpp", "attention.cpp", "topk.cpp",
+                                                                              "draft.cpp")]
 _BUILD_ERROR: list[str] = []  # the first build failure: a process tries once
 _CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
 
@@ -89,6 +93,7 @@ def ops():
     torch.library.register_fake("trt_redrafter_cpu::linear_w8a8", _linear_w8a8_fake)
     torch.library.register_fake("trt_redrafter_cpu::tree_attention", _tree_attention_fake)
     torch.library.register_fake("trt_redrafter_cpu::topk", _topk_fake)
+    torch.library.register_fake("trt_redrafter_cpu::beam_draft", _beam_draft_fake)
     return torch.ops.trt_redrafter_cpu
 
 
@@ -137,6 +142,13 @@ def _quiet(name: str):
 def _topk_fake(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     shape = (*x.shape[:-1], k)
     return x.new_empty(shape), x.new_empty(shape, dtype=torch.long)
+
+
+def _beam_draft_fake(h, true_token, embedding, weights, bits, out_features, has_proj: bool, bf16: bool, num_beams,
+                     max_beams: int, draft_len: int, warp_top_k: int, vocab: int, ids, wide_rows: int):
+    bs = h.shape[0]
+    return (true_token.new_empty(bs, num_beams, draft_len + 1),
+            h.new_empty(bs, num_beams, draft_len, dtype=torch.float32))
 
 
 def kv_move(caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:

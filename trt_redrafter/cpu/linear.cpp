@@ -18,6 +18,7 @@
 #include <torch/library.h>
 #include <torch/types.h>
 
+#include "kernels.h"
 #include "simd.h"
 
 #include <algorithm>
@@ -529,6 +530,31 @@ at::Tensor linear_w8a8_op(const at::Tensor& x_in, const at::Tensor& packed, cons
 bool has_vnni() { return __builtin_cpu_supports("avx512vnni"); }
 
 }  // namespace
+
+namespace trt_redrafter_cpu {
+
+template <typename T>
+void linear_packed(const T* x, int64_t M, int64_t K, const T* wp, int64_t N, const T* b, T* y) {
+  if (M > 0) linear<T>(x, M, K, wp, N, b, y);
+}
+template void linear_packed<float>(const float*, int64_t, int64_t, const float*, int64_t, const float*, float*);
+template void linear_packed<c10::BFloat16>(const c10::BFloat16*, int64_t, int64_t, const c10::BFloat16*, int64_t,
+                                           const c10::BFloat16*, c10::BFloat16*);
+
+template <typename T>
+void linear_int8_inputs(const T* x, int64_t M, int64_t K, const int8_t* qp, const int32_t* colsum, const float* sw,
+                        int64_t N, const float* b, T* y, int64_t bits) {
+  if (M == 0) return;
+  if (bits == 4) ::linear_w8a8<4, T>(x, M, K, qp, colsum, sw, N, b, y);
+  else ::linear_w8a8<8, T>(x, M, K, qp, colsum, sw, N, b, y);
+}
+template void linear_int8_inputs<float>(const float*, int64_t, int64_t, const int8_t*, const int32_t*, const float*,
+                                        int64_t, const float*, float*, int64_t);
+template void linear_int8_inputs<c10::BFloat16>(const c10::BFloat16*, int64_t, int64_t, const int8_t*,
+                                                const int32_t*, const float*, int64_t, const float*, c10::BFloat16*,
+                                                int64_t);
+
+}  // namespace trt_redrafter_cpu
 
 TORCH_LIBRARY(trt_redrafter_cpu, m) {
   m.def("pack(Tensor w) -> Tensor");

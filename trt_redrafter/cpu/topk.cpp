@@ -13,6 +13,8 @@
 #include <torch/library.h>
 #include <torch/types.h>
 
+#include "kernels.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <tuple>
@@ -111,16 +113,21 @@ std::tuple<at::Tensor, at::Tensor> topk(const at::Tensor& x_in, int64_t k) {
   const float* xp = x.data_ptr<float>();
   float* vp = vals.data_ptr<float>();
   int64_t* ip = idx.data_ptr<int64_t>();
-  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(V, 1));  // ~64k values a thread at least
-  at::parallel_for(0, R, grain, [&](int64_t begin, int64_t end) {
-    std::vector<std::pair<float, int64_t>> cand;
-    cand.reserve(1024);
-    for (int64_t r = begin; r < end; ++r) row_topk(xp + r * V, V, k, vp + r * k, ip + r * k, cand);
-  });
+  trt_redrafter_cpu::topk_rows(xp, R, V, V, k, vp, ip);
   return {vals, idx};
 }
 
 }  // namespace
+
+void trt_redrafter_cpu::topk_rows(const float* x, int64_t R, int64_t V, int64_t ldx, int64_t k, float* vals,
+                                  int64_t* idx) {
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(V, 1));  // ~64k values a thread at least
+  at::parallel_for(0, R, grain, [&](int64_t begin, int64_t end) {
+    std::vector<std::pair<float, int64_t>> cand;
+    cand.reserve(1024);
+    for (int64_t r = begin; r < end; ++r) row_topk(x + r * ldx, V, k, vals + r * k, idx + r * k, cand);
+  });
+}
 
 // k is a SymInt: a compiled step may take it from an unbacked size (the drafter's beam count); the kernel is called
 // with its value, as an int64_t

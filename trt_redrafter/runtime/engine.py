@@ -95,8 +95,10 @@ class Engine:
         self.kernels = resolve_kernels(runtime.kernels, dist.device, self.dtype, self.model.D)
         self.compiler = Compiler(runtime.compile, dist.device, dist.world_size)
         step_kernels, select = plug_kernels(self.kernels, self.model, self.cache, self.compiler.mode)
-        self.device_drafter = BeamDrafter(self.drafter, self.model.embed, tree.num_beams, tree.draft_len_per_beam,
-                                          select) if self.drafter is not None else None
+        # with the CPU kernels, the whole beam search in one of them where it applies (runtime/drafter.py)
+        self.device_drafter = BeamDrafter(
+            self.drafter, self.model.embed, tree.num_beams, tree.draft_len_per_beam, select,
+            embedding=self.model.embedding if self.kernels == "cpu" else None) if self.drafter is not None else None
         self.max_logprobs = min(runtime.max_logprobs, self.vocab_size)
         self.grammars = Grammars(engine_dir / "tokenizer" if engine_dir is not None else None, self.vocab_size,
                                  (tree.num_beams, tree.beam_length))
