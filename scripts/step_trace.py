@@ -5,7 +5,8 @@ drafting the next trees) of a real engine, traced with the PyTorch profiler and 
     python scripts/step_trace.py --engine out/quickstart/smollm2-engine --batch-size 1 --width 5
 
 The step's kernels are sorted into parts: the base model's linear layers and attention (the verify, up to the end of
-the largest linear layer, the lm_head), and after it the drafter's linear layers, its top-k, the other generated
+the largest linear layer, the lm_head), and after it the drafter (its linear layers, or on the CPU kernels its whole
+beam search in one call, `beam_draft`, top-k included), its top-k where that is a call of its own, the other generated
 kernels (accept, rewind, beam bookkeeping, pack) and the library ops they call (sort, cumsum, ...). `gaps` is the
 time between kernels: what the compiled step's wrapper spends calling them. Per part: milliseconds per step (the
 median over --steps traced steps). The tree step's extra over the AR step is what speculating costs before a single
@@ -25,7 +26,7 @@ import tempfile
 
 import torch
 
-PARTS = ("verify linear", "attention", "verify other", "drafter linear", "topk", "after-verify kernels",
+PARTS = ("verify linear", "attention", "verify other", "drafter", "topk", "after-verify kernels",
          "library ops", "gaps")
 
 
@@ -54,7 +55,9 @@ def parts_of_step(events: list[dict], call: dict) -> tuple[dict[str, float], dic
         prev = e["ts"] + e["dur"]
         name, verify = e["name"], e["ts"] < cut
         if is_linear(name):
-            part = "verify linear" if verify else "drafter linear"
+            part = "verify linear" if verify else "drafter"
+        elif name.endswith("::beam_draft"):  # the whole beam search in one call (cpu/draft.cpp): layers and top-k
+            part = "drafter"
         elif "attention" in name:
             part = "attention"
         elif name.endswith("::topk"):

@@ -8,8 +8,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine_utils import SMALL, build_small_engine
+from trt_redrafter import cpu
 from trt_redrafter.bench.baselines import Baseline, BaselineJob, run_baselines
 from trt_redrafter.bench.measure import RatioSummary, round_schedule
 from trt_redrafter.cli import main as cli
@@ -120,4 +122,6 @@ def test_bench_engine_end_to_end_on_models_small(small_engine, tmp_path, capsys)
     assert doc["hf"]["hf_prompt_lookup"]["prompt_lookup_num_tokens"] == 10
     assert doc["hf"]["llama.cpp_q8_0"]["error"] and doc["hf"]["llama.cpp_q8_0"]["ms_per_token"] is None
     assert set(doc["phases_ms"]) == {"verify", "accept", "rewind", "draft", "pack"}
+    if cpu.available(torch.float32):  # the CPU kernels: the drafter's search is one call (cpu/draft.cpp)
+        assert doc["drafting"].startswith("one kernel call") and "beam search: one kernel call" in out
     assert "| 1 | redrafter |" in out and "| 1 | llama.cpp_q8_0 | failed: " in out

@@ -39,7 +39,16 @@ def test_a_traced_step_is_split_at_the_end_of_the_lm_head():
     assert {k: round(v * 1e3, 6) for k, v in after.items()} == {  # the kernels after the verify, by name (--top)
         "cpp_fused_argmax_1": 10, "trt_redrafter_cpu::linear_w8a8": 50, "trt_redrafter_cpu::topk": 30,
         "aoti_torch_cpu_sort_stable": 20}
-    assert ms == {"verify linear": 500, "attention": 20, "verify other": 5, "drafter linear": 50, "topk": 30,
+    assert ms == {"verify linear": 500, "attention": 20, "verify other": 5, "drafter": 50, "topk": 30,
                   "after-verify kernels": 10, "library ops": 20,
                   "gaps": 1000 - (500 + 20 + 5 + 50 + 30 + 10 + 20), "step": 1000}
     assert sum(v for k, v in parts.items() if k != "step") == pytest.approx(parts["step"])
+
+
+def test_the_fused_beam_search_counts_as_the_drafter():
+    st = _script()
+    call = _event("## Call CompiledFxGraph abc ##", 0, 1000)
+    events = [call, _event("trt_redrafter_cpu::linear", 10, 400),  # the lm_head
+              _event("cpp_fused_argmax_1", 420, 10), _event("trt_redrafter_cpu::beam_draft", 440, 300)]
+    parts, _ = st.parts_of_step(events, call)
+    assert round(parts["drafter"] * 1e3, 6) == 300 and parts["topk"] == 0 and parts["after-verify kernels"] > 0

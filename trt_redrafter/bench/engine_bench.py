@@ -286,6 +286,7 @@ def summary_doc(args: argparse.Namespace, ecfg: EngineConfig, engine: Engine, ru
         "compile": engine.compiler.mode,
         "cpp_wrapper": engine.compiler.cpp_wrapper,
         "kernels": engine.kernels, "linear_paths": linear_paths(engine.model, engine.drafter),
+        "drafting": engine.device_drafter.path if engine.device_drafter is not None else None,
         "engine_load_s": load_s, "speculate": str(engine.policy.speculation),
         "cost_model": costs.to_dict(), "speculation_overheads": costs.overheads(),
         "step_scale": dict(zip(("ar", "tree"), engine.policy.step_scale)), "roofline": roofline,
@@ -302,6 +303,8 @@ def print_header(doc: dict, engine: Engine) -> None:
           f"prompt group")
     print("linear layers (base and drafter) by kernel: " +
           ", ".join(f"{n} {path}" for path, n in doc["linear_paths"].items()))
+    if doc.get("drafting"):
+        print(f"the drafter's beam search: {doc['drafting']}")
     costs = CostModel.from_dict(doc["cost_model"])
     if engine.policy.speculation.auto:
         print(f"speculation policy: auto; the step cost model (ms) it decides with, measured at load or cached beside "
