@@ -5,9 +5,10 @@
 // Query row t of request b (head h, KV head h / (nh / nkv)) sees the ctx_len[b] committed positions and the new
 // tokens q with tree_mask[b, t, q] (at positions ctx_len[b] + q). Its output is one fp32 computation in a fixed
 // order: scores in position order, their max, then sum_j exp(s_j - max) v_j and sum_j exp(s_j - max) accumulated in
-// position order (exp: a vectorized polynomial, exp_nonpos), the quotient rounded once to the output dtype. Nothing else enters it: not the number of new
-// tokens T, not the batch, not the threads. So the token an AR step feeds (T = 1) and the same token at the root
-// of a draft tree get the same bits, without the oracle's extra query rows (attention.PAD_QUERY_ROWS).
+// position order (exp: a vectorized polynomial, simd.h exp16), the quotient rounded once to the output dtype. Nothing
+// else enters it: not the number of new tokens T, not the batch, not the threads. So the token an AR step feeds (T = 1)
+// and the same token at the root of a draft tree get the same bits, without the oracle's extra query rows
+// (attention.PAD_QUERY_ROWS).
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
@@ -26,27 +27,7 @@ namespace {
 
 using trt_redrafter_cpu::load16;
 using trt_redrafter_cpu::store16;
-
-// e^x for x <= 0 (scores minus their max), 16 at a time: x = n ln2 + r with |r| <= ln2 / 2 (ln2 in two parts),
-// e^r by its Taylor series to r^7 (error below 1e-8 relative), times 2^n. Below -87.3 the result is 0.
-inline __m512 exp_nonpos(__m512 x) {
-  const __m512 lo = _mm512_set1_ps(-87.3f);
-  const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-  x = _mm512_max_ps(x, lo);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.f / 5040.f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_maskz_mov_ps((__mmask16)~under, _mm512_scalef_ps(p, n));
-}
+using trt_redrafter_cpu::exp16;
 
 // The 16 sums across lanes of d[0..15] as one vector, each added in the grouping of _mm512_reduce_add_ps (lanes
 // i + i+8, then + i+4, + i+2, + i+1; a sum's bits are the same, since a + b == b + a): 45 shuffles and adds for 16
@@ -135,7 +116,7 @@ struct RowGroup {
       for (int64_t j = 0; j < S; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(sr + j));
       const __m512 vmx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
       for (int64_t j = 0; j < S; j += 16)
-        _mm512_storeu_ps(sr + j, exp_nonpos(_mm512_sub_ps(_mm512_loadu_ps(sr + j), vmx)));
+        _mm512_storeu_ps(sr + j, exp16(_mm512_sub_ps(_mm512_loadu_ps(sr + j), vmx)));
     }
     // values: blocks of committed positions (in L1 while RC rows at a time use them), in position order per row
     constexpr int64_t KB = 64;

@@ -12,8 +12,8 @@
 //   state  <- silu(rnn_w e + rnn_u state)            (t = 0 from Apple's zero state: rnn_w e + rnn_u's bias)
 //   x      <- [h ; state], input_proj (optional), then x + silu(W x + b) per residual block
 //   logits <- lm_head x, in fp32; over a draft vocabulary's K columns when the drafter has one
-//   select <- each live beam's top K (K = max(bound, warp)); log-normalizer over the warp's top values (or over the
-//             row); the nb best of the live beams' score + log-prob candidates; the beams, their score history and
+//   select <- each live beam's top K (K = max(bound, warp): Apple's top-50 warp); the log-normalizer over those K
+//             values; the nb best of the live beams' score + log-prob candidates; the beams, their score history and
 //             their states gathered from the parents
 // Each pointwise result is rounded to the drafter's dtype where the eager torch code rounds it (a sum, then the
 // SiLU of the rounded sum), so the drafts are the oracle's up to its exp's last bit.
@@ -34,7 +34,12 @@
 #include <type_traits>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
+
+using trt_redrafter_cpu::exp16;
+using trt_redrafter_cpu::tail_mask;
 
 constexpr float kLogZero = -50000.f;  // decoding/beam_search.py LOG_ZERO
 
@@ -43,45 +48,22 @@ inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
 template <typename T>
 inline T from_float(float v) { return static_cast<T>(v); }  // bfloat16: round to nearest even
 
-// e^x for 16 floats: x = n ln2 + r, |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (relative error < 2e-7),
-// times 2^n by vscalefps; below -87.3 it underflows to 0, above 88.7 it is +inf, as expf
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.8f)), _mm512_set1_ps(-104.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);  // ln2 in two parts: exact n * hi
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
+// silu(v) = v / (1 + e^-v) in place over f [n] (padded to whole vectors); e^-v capped below overflow's +inf
+inline void silu_inplace(float* f, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = tail_mask(n - i);
+    const __m512 v = _mm512_maskz_loadu_ps(m, f + i);
+    const __m512 e = exp16(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), v), _mm512_set1_ps(88.8f)));
+    _mm512_mask_storeu_ps(f + i, m, _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+  }
 }
 
-inline __m512 silu16(__m512 v) {
-  return _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), v))));
-}
-
-inline __mmask16 tail(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
-
-// n values of T as floats, 16 at a time, into f (a scratch of at least n floats rounded up to 16)
-template <typename T>
-inline void widen(const T* x, int64_t n, float* f) {
-  for (int64_t i = 0; i < n; ++i) f[i] = to_float(x[i]);
-}
-
-// y = round(silu(round(a + b))) elementwise (b may be null: y = round(silu(a))); a, b, y [n] of T
+// y = round(silu(round(a + b))) elementwise; a, b, y [n] of T
 template <typename T>
 void add_silu(const T* a, const T* b, int64_t n, T* y, std::vector<float>& f) {
   f.resize((n + 15) / 16 * 16);
-  for (int64_t i = 0; i < n; ++i) f[i] = to_float(from_float<T>(to_float(a[i]) + (b ? to_float(b[i]) : 0.f)));
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = tail(n - i);
-    _mm512_mask_storeu_ps(f.data() + i, m, silu16(_mm512_maskz_loadu_ps(m, f.data() + i)));
-  }
+  for (int64_t i = 0; i < n; ++i) f[i] = to_float(from_float<T>(to_float(a[i]) + to_float(b[i])));
+  silu_inplace(f.data(), n);
   for (int64_t i = 0; i < n; ++i) y[i] = from_float<T>(f[i]);
 }
 
@@ -89,11 +71,8 @@ void add_silu(const T* a, const T* b, int64_t n, T* y, std::vector<float>& f) {
 template <typename T>
 void residual_silu(T* x, const T* y, int64_t n, std::vector<float>& f) {
   f.resize((n + 15) / 16 * 16);
-  widen(y, n, f.data());
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = tail(n - i);
-    _mm512_mask_storeu_ps(f.data() + i, m, silu16(_mm512_maskz_loadu_ps(m, f.data() + i)));
-  }
+  for (int64_t i = 0; i < n; ++i) f[i] = to_float(y[i]);
+  silu_inplace(f.data(), n);
   for (int64_t i = 0; i < n; ++i) x[i] = from_float<T>(to_float(x[i]) + to_float(from_float<T>(f[i])));
 }
 
@@ -138,14 +117,14 @@ std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& h_in, const at::Tensor&
   const TM* ep = emb.data_ptr<TM>();
   const int64_t* tok = tok_in.contiguous().data_ptr<int64_t>();
 
-  const int64_t K = std::min(std::max(B, s.warp), s.V);  // candidates ranked per live beam
-  const int64_t kk = std::min(B, K);                       // of which kept
-  const bool warped = s.warp > 0 && s.warp < s.V;
+  const int64_t K = std::max(B, s.warp);  // candidates ranked per live beam: the warp's top values (warp < V)
+  const int64_t kk = B;                    // of which kept
   const int64_t R = bs * nb;  // rows from depth 1 on
   std::vector<T> e(R * H), a(R * H), state(R * H), next(R * H), x(R * 2 * H), y(R * E), xe(R * E);
   std::vector<T> logit_t(std::is_same_v<T, float> ? 0 : R * s.ldl);
   std::vector<float> logits(R * s.ldl), f, vals(R * K), cand(nb * kk);
-  std::vector<int64_t> idx(R * K), order(nb * kk), parent(R), token(R);
+  std::vector<int64_t> idx(R * K), order(nb * kk), parent(R), token(R), old_beams(nb * (dl + 1));
+  std::vector<float> old_hist(nb * dl);
   at::Tensor beams = at::empty({bs, nb, dl + 1}, tok_in.options());
   at::Tensor hist = at::empty({bs, nb, dl}, h_in.options().dtype(at::kFloat));
   int64_t* bp = beams.data_ptr<int64_t>();
@@ -198,13 +177,8 @@ std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& h_in, const at::Tensor&
         const int64_t r = b * live + i;
         const float* v = vals.data() + r * K;
         const float top = v[0];
-        double sum = 0;  // the log-normalizer of the max-subtracted row: over the warp's K values, or over V
-        if (warped) {
-          for (int64_t j = 0; j < K; ++j) sum += std::exp(v[j] - top);
-        } else {
-          const float* row = logits.data() + r * s.ldl;
-          for (int64_t j = 0; j < s.V; ++j) sum += std::exp(row[j] - top);
-        }
+        double sum = 0;  // the log-normalizer of the max-subtracted row, over the warp's K values
+        for (int64_t j = 0; j < K; ++j) sum += std::exp(v[j] - top);
         const float lse = static_cast<float>(std::log(sum));
         const float base = t == 0 ? 0.f : score[b * nb + i];
         for (int64_t j = 0; j < kk; ++j) cand[i * kk + j] = base + ((v[j] - top) - lse);
@@ -224,8 +198,8 @@ std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& h_in, const at::Tensor&
     }
     // gather the beams, their score histories and states from their parents, then append this depth's
     for (int64_t b = 0; b < bs; ++b) {
-      std::vector<int64_t> old_beams(bp + b * nb * (dl + 1), bp + (b + 1) * nb * (dl + 1));
-      std::vector<float> old_hist(sp + b * nb * dl, sp + (b + 1) * nb * dl);
+      std::copy(bp + b * nb * (dl + 1), bp + (b + 1) * nb * (dl + 1), old_beams.begin());
+      std::copy(sp + b * nb * dl, sp + (b + 1) * nb * dl, old_hist.begin());
       for (int64_t i = 0; i < nb; ++i) {
         const int64_t row = b * nb + i, par = parent[row];
         std::memcpy(bp + row * (dl + 1), old_beams.data() + par * (dl + 1), (t + 1) * sizeof(int64_t));
@@ -306,9 +280,9 @@ std::tuple<at::Tensor, at::Tensor> beam_draft(const at::Tensor& h, const at::Ten
     s.V = std::min(vocab, s.ldl);
     s.ids = nullptr;
   }
-  TORCH_CHECK(s.V >= max_beams && (warp_top_k == 0 || warp_top_k >= max_beams),
-              "beam_draft: the drafter ranks fewer tokens (", s.V, ", warp ", warp_top_k, ") than max_beams ",
-              max_beams, "; use decoding.beam_search");
+  TORCH_CHECK(max_beams <= warp_top_k && warp_top_k < s.V,
+              "beam_draft: Apple's warp keeps its top ", warp_top_k, " of ", s.V, " tokens, which must be at least ",
+              "max_beams (", max_beams, ") and fewer than all; use decoding.beam_search");
   if (s.bs == 0)
     return {at::empty({0, num_beams, draft_len + 1}, true_token.options()),
             at::empty({0, num_beams, draft_len}, h.options().dtype(at::kFloat))};

@@ -32,13 +32,13 @@ namespace {
 
 using trt_redrafter_cpu::load16;
 using trt_redrafter_cpu::store16;
+using trt_redrafter_cpu::tail_mask;
 
 constexpr int64_t kCols = 16;   // output columns per panel: one zmm of fp32
 constexpr int64_t kGroup = 8;   // panels streamed together by one thread
 constexpr int64_t kGrain = 8;   // panels: below 2 * kGrain a call stays on one thread
 constexpr int64_t kRows = 6;    // rows of x per pass over a group's weights (a tree of 1 x 4 drafts has 5)
 
-inline __mmask16 tail_mask(int64_t n) { return n >= kCols ? trt_redrafter_cpu::kAll : (__mmask16)((1u << n) - 1); }
 
 // the tile's outputs: y[m, n0 + 16 p + c] = acc[m][p][c] (+ b), the panels past N left out
 template <int MR, int NP, typename T>

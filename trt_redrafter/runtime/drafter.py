@@ -72,12 +72,12 @@ class FusedSearch:
     tests/test_cpu_draft.py). It applies where the rank holds the whole drafter (TP 1, or a replicated drafter) in
     float32 or bfloat16, with Apple's recurrent state, every layer in the avx512 kernels (float, or int8 / int4
     weights with int8 inputs), and a search whose candidates need no other path: no `apple` acceptance (its
-    log-probabilities over the whole vocabulary), at least `num_beams` tokens to rank."""
+    log-probabilities over the whole vocabulary), and Apple's top-50 warp keeping at least `num_beams` tokens and
+    fewer than the drafter ranks."""
 
-    def __init__(self, drafter: DrafterRank, embedding: torch.Tensor, warp_top_k: Optional[int],
-                 layers: list[Linear]):
+    def __init__(self, drafter: DrafterRank, embedding: torch.Tensor, warp_top_k: int, layers: list[Linear]):
         self.embedding = embedding
-        self.warp = warp_top_k or 0
+        self.warp = warp_top_k
         self.vocab = drafter.vocab_size
         self.ids = drafter.draft_vocab
         self.has_proj = drafter.input_proj is not None
@@ -107,7 +107,7 @@ class FusedSearch:
                 and drafter.dtype in (torch.float32, torch.bfloat16)
                 and embedding.dtype in (torch.float32, torch.bfloat16)
                 and all(_avx512_layer(lin) for lin in layers)
-                and ranked >= num_beams and (warp_top_k is None or num_beams <= warp_top_k < ranked)):
+                and warp_top_k is not None and num_beams <= warp_top_k < ranked):
             return None
         return FusedSearch(drafter, embedding, warp_top_k, layers)
 
