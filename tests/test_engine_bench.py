@@ -96,8 +96,8 @@ def small_engine(tmp_path_factory) -> Path:
 
 def test_bench_engine_end_to_end_on_models_small(small_engine, tmp_path, capsys):
     """The subcommand on a trained small pair: AR and ReDrafter give the same greedy tokens, ReDrafter's drafts are
-    accepted, HF generate (its own process) agrees with AR, a llama.cpp row that cannot run says why, and the last
-    stdout line is the JSON document."""
+    accepted, HF generate (its own process) agrees with AR, a llama.cpp row that cannot run says why, the timed runs
+    take whole steps under --profile-phases, and the last stdout line is the JSON document."""
     prompts = tmp_path / "code.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in (
         "def heappush(heap, item):\n", "class Fraction(numbers.Rational):\n", "import os\n\ndef main(", "for i in")))
@@ -106,9 +106,13 @@ def test_bench_engine_end_to_end_on_models_small(small_engine, tmp_path, capsys)
     assert cli(["bench-engine", "--engine", str(small_engine), "--prompts", str(prompts), "--num-prompts", "4",
                 "--chat-template", "none", "--max-tokens", "24", "--repeats", "2", "--batch-size", "1,2",
                 "--modes", "ar,redrafter", "--compile", "off", "--speculate", "full", "--threads", "1",
-                "--hf-model", str(SMALL / "base"), "--llama-cpp", str(bad_gguf), "--llama-cpp-types", "q8_0"]) == 0
-    out = capsys.readouterr().out
+                "--profile-phases", "--hf-model", str(SMALL / "base"), "--llama-cpp", str(bad_gguf),
+                "--llama-cpp-types", "q8_0"]) == 0
+    captured = capsys.readouterr()
+    out = captured.out
     doc = json.loads(out.strip().splitlines()[-1])
+    # --profile-phases: the phase breakdown from a run of its own, the timed steps whole
+    assert doc["runtime"]["profile_phases"] is False and "its timed runs" in captured.err
     assert [(r["batch_size"], r["mode"]) for r in doc["rows"]] == [(1, "ar"), (1, "redrafter"), (2, "ar"),
                                                                    (2, "redrafter")]
     for r in doc["rows"]:

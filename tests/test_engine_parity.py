@@ -122,6 +122,19 @@ def test_phase_profile_times_every_phase_and_changes_no_token(tiny):
     assert set(times) == set(PHASES) and all(t > 0 for t in times.values())
 
 
+def test_the_cost_model_times_whole_steps_under_profile_phases(tiny):
+    """The step cost model (measured, or probed against its cache) times the steps every run takes, not the phases'
+    separate units: a model measured under --profile-phases is cached beside the engine for runs without it."""
+    engine = load_engine(tiny["engine_dir"], profile_phases=True)
+    engine.timer.reset()
+    model = engine.cost_model()
+    assert model.tree[0][0][0] > 0
+    assert engine.timer.steps == engine.timer.discarded == 0  # no step went through the phase units
+    assert engine.timer.enabled  # ... and the engine's own steps still do
+    res = generate(engine, tiny["prompts"][:1], greedy(MAX_NEW), mode="redrafter")
+    assert res[0].output_ids == tiny["ar"][0] and engine.timer.steps > 0
+
+
 def test_a_profiled_step_during_which_a_unit_compiled_is_not_counted():
     """The phase profile's units compile on the first step of each new shape (a width first seen): that step's time is
     the compiler's. `_builds` sees the compile, and the timer drops the step."""

@@ -365,10 +365,15 @@ def run(args: argparse.Namespace) -> int:
     """The benchmark on this rank (the command relaunched it under mpirun for TP > 1): rank 0 measures and prints,
     the others follow its step plans."""
     runtime = RuntimeConfig.from_sources(None, args)
+    split = runtime.profile_phases  # the timed runs take whole steps; `phase_profile` splits its own run's phases
+    runtime = runtime.replace(profile_phases=False)
     ecfg = load_engine_config(args.engine)
     modes, batches = resolve_modes(args.modes, ecfg), [int(b) for b in args.batch_size.split(",")]
     kinds = llama_cpp_kinds(args.llama_cpp_types) if args.llama_cpp else []
     dist = init_dist(ecfg.tp_size, runtime.device)
+    if split and dist.is_driver:
+        print("--profile-phases: bench-engine prints the phase breakdown anyway, from a run of its own; its timed runs "
+              "and the cost model take whole steps", file=sys.stderr)
     try:
         t0 = time.perf_counter()
         engine = Engine.load(args.engine, dist, runtime)

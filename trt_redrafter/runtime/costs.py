@@ -33,7 +33,7 @@ from .state import put_rows
 logger = get_logger(__name__)
 
 COST_MODEL_FILE = "cost_model.json"
-COST_MODEL_VERSION = 2  # 2: width-1 steps by beam count (`beams`, `draft`)
+COST_MODEL_VERSION = 3  # 2: width-1 steps by beam count (`beams`, `draft`); 3: whole steps under --profile-phases
 COST_CONTEXTS = (32, 1024)  # context lengths the cost model is measured at (the longer one capped by max_seq_len)
 COST_REPEATS = (3, 9)  # timed calls per measured point (after one untimed): fewest, and most for the fastest ones
 COST_POINT_S = 0.25  # ... so that each point takes about this long
@@ -260,6 +260,12 @@ def load_or_measure(launcher: StepLauncher, dist, engine_dir: Optional[Path], ke
     machine and these settings and the machine does not now run its steps much faster (a model measured while the
     machine was busy: `CostModel.outpaced_by`), else measured now (every rank takes part: the steps are collective)
     and saved."""
+    with launcher.timer.paused():  # fused steps, as every run takes them, with or without --profile-phases
+        return _load_or_measure(launcher, dist, engine_dir, key, free, max_seq_len, draft)
+
+
+def _load_or_measure(launcher: StepLauncher, dist, engine_dir: Optional[Path], key: dict, free: list[int],
+                     max_seq_len: int, draft: bool) -> CostModel:
     paths = cost_cache_paths(engine_dir)
     model = load_cost_model(paths, key) if dist.is_driver else None
     if dist.broadcast_object(model is not None):
@@ -334,8 +340,9 @@ def measure(launcher: StepLauncher, dist, free_slots: list[int], max_seq_len: in
         slots = free[:bs]
         calls = [lambda: launcher.ar(slots, ctx + 1, AcceptanceRule.GREEDY)]
 
-        def probe(call) -> float:  # the second of two calls (the first may still build things)
-            return [once(call, slots, ctx) for _ in range(2)][1]
+        def probe(call) -> float:  # the faster of two calls after an untimed one (which may still build things):
+            once(call, slots, ctx)  # one call alone may fall on a stall, and a width cut wrongly is extrapolated
+            return min(once(call, slots, ctx) for _ in range(2))
 
         # widths in order, probed, until one could not pay even if all its nodes were accepted; the rounds below time
         # the AR step and the widths up to that one

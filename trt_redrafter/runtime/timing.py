@@ -39,6 +39,17 @@ class PhaseTimer:
         self._sync()
         self._step[name] += time.perf_counter() - t0
 
+    @contextlib.contextmanager
+    def paused(self):
+        """Steps run fused and untimed within: what the step cost model measures is the step every run takes, not
+        the phases' separate units (which a model cached beside the engine would then carry into runs without
+        them)."""
+        enabled, self.enabled = self.enabled, False
+        try:
+            yield
+        finally:
+            self.enabled = enabled
+
     def discard_step(self) -> None:
         self._discard = True
 
