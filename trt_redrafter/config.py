@@ -608,7 +608,8 @@ class RuntimeConfig(ConfigBase):
                      choices=LINEAR_CHOICES)
     threads: int = option(0, help="torch CPU threads in this process (0: torch's default)")
     profile_phases: bool = option(False, help="time each phase of every step (verify/accept/rewind/draft/pack); the "
-                                          "phases then run as separate graphs, so steps are a little slower")
+                                          "phases then run as separate graphs, so steps are a little slower (the "
+                                          "speculation policy's cost model still times whole steps)")
     speculate: str = option("auto", help="how much of each draft tree a step verifies: auto (the speculation policy: the "
                                      "nodes whose expected acceptance, from the proposer's own confidence calibrated "
                                      "on this engine's outcomes, pays for what they add to the step, by a cost model "
