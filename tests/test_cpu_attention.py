@@ -7,6 +7,8 @@ AR with it == AR with the PyTorch attention.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -148,6 +150,23 @@ def test_a_build_lock_left_by_a_killed_build_is_cleared():
     open(stale, "w").close()
     with cpu._exclusive(build_dir):
         assert not os.path.exists(stale)
+
+
+def test_every_process_builds_with_the_declared_ninja(tmp_path):
+    """Loading the kernels runs the `ninja` package's binary whatever ninja PATH finds first: two ninja versions hash
+    the build's commands differently, so processes with different PATHs (a server's rank 0 and its mpirun ranks)
+    rebuilt the kernels in turn, ~20 s each. Here PATH's ninja is one that records its call and fails."""
+    _need(torch.float32)
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "ninja").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'called'}\nexit 1\n")
+    (fake / "ninja").chmod(0o755)
+    env = dict(os.environ, PATH=f"{fake}{os.pathsep}{os.environ['PATH']}")
+    code = "import trt_redrafter.cpu as c; c.ops(); import shutil; print(shutil.which('ninja'))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == str(fake / "ninja")  # PATH is the caller's again after the load
+    assert not (tmp_path / "called").exists(), (tmp_path / "called").read_text()
 
 
 # ---- engines ---------------------------------------------------------------------------------------------------

@@ -77,7 +77,7 @@ def ops():
     if not os.path.exists(os.path.join(build_dir, "trt_redrafter_cpu.so")):
         logger.info("building the AVX-512 CPU kernels (trt_redrafter/cpu) in %s: once, ~30 s", build_dir)
     try:
-        with _quiet("torch.utils.cpp_extension"), _exclusive(build_dir):
+        with _quiet("torch.utils.cpp_extension"), _exclusive(build_dir), _declared_ninja():
             cpp_extension.load(name="trt_redrafter_cpu", sources=_SOURCES, is_python_module=False,
                                extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"], build_directory=build_dir,
                                verbose=False)
@@ -126,6 +126,28 @@ def _exclusive(build_dir: str):
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def _declared_ninja():
+    """torch runs `ninja` from PATH, and ninja versions hash a build's commands differently (1.13 and 1.11 do): where a
+    machine has two (the `ninja` package this project declares, and a system one), processes with different PATHs
+    (a server's rank 0 in Triton's stub, its follower ranks under mpirun, a user's shell) each found the other's
+    objects stale and built the kernels again, ~20 s each time, and a rank killed mid-build left the lock file
+    `_exclusive` clears. So every load runs the declared package's ninja, the same binary in every process."""
+    try:
+        import ninja
+
+        bin_dir = ninja.BIN_DIR
+    except (ImportError, AttributeError):  # no package: PATH's ninja, as torch would
+        yield
+        return
+    path = os.environ.get("PATH", "")
+    os.environ["PATH"] = bin_dir + os.pathsep + path
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = path
 
 
 @contextlib.contextmanager
