@@ -2,7 +2,7 @@
 # Perf smoke (CI, after the unit tests): the small trained pair (models/small) -> TP1 and TP2 torch engines ->
 # `trt-redrafter bench` (AR vs ReDrafter on the same engines, one QPS point, a handful of MT-Bench requests,
 # 5 repeats), `trt-redrafter bench-engine` on the TP1 engine (its step cost model: the fixed cost of speculating) ->
-# `trt-redrafter gate` against the committed ci/baseline.json. About 4 minutes on 2 CPU cores.
+# `trt-redrafter gate` against the committed ci/baseline.json. About 3.5 minutes on 2 CPU cores.
 #
 #   ci/smoke.sh                     # gate; exit 1 on a regression, 2 on bad input
 #   ci/smoke.sh --update-baseline   # measure and write ci/baseline.json (commit it; see ci/README.md)
