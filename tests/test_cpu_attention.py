@@ -152,18 +152,25 @@ def test_a_build_lock_left_by_a_killed_build_is_cleared():
         assert not os.path.exists(stale)
 
 
-def test_every_process_builds_with_the_declared_ninja(tmp_path):
+@pytest.mark.parametrize("where", ["environment", "venv"])
+def test_every_process_builds_with_the_declared_ninja(tmp_path, where):
     """Loading the kernels runs the `ninja` package's binary whatever ninja PATH finds first: two ninja versions hash
     the build's commands differently, so processes with different PATHs (a server's rank 0 and its mpirun ranks)
-    rebuilt the kernels in turn, ~20 s each. Here PATH's ninja is one that records its call and fails."""
+    rebuilt the kernels in turn, ~20 s each. Here PATH's ninja is one that records its call and fails. Also from a
+    virtualenv that sees this environment's packages (ci/transformers4.sh's), where the package's BIN_DIR is empty."""
     _need(torch.float32)
+    python = sys.executable
+    if where == "venv":
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(tmp_path / "venv")],
+                       check=True)
+        python = str(tmp_path / "venv" / "bin" / "python")
     fake = tmp_path / "bin"
     fake.mkdir()
     (fake / "ninja").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'called'}\nexit 1\n")
     (fake / "ninja").chmod(0o755)
     env = dict(os.environ, PATH=f"{fake}{os.pathsep}{os.environ['PATH']}")
     code = "import trt_redrafter.cpu as c; c.ops(); import shutil; print(shutil.which('ninja'))"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240)
+    out = subprocess.run([python, "-c", code], env=env, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == str(fake / "ninja")  # PATH is the caller's again after the load
     assert not (tmp_path / "called").exists(), (tmp_path / "called").read_text()

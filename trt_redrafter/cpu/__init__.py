@@ -31,6 +31,7 @@ import hashlib
 import logging
 import os
 import sys
+import sysconfig
 from typing import Optional
 
 import torch
@@ -135,11 +136,8 @@ def _declared_ninja():
     (a server's rank 0 in Triton's stub, its follower ranks under mpirun, a user's shell) each found the other's
     objects stale and built the kernels again, ~20 s each time, and a rank killed mid-build left the lock file
     `_exclusive` clears. So every load runs the declared package's ninja, the same binary in every process."""
-    try:
-        import ninja
-
-        bin_dir = ninja.BIN_DIR
-    except (ImportError, AttributeError):  # no package: PATH's ninja, as torch would
+    bin_dir = _declared_ninja_dir()
+    if bin_dir is None:  # no package binary: PATH's ninja, as torch would
         yield
         return
     path = os.environ.get("PATH", "")
@@ -148,6 +146,19 @@ def _declared_ninja():
         yield
     finally:
         os.environ["PATH"] = path
+
+
+def _declared_ninja_dir() -> Optional[str]:
+    """The directory of the `ninja` package's binary: its BIN_DIR (this environment's scripts), else, in a virtualenv
+    that sees its base's packages (ci/transformers4.sh's), the base's scripts, where that package put it."""
+    try:
+        import ninja
+
+        dirs = [ninja.BIN_DIR]
+    except (ImportError, AttributeError):
+        return None
+    dirs.append(sysconfig.get_path("scripts", vars={"base": sys.base_prefix, "platbase": sys.base_prefix}))
+    return next((d for d in dirs if d and os.access(os.path.join(d, "ninja"), os.X_OK)), None)
 
 
 @contextlib.contextmanager
