@@ -144,3 +144,30 @@ def test_compiled_every_beam_count_runs_the_one_tree_graph(tiny, compiled):
         torch.compiler.set_stance("default")
         del launcher.tree
         policy.beam_options = options
+
+
+def test_the_torch_attention_traces_at_an_unbacked_tree_width():
+    """Where the CPU has no AVX-512, the compiled tree step runs `torch_tree_attention`, at a tree width that is an
+    unbacked size (`Compiler.mark_width`: one graph for every width, 1 included). It traces so (dynamo's fake
+    tensors; no C++ compiled here) and gives the eager rows at widths 5 and 1."""
+    from trt_redrafter.model.attention import AttentionMeta, torch_tree_attention
+
+    g = torch.Generator().manual_seed(0)
+    block, nblk, nh, nkv, D, most = 16, 3, 4, 2, 16, 7
+    kc, vc = (torch.randn(2 * nblk * block, nkv, D, generator=g) for _ in range(2))
+    table, ctx = torch.randperm(2 * nblk, generator=g)[:nblk][None], torch.tensor([20])
+    q_all = torch.randn(1, most, nh, D, generator=g)
+    tree_all = (torch.rand(1, most, most, generator=g) < 0.5).tril() | torch.eye(most, dtype=torch.bool)[None]
+
+    def attend(width: torch.Tensor) -> torch.Tensor:  # as the step cuts its stored tree (Step.verify_tree)
+        q, tree = q_all.index_select(1, width), tree_all.index_select(1, width).index_select(2, width)
+        pos = ctx[:, None] + torch.arange(width.shape[0])
+        meta = AttentionMeta(positions=pos, write_slots=pos, block_table=table, ctx_len=ctx, tree_mask=tree,
+                             block_size=block).for_torch()
+        return torch_tree_attention(q, kc, vc, meta, D ** -0.5)
+
+    compiled = torch.compile(attend, backend="eager", fullgraph=True)
+    for T in (5, 1):
+        width = torch.arange(T)
+        torch._dynamo.decorators.mark_unbacked(width, 0)
+        assert torch.equal(compiled(width), attend(width)), T

@@ -82,6 +82,9 @@ def torch_tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     flat = meta.kv_slots.reshape(bs * S)
     keys = k_cache.index_select(0, flat).view(bs, S, nkv, -1).transpose(1, 2)  # [bs, nkv, S, D]
     vals = v_cache.index_select(0, flat).view(bs, S, nkv, -1).transpose(1, 2)
+    # T >= 1 always; said so for a compiled tree step, whose width is an unbacked size (runtime/graphs.py
+    # `mark_width`): without it the copies' source slice [:1] has the size min(1, T) and will not expand
+    torch._check(T >= 1)
     qt = q.transpose(1, 2)  # [bs, nh, T, D]
     qt = torch.cat([qt, qt[:, :, :1].expand(-1, -1, PAD_QUERY_ROWS, -1)], dim=2)  # [bs, nh, T + pad, D]
     visible = torch.cat([meta.visible, meta.visible[:, :, :1].expand(-1, -1, PAD_QUERY_ROWS, -1)], dim=2)
