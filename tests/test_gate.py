@@ -166,10 +166,43 @@ def test_cli_engine_results_and_update_baseline_keep_the_overheads(tmp_path, cap
     eng.write_text(json.dumps({"speculation_overheads": overheads()}))
     assert cli(["gate", "--baseline", str(base), "--results", str(res), "--engine-results", str(eng),
                 "--update-baseline"]) == 0
-    assert json.loads(base.read_text())["speculation_overheads"] == overheads()
+    assert json.loads(base.read_text())["speculation_overheads_by_kernels"] == {"*": overheads()}
     eng.write_text(json.dumps({"speculation_overheads": overheads(1.7)}))
     assert cli(["gate", "--baseline", str(base), "--results", str(res), "--engine-results", str(eng)]) == 1
     assert "FAIL  fixed_cost" in capsys.readouterr().out
     assert cli(["gate", "--baseline", str(base), "--results", str(res)]) == 2  # gated, but no engine document
     eng.write_text(json.dumps({"rows": []}))
     assert cli(["gate", "--baseline", str(base), "--results", str(res), "--engine-results", str(eng)]) == 2
+
+
+def test_fixed_cost_is_held_to_the_baseline_of_the_engines_own_kernels():
+    """A CPU without AVX-512 runs torch's ops, whose fixed cost is its own: each kernel set has its baseline, and an
+    engine whose kernel set the baseline lacks is not gated (a note), never held to another set's."""
+    base = {**make_doc(), "speculation_overheads_by_kernels": {"cpu": overheads(1.3), "torch": overheads(1.8)}}
+    ok_torch = evaluate(base, make_doc(), GateConfig(), {"kernels": "torch", "speculation_overheads": overheads(1.9)})
+    assert ok_torch.passed and [c.point for c in ok_torch.checks if c.rule == "fixed_cost"] == \
+        ["context 32 batch 1 (torch kernels)"]
+    bad_torch = evaluate(base, make_doc(), GateConfig(), {"kernels": "torch", "speculation_overheads": overheads(2.4)})
+    assert not bad_torch.passed and lines_for(bad_torch, "fixed_cost", "FAIL")
+    bad_cpu = evaluate(base, make_doc(), GateConfig(), {"kernels": "cpu", "speculation_overheads": overheads(1.8)})
+    assert not bad_cpu.passed and "+38.5%" in lines_for(bad_cpu, "fixed_cost", "FAIL")[0]
+    only_cpu = {**make_doc(), "speculation_overheads_by_kernels": {"cpu": overheads(1.3)}}
+    rep = evaluate(only_cpu, make_doc(), GateConfig(), {"kernels": "torch", "speculation_overheads": overheads(1.8)})
+    assert rep.passed and not [c for c in rep.checks if c.rule == "fixed_cost"]
+    assert "with this engine's kernels ('torch'; it has 'cpu')" in rep.text()
+
+
+def test_update_baseline_keeps_the_other_kernel_sets_overheads(tmp_path):
+    base, res, eng = tmp_path / "base.json", tmp_path / "res.json", tmp_path / "engine.json"
+    base.write_text(json.dumps({**make_doc(), "speculation_overheads_by_kernels": {"cpu": overheads(1.3)}}))
+    res.write_text(json.dumps(make_doc()))
+    eng.write_text(json.dumps({"kernels": "torch", "speculation_overheads": overheads(1.8)}))
+    assert cli(["gate", "--baseline", str(base), "--results", str(res), "--engine-results", str(eng),
+                "--update-baseline"]) == 0
+    assert json.loads(base.read_text())["speculation_overheads_by_kernels"] == {"cpu": overheads(1.3),
+                                                                               "torch": overheads(1.8)}
+    eng.write_text(json.dumps({"kernels": "cpu", "speculation_overheads": overheads(1.2)}))
+    assert cli(["gate", "--baseline", str(base), "--results", str(res), "--engine-results", str(eng),
+                "--update-baseline"]) == 0  # the cpu set's refreshed, the torch set's kept
+    assert json.loads(base.read_text())["speculation_overheads_by_kernels"] == {"cpu": overheads(1.2),
+                                                                               "torch": overheads(1.8)}

@@ -11,7 +11,8 @@ absolute is gated. Per (TP, QPS) point:
                      engine-config regression shows up here whatever the timing noise.
     errors           failed requests (all modes, all repeats) at most `max_errors` (0).
 And, where the baseline has the engine's speculation overheads (`bench-engine`'s `speculation_overheads`, kept by
-`gate --update-baseline --engine-results`), once per engine document:
+`gate --update-baseline --engine-results` per kernel set, `bench-engine`'s `kernels`: a CPU without AVX-512 runs
+torch's ops, whose fixed cost is its own), once per engine document:
     fixed_cost       the width-1 tree step over the AR step in the engine's step cost model (what speculating costs
                      before a single draft is verified), at the shortest measured context and batch 1 (the larger
                      batches' ratio swung by a quarter between runs here): at most `fixed_cost_margin` (relative)
@@ -124,9 +125,28 @@ def gated_overheads(overheads: list[dict]) -> list[dict]:
     return [o for o in overheads if o["context"] == ctx and o["batch"] == 1]
 
 
+def baseline_overheads(baseline: dict) -> dict[str, list[dict]]:
+    """The baseline's speculation overheads per kernel set they were measured with (`bench-engine`'s `kernels`:
+    "cpu", "torch", "triton"). A baseline from before they were kept per kernel set has one list, for any: key "*"."""
+    by = baseline.get("speculation_overheads_by_kernels")
+    if by:
+        return dict(by)
+    old = baseline.get("speculation_overheads")
+    return {"*": old} if old else {}
+
+
+def with_overheads(baseline: Optional[dict], new: dict, engine_doc: dict) -> dict:
+    """`new` (a baseline being written) with `engine_doc`'s speculation overheads under its kernel set, beside the
+    other kernel sets' from the old `baseline` (other machines: each keeps its own)."""
+    kept = {k: v for k, v in (baseline_overheads(baseline) if baseline else {}).items() if k != "*"}
+    kept[engine_doc.get("kernels") or "*"] = engine_doc["speculation_overheads"]
+    new.pop("speculation_overheads", None)
+    return {**new, "speculation_overheads_by_kernels": dict(sorted(kept.items()))}
+
+
 def _fixed_cost_checks(baseline: dict, engine_doc: Optional[dict], cfg: GateConfig, rep: GateReport) -> None:
-    base_rows = gated_overheads(baseline.get("speculation_overheads") or [])
-    if not base_rows:
+    by_kernels = baseline_overheads(baseline)
+    if not by_kernels:
         if engine_doc is not None:
             rep.notes.append("the baseline has no speculation overheads: the fixed cost is not gated (refresh it with "
                              "--update-baseline --engine-results)")
@@ -134,9 +154,18 @@ def _fixed_cost_checks(baseline: dict, engine_doc: Optional[dict], cfg: GateConf
     if engine_doc is None:
         raise UserError("the baseline gates the fixed cost of speculating: pass the engine benchmark's document with "
                         "--engine-results (ci/smoke.sh writes it with trt-redrafter bench-engine).")
+    kernels = engine_doc.get("kernels")
+    # a step's fixed cost is a property of the kernels that run it (this project's AVX-512 kernels, or torch's ops
+    # where the CPU has no AVX-512): a machine is held to the baseline of its own kernel set
+    base_rows = gated_overheads(by_kernels.get(kernels) or by_kernels.get("*") or [])
+    if not base_rows:
+        rep.notes.append(f"the baseline has no speculation overheads measured with this engine's kernels "
+                         f"({kernels!r}; it has {', '.join(map(repr, sorted(by_kernels)))}): the fixed cost is not "
+                         f"gated here (add them with --update-baseline --engine-results on such a machine)")
+        return
     got = {(o["context"], o["batch"]): o for o in engine_doc.get("speculation_overheads") or []}
     for b in base_rows:
-        label = f"context {b['context']} batch {b['batch']}"
+        label = f"context {b['context']} batch {b['batch']}" + (f" ({kernels} kernels)" if kernels else "")
         ceiling = b["fixed"] * (1 + cfg.fixed_cost_margin)
         r = got.get((b["context"], b["batch"]))
         if r is None:

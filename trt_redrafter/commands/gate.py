@@ -28,7 +28,7 @@ def register(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from ..bench.gate import evaluate, load_gate_config
+    from ..bench.gate import evaluate, load_gate_config, with_overheads
     from ..bench.report import baseline_of, load_document
     from ..errors import UserError
     from ..fsutil import read_json, write_json
@@ -40,14 +40,15 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--engine-results: {args.engine_results} has no speculation_overheads; pass the last stdout "
                         f"line of `trt-redrafter bench-engine`.")
     if args.update_baseline:
-        if Path(args.baseline).exists():
+        old = load_document(args.baseline, "--baseline") if Path(args.baseline).exists() else None
+        if old is not None:
             try:
-                print(evaluate(load_document(args.baseline, "--baseline"), results, cfg, engine_doc).text())
+                print(evaluate(old, results, cfg, engine_doc).text())
             except UserError as e:
                 print(f"note: the old baseline is not comparable ({e})")
         new = baseline_of(results)
-        if engine_doc is not None:
-            new["speculation_overheads"] = engine_doc["speculation_overheads"]
+        if engine_doc is not None:  # beside the old baseline's overheads of other kernel sets
+            new = with_overheads(old, new, engine_doc)
         write_json(args.baseline, new, indent=1)
         print(f"baseline {args.baseline} updated from {args.results}"
               + (f" and {args.engine_results}" if engine_doc is not None else ""))
