@@ -40,9 +40,10 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--engine-results: {args.engine_results} has no speculation_overheads; pass the last stdout "
                         f"line of `trt-redrafter bench-engine`.")
     if args.update_baseline:
-        old = load_document(args.baseline, "--baseline") if Path(args.baseline).exists() else None
-        if old is not None:
+        old = None
+        if Path(args.baseline).exists():
             try:
+                old = load_document(args.baseline, "--baseline")
                 print(evaluate(old, results, cfg, engine_doc).text())
             except UserError as e:
                 print(f"note: the old baseline is not comparable ({e})")
