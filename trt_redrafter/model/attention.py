@@ -87,7 +87,10 @@ def torch_tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     torch._check(T >= 1)
     qt = q.transpose(1, 2)  # [bs, nh, T, D]
     qt = torch.cat([qt, qt[:, :, :1].expand(-1, -1, PAD_QUERY_ROWS, -1)], dim=2)  # [bs, nh, T + pad, D]
-    visible = torch.cat([meta.visible, meta.visible[:, :, :1].expand(-1, -1, PAD_QUERY_ROWS, -1)], dim=2)
+    # the mask has T rows; expanded to q's T, which compiled TP steps need: split at the ranks' collectives, a graph
+    # piece can receive the two as separate inputs, the mask's rows specialized at 1 and q's symbolic
+    visible = meta.visible.expand(-1, -1, T, -1)
+    visible = torch.cat([visible, visible[:, :, :1].expand(-1, -1, PAD_QUERY_ROWS, -1)], dim=2)
     out = F.scaled_dot_product_attention(qt, keys, vals, attn_mask=visible, scale=scale,
                                          enable_gqa=nh != nkv)  # [bs, nh, T + pad, D]
     return out[:, :, :T].transpose(1, 2)
