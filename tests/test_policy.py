@@ -572,8 +572,11 @@ def test_every_tree_width_gives_ar_tokens_compiled(tiny):
     check_every_width(engine, tiny, sampled=False)
 
 
-def test_the_policy_gives_ar_tokens_and_measures_its_costs_once(tiny):
+def test_the_policy_gives_ar_tokens_and_measures_its_costs_once(tiny, monkeypatch):
     engine = load_engine(tiny["engine_dir"], speculate="auto")
+    # the cache alone: a cached model is never stale here (a tiny engine's sub-millisecond steps ran 30% faster at the
+    # second load now and then in the full suite, and were measured again, as they should; the next test covers that)
+    monkeypatch.setattr(costs, "STALE_RATIO", 0.0)
     cached = tiny["engine_dir"] / costs.COST_MODEL_FILE
     assert cached.is_file()
     model = engine.policy.costs
