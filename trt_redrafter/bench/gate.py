@@ -140,7 +140,6 @@ def with_overheads(baseline: Optional[dict], new: dict, engine_doc: dict) -> dic
     other kernel sets' from the old `baseline` (other machines: each keeps its own)."""
     kept = {k: v for k, v in (baseline_overheads(baseline) if baseline else {}).items() if k != "*"}
     kept[engine_doc.get("kernels") or "*"] = engine_doc["speculation_overheads"]
-    new.pop("speculation_overheads", None)
     return {**new, "speculation_overheads_by_kernels": dict(sorted(kept.items()))}
 
 
