@@ -1,5 +1,6 @@
 """CUDA: the torch backend gives the same greedy tokens on the GPU as on the CPU and as HF `generate`, eager and
-under CUDA graphs; sampled ReDrafter equals sampled AR for the same seed; the Triton kernels agree with their
+under CUDA graphs; sampled ReDrafter equals sampled AR for the same seed; prefix reuse, chunked prefill,
+log-probabilities and every `--draft-beams` count keep the tokens on the GPU; the Triton kernels agree with their
 PyTorch oracles at realistic shapes (tests/test_plugins.py runs them on CPU under the interpreter)."""
 
 from __future__ import annotations
@@ -163,3 +164,112 @@ def test_cuda_qwen_greedy_redrafter_equals_ar_equals_hf(tmp_path_factory, family
     ng = generate(engine, repeated, greedy(24), "redrafter", proposer="ngram")
     assert ar == hf and [r.output_ids for r in rd] == hf and [r.output_ids for r in ng] == hf
     assert sum(r.draft_tokens for r in rd) > 0 and sum(r.accepted_draft_tokens for r in ng) > 0
+
+
+# ---- what an application needs, on the GPU: prefix reuse, chunked prefill, log-probabilities, fewer beams ----------
+
+CHAT_VOCAB, CHAT_BLOCK = 512, 16
+SYSTEM = random_prompts(CHAT_VOCAB, [37], seed=9)[0]  # a shared "system prompt": two full KV blocks and change
+USERS = random_prompts(CHAT_VOCAB, [5, 9, 16, 3], seed=2)
+
+
+@pytest.fixture(scope="module")
+def chat(tmp_path_factory):
+    base, engines = build_tiny_engines(tmp_path_factory.mktemp("gpu-chat"), seed=5, num_beams=4, draft_len=3,
+                                       vocab_size=CHAT_VOCAB, max_seq_len=320, kv_block_size=CHAT_BLOCK,
+                                       max_batch_size=4)
+    return base, engines[1]
+
+
+def _oracle(engine_dir, prompts, outputs, corrupt_every=2):
+    """Host trees that draft each prompt's known AR continuation (every other tree wrong at some depth)."""
+    from trt_redrafter.bench.oracle import ContinuationOracle
+    from trt_redrafter.checkpoint.engine_config import load_engine_config
+    ecfg = load_engine_config(engine_dir)
+    return ContinuationOracle(ecfg.tree.num_beams, ecfg.tree.draft_len_per_beam, ecfg.checkpoint.model.vocab_size,
+                              {tuple(p): o for p, o in zip(prompts, outputs)}, key="prompt",
+                              corrupt_every=corrupt_every)
+
+
+def check_reuse_and_chunks_keep_the_tokens(engine_dir, device: str, compile: str) -> None:
+    """A conversation over one system prompt (one request, then three together, then a second turn over the first
+    answer) with prefix reuse on and prompts prefilled in chunks of 32 tokens gives what a cold CPU engine gives
+    without either: AR, ReDrafter with its own drafter, and ReDrafter drafting the known continuation (drafts
+    accepted); later requests prefill over the cached system prompt."""
+    cold = load_engine(engine_dir, kv_cache_reuse=False, enable_chunked_context=False)
+    first_turn = [SYSTEM + u for u in USERS]
+    want = [r.output_ids for r in generate(cold, first_turn, greedy(24), "ar")]
+    second = SYSTEM + USERS[0] + want[0][:18] + [7, 8, 9]
+    want.append(generate(cold, [second], greedy(24), "ar")[0].output_ids)
+    prompts = first_turn + [second]
+    for mode, proposer in (("ar", None), ("redrafter", None), ("redrafter", _oracle(engine_dir, prompts, want))):
+        engine = load_engine(engine_dir, proposer, device=device, compile=compile, max_num_tokens=32)
+        chunks, orig = [], engine.steps.prefill_chunk
+
+        def spy(slots, ids, lengths, *a, **kw):
+            chunks.extend(lengths.tolist())
+            return orig(slots, ids, lengths, *a, **kw)
+
+        engine.steps.prefill_chunk = spy
+        res = (generate(engine, prompts[:1], greedy(24), mode) + generate(engine, prompts[1:4], greedy(24), mode)
+               + generate(engine, prompts[4:], greedy(24), mode))
+        assert [r.output_ids for r in res] == want, (mode, proposer)
+        assert [r.cached_tokens for r in res] == [0] + [2 * CHAT_BLOCK] * 3 + [3 * CHAT_BLOCK]
+        assert chunks and max(chunks) <= 32  # the system prompt's first turn was prefilled in chunks
+        assert engine.cache.used_blocks == 0
+        if mode == "redrafter":
+            assert sum(r.draft_tokens for r in res) > 0
+            if proposer is not None:
+                assert sum(r.accepted_draft_tokens for r in res) > 0
+
+
+@pytest.mark.parametrize("compile", ["off", "cudagraphs"])
+def test_cuda_prefix_reuse_and_chunked_prefill_keep_the_cpu_tokens(chat, compile):
+    check_reuse_and_chunks_keep_the_tokens(chat[1], "cuda", compile)
+
+
+def check_logprobs(base, engine_dir, device: str, compile: str) -> None:
+    """Greedy log-probabilities (each token's and the top 3) equal HF's log_softmax on the CPU, and ReDrafter, with
+    drafts accepted, reports what AR reports."""
+    from engine_utils import _hf_model
+    params = SamplingConfig(max_tokens=16, logprobs=True, top_logprobs=3)
+    prompts = [SYSTEM + u for u in USERS[:3]]
+    engine = load_engine(engine_dir, device=device, compile=compile)
+    ar = generate(engine, prompts, params, "ar")
+    rd = generate(load_engine(engine_dir, _oracle(engine_dir, prompts, [r.output_ids for r in ar]), device=device,
+                              compile=compile), prompts, params, "redrafter")
+    assert sum(r.accepted_draft_tokens for r in rd) > 0
+    for p, a, r in zip(prompts, ar, rd):
+        assert r.output_ids == a.output_ids
+        with torch.no_grad():
+            logits = _hf_model(str(base))(torch.tensor([p + a.output_ids])).logits.float()
+        ref = torch.log_softmax(logits, dim=-1)[0, len(p) - 1:-1]
+        best = ref.topk(3, dim=-1)
+        for got in (a, r):
+            assert len(got.logprobs) == len(got.output_ids)
+            torch.testing.assert_close(torch.tensor([t.logprob for t in got.logprobs]),
+                                       ref.gather(-1, torch.tensor(got.output_ids)[:, None])[:, 0], atol=1e-3, rtol=0)
+            assert [[i for i, _ in t.top] for t in got.logprobs] == best.indices.tolist()
+            torch.testing.assert_close(torch.tensor([[x for _, x in t.top] for t in got.logprobs]), best.values,
+                                       atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("compile", ["off", "cudagraphs"])
+def test_cuda_logprobs_equal_hf_and_redrafter_reports_what_ar_reports(chat, compile):
+    check_logprobs(chat[0], chat[1], "cuda", compile)
+
+
+def check_every_beam_count(engine_dir, prompts, want, device: str) -> None:
+    """`--draft-beams N` at every count an eager engine can draft (1, 2, 4, 6 of 6): greedy ReDrafter gives AR's
+    tokens, with its own drafter's drafts made."""
+    options = load_engine(engine_dir, device=device).launcher.beam_options
+    assert options == [1, 2, 4, 6]
+    for k in options:
+        res = generate(load_engine(engine_dir, device=device, draft_beams=str(k)), prompts, greedy(24), "redrafter")
+        assert [r.output_ids for r in res] == want, k
+        assert sum(r.draft_tokens for r in res) > 0
+
+
+def test_cuda_eager_draft_beams_give_ar_tokens_at_every_count(tiny):
+    _, engine_dir, prompts, cpu_ar = tiny
+    check_every_beam_count(engine_dir, prompts, cpu_ar, "cuda")
