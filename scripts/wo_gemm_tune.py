@@ -12,6 +12,9 @@ time over the best time for that case); the JSON (--output) holds every timing.
     python3 scripts/wo_gemm_tune.py --output out/wo-tune.json
     python3 scripts/wo_gemm_tune.py --shapes tiny --rows 1,5 --budget-s 60   # a dry run (TRITON_INTERPRET=1 on a CPU)
 
+`--row-tiles 1,2,4` instead times the committed tiles with each count of row tiles per program (`row_tiles_for`
+chooses by M) at every shape and M, beside cuBLAS and the floor.
+
 `--apply` writes the best tiles into the module's table in this process (for a benchmark run right after:
 `python3 -c 'import runpy, sys; ...'`); the committed table is edited by hand from the printed result.
 """
@@ -83,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds of candidates in all, shared evenly by the kinds")
     ap.add_argument("--rep-ms", type=float, default=15)
     ap.add_argument("--apply", action="store_true", help="set weight_only.TILES to the best tiles in this process")
+    ap.add_argument("--row-tiles", default="", help="e.g. 1,2,4: time the committed tiles with each count of row "
+                    "tiles per program instead of searching tiles")
     ap.add_argument("--output")
     args = ap.parse_args(argv)
 
@@ -103,6 +108,11 @@ def main(argv: list[str] | None = None) -> int:
         result["cublas_ms"][label] = {m: bench(lambda xm=x_all[K][:m], w=w: xm @ w.T, args.rep_ms)
                                       for m in rows}
         del w
+    if args.row_tiles:
+        result["row_tiles"] = row_tile_table(args, shapes, rows, x_all, result["cublas_ms"], bw, g, device)
+        if args.output:
+            Path(args.output).write_text(json.dumps(result, indent=1, default=str))
+        return 0
     best_tiles = {}
     kinds = args.kinds.split(",")
     for n_kind, kind in enumerate(kinds):
@@ -175,6 +185,46 @@ def main(argv: list[str] | None = None) -> int:
     if args.output:
         Path(args.output).write_text(json.dumps(result, indent=1, default=str))
     return 0
+
+
+def _weight(bits: int, group, N: int, K: int, g: torch.Generator):
+    gs = group or K
+    lo, hi = (-128, 127) if bits == 8 else (-8, 7)
+    q = torch.randint(lo, hi + 1, (N, K), generator=g, dtype=torch.int8)
+    return q, 0.001 + 0.01 * torch.rand(N, -(-K // gs), generator=g), gs
+
+
+def row_tile_table(args, shapes, rows: list[int], x_all, cublas_ms, bw: float, g: torch.Generator,
+                   device: torch.device) -> dict:
+    """ms per call of the committed tiles with each count of row tiles per program, per kind, shape and M; every
+    call's output checked bit for bit against the 1-row-tile call's."""
+    counts = [int(r) for r in args.row_tiles.split(",")]
+    out = {}
+    for kind in args.kinds.split(","):
+        bits, group = KINDS[kind]
+        print(f"\n{kind}, tiles {tuple(weight_only.tiles_for(bits, group or 1 << 30, 1 << 30))}: ms per call by row "
+              f"tiles per program (the default takes {', '.join(f'{weight_only.row_tiles_for(m)} at M={m}' for m in rows)})")
+        print("| shape | M | " + " | ".join(f"{r} row tile{'s' if r > 1 else ''}" for r in counts)
+              + " | cuBLAS bf16 | HBM floor |")
+        print("|---|---|" + "---|" * (len(counts) + 2))
+        for label, N, K in shapes:
+            q, sc, gs = _weight(bits, group, N, K, g)
+            pq, ps = (t.to(device) for t in weight_only.pack(q, sc, bits, gs))
+            floor = (N * K * bits / 8 + N * (K // gs) * 4) / bw * 1e3
+            for m in rows:
+                xm = x_all[K][:m].contiguous()
+                want = weight_only.wo_linear(xm, pq, ps, bits, gs, row_tiles=1)
+                times = []
+                for r in counts:
+                    got = weight_only.wo_linear(xm, pq, ps, bits, gs, row_tiles=r)
+                    if not torch.equal(got, want):
+                        raise AssertionError(f"{kind} {label} M={m}: {r} row tiles per program changed the output")
+                    times.append(bench(lambda xm=xm, r=r: weight_only.wo_linear(xm, pq, ps, bits, gs, row_tiles=r),
+                                       args.rep_ms))
+                out[f"{kind}:{label}@{m}"] = dict(zip(map(str, counts), times))
+                print(f"| {label} | {m} | " + " | ".join(f"{t:.4f}" for t in times)
+                      + f" | {cublas_ms[label][m]:.4f} | {floor:.4f} |", flush=True)
+    return out
 
 
 def apply(best: dict[str, Tiles]) -> None:

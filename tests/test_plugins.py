@@ -273,21 +273,25 @@ def _wo_case(n, k, bits, group, seed):
                                             (4, 24, 512, 128)])
 def test_weight_only_gemm_matches_the_dequantized_weight(dtype, bits, n, k, group):
     """int8 / int4, per channel and per group, ragged N: every row against float64 x @ (q * s)^T; a row's bits do not
-    depend on how many rows share the call (M = 1, 5, 17 and 40: one to three row tiles)."""
+    depend on how many rows share the call (M = 1, 5, 17, 40 and 72: one to five row tiles, programs of one, two or
+    four row tiles) nor on how many row tiles a program takes."""
     from trt_redrafter.plugins import weight_only
     w = _wo_case(n, k, bits, group, seed=bits + n)
     q, s = weight_only.pack(w.q, w.scales, bits, group)
     bk = weight_only.tiles_for(bits, group, k).block_k
     assert q.numel() == n * (k if bits == 8 else -(-k // bk) * bk // 2)
-    x = torch.randn(40, k, generator=torch.Generator().manual_seed(n)).to(dtype)
+    x = torch.randn(72, k, generator=torch.Generator().manual_seed(n)).to(dtype)
     ref = x.double() @ (w.q.double() * w.scales.double().repeat_interleave(group, dim=1)[:, :k]).T
     out = weight_only.wo_linear(x.to(DEV), q.to(DEV), s.to(DEV), bits, group).cpu()
-    assert out.dtype == dtype and out.shape == (40, n)
+    assert weight_only.row_tiles_for(72) == 4 and out.dtype == dtype and out.shape == (72, n)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol * float(ref.abs().max()))
-    for m in (1, 5, 17):
+    for m in (1, 5, 17, 40):
         alone = weight_only.wo_linear(x[:m].contiguous().to(DEV), q.to(DEV), s.to(DEV), bits, group).cpu()
         assert torch.equal(alone, out[:m]), m
+    for rows in (1, 2):  # the same call, its row tiles spread over more programs
+        assert torch.equal(weight_only.wo_linear(x.to(DEV), q.to(DEV), s.to(DEV), bits, group, row_tiles=rows).cpu(),
+                           out), rows
 
 
 def test_weight_only_tiles_fit_their_block_k_to_the_group():
