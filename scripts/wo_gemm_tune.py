@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             weights[label] = (q, s, gs, ref_w, N, K)
         times: dict[Tiles, dict[tuple[str, int], float]] = {}
         packed: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        for tiles in candidates(kind):
+        for tiles in candidates(kind):  # one row tile per program (`--row-tiles` times the others)
             if time.perf_counter() > deadline:
                 print(f"  budget spent: {kind} stops after {len(times)} candidates", flush=True)
                 break
@@ -203,7 +203,7 @@ def row_tile_table(args, shapes, rows: list[int], x_all, cublas_ms, bw: float, g
     for kind in args.kinds.split(","):
         bits, group = KINDS[kind]
         print(f"\n{kind}, tiles {tuple(weight_only.tiles_for(bits, group or 1 << 30, 1 << 30))}: ms per call by row "
-              f"tiles per program (the default takes {', '.join(f'{weight_only.row_tiles_for(m)} at M={m}' for m in rows)})")
+              f"tiles per program (the default takes {', '.join(f'{weight_only.row_tiles_for(m, weight_only.TILES[(bits, group is None)])} at M={m}' for m in rows)})")
         print("| shape | M | " + " | ".join(f"{r} row tile{'s' if r > 1 else ''}" for r in counts)
               + " | cuBLAS bf16 | HBM floor |")
         print("|---|---|" + "---|" * (len(counts) + 2))

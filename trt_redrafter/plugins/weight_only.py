@@ -7,9 +7,10 @@ Layout (made once at load, `pack`): int8 q [N, K] as is. int4 q [N, Kp / 2], Kp 
 k0 + j in its low nibble and input k0 + block_k / 2 + j in its high nibble, so each nibble plane multiplies a
 contiguous slice of the input. Scales [N, K / group] fp32.
 
-Each program owns 1, 2 or 4 row tiles of BLOCK_M rows (as many as M fills: `row_tiles_for`) x `block_n` outputs and
-walks K in `block_k` steps, one group at most per step (`block_k` divides the group size). It loads its weight tile
-once per step for all its row tiles (a batch's verify step of 200 rows loaded and widened each tile 13 times) along K (each output channel's bytes are contiguous, so
+Each program owns 1, 2 or 4 row tiles of BLOCK_M rows (as many as M fills, as its tiles allow: `row_tiles_for`) x
+`block_n` outputs and walks K in `block_k` steps, one group at most per step (`block_k` divides the group size). It
+loads its weight tile once per step for all its row tiles (a batch's verify step of 200 rows loaded and widened each
+tile 13 times) along K (each output channel's bytes are contiguous, so
 the loads coalesce), widens the integers to the input's dtype (exact: bf16 and fp16 hold every int8 value) and
 multiplies on the tensor cores with fp32 accumulation, so every product is exact; fp32 inputs multiply in IEEE fp32,
 and so does every input under Triton's interpreter (its bf16 / fp16 `tl.dot` returns garbage in Triton 3.9; the
@@ -36,7 +37,7 @@ import triton
 import triton.language as tl
 
 BLOCK_M = 16
-MAX_ROW_TILES = 4  # row tiles a program may take (1, 2 or 4): `row_tiles_for`
+MAX_ROW_TILES = 4  # row tiles a program may take, at most, whatever its tiles say (1, 2 or 4)
 # triton.jit reads TRITON_INTERPRET when the kernel below is defined: interpreted, it multiplies in fp32 (see above)
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -46,16 +47,20 @@ class Tiles(NamedTuple):
     block_k: int
     num_warps: int
     num_stages: int
+    max_row_tiles: int = 1  # row tiles a program may take (1, 2 or 4; `row_tiles_for`)
+    row_tiles_from: int = 17  # from this many rows M on
 
 
 # (bits, per_channel) -> tiles, for every M: the search's best on a Hopper GPU (scripts/wo_gemm_tune.py, docs/perf.md
 # "The weight-only GEMM"; another architecture may want others: run the search there); int8 in groups was not
-# searched and takes int8's
+# searched and takes int8's. Row tiles per program from `wo_gemm_tune.py --row-tiles 1,2,4` on an H200 (a 7B model's
+# four layers, summed): int4 took 2 at 25 rows (0.19 against 0.25 ms) and 4 at 200 (0.83 against 1.39); int8, on
+# 2 warps, lost at 25 rows with 2 (0.149 against 0.138) and won at 200 with 2 (0.58 against 0.63), not with 4 (0.80)
 TILES = {
-    (8, True): Tiles(32, 256, 2, 3),
-    (8, False): Tiles(32, 256, 2, 3),
-    (4, True): Tiles(32, 256, 4, 4),
-    (4, False): Tiles(32, 128, 4, 4),
+    (8, True): Tiles(32, 256, 2, 3, max_row_tiles=2, row_tiles_from=65),
+    (8, False): Tiles(32, 256, 2, 3, max_row_tiles=2, row_tiles_from=65),
+    (4, True): Tiles(32, 256, 4, 4, max_row_tiles=4),
+    (4, False): Tiles(32, 128, 4, 4, max_row_tiles=4),
 }
 
 
@@ -144,10 +149,14 @@ def _wo_gemm_kernel(x_ptr, q_ptr, s_ptr, out_ptr, M, N, K, KQ, G, GROUP, INT4: t
         _store_tile(out_ptr, acc3, r3, rn, M, N, s_ptr, PER_CHANNEL)
 
 
-def row_tiles_for(M: int) -> int:
-    """Row tiles per program for an M-row call: as many as M fills, up to MAX_ROW_TILES (1, 2 or 4)."""
+def row_tiles_for(M: int, tiles: Tiles) -> int:
+    """Row tiles per program for an M-row call with these tiles: 1 below `tiles.row_tiles_from` rows, else as many as
+    M fills (1, 2 or 4), up to `tiles.max_row_tiles` and MAX_ROW_TILES."""
+    most = min(tiles.max_row_tiles, MAX_ROW_TILES)
     need = -(-M // BLOCK_M)
-    return 1 if need <= 1 or MAX_ROW_TILES == 1 else 2 if need == 2 or MAX_ROW_TILES == 2 else 4
+    if M < tiles.row_tiles_from or need <= 1 or most < 2:
+        return 1
+    return 2 if need == 2 or most < 4 else 4
 
 
 def tiles_for(bits: int, group_size: int, K: int) -> Tiles:
@@ -189,7 +198,7 @@ def wo_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bits: int,
     assert per_channel or (group_size % t.block_k == 0 and t.block_k >= 16), \
         f"group size {group_size} must be a multiple of the tile's {t.block_k} inputs, at least 16 (or the whole row)"
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    rows = row_tiles or row_tiles_for(M)
+    rows = row_tiles or row_tiles_for(M, t)
     assert rows in (1, 2, 4), rows
     grid = (triton.cdiv(M, BLOCK_M * rows), triton.cdiv(N, t.block_n))
     _wo_gemm_kernel[grid](x, q, scales, out, M, N, K, q.shape[1], scales.shape[1], group_size,
