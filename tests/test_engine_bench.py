@@ -37,6 +37,25 @@ def test_round_schedule_alternates_modes_per_group_and_rotates_the_order():
     assert [s[0][0] for s in round_schedule(["ar", "redrafter"], groups=1, rounds=4)] == ["ar", "redrafter"] * 2
 
 
+@pytest.mark.parametrize("linear", ["torch", "onednn", "avx512"])
+def test_the_memory_roofline_counts_every_base_linear_layer_whatever_its_kernel(tmp_path, linear):
+    """The AR step's floor holds the base's linear layers as the engine keeps them: fp32 weights, oneDNN's packed ones
+    (opaque mkldnn tensors: bench-engine once printed 0.0 MB for them) or this project's packed panels."""
+    if linear == "avx512" and not cpu.available(torch.float32):
+        pytest.skip(cpu.unavailable_reason(torch.float32))
+    from engine_utils import build_tiny_engines, load_engine
+    from trt_redrafter.bench.engine_bench import memory_roofline
+    from trt_redrafter.model.linear import Linear
+
+    engine = load_engine(build_tiny_engines(tmp_path, seed=0, num_beams=2, draft_len=2)[1][1], linear=linear)
+    layers = [m for m in engine.model.modules() if isinstance(m, Linear)]
+    assert layers and {m.impl for m in layers} == {linear}
+    floats = sum(m.in_features * m.out_features for m in layers) * 4 / 1e6
+    roof = memory_roofline(engine, torch.device("cpu"), buffer_mb=64)
+    assert floats <= roof["weight_mb"] <= 1.05 * floats  # packed panels may pad the last one
+    assert roof["floor_ms"] == pytest.approx(roof["weight_mb"] / roof["read_gb_s"])
+
+
 def test_ratio_summary_reports_how_far_the_rounds_disagree():
     s = RatioSummary.of([1.30, 1.10, 1.50, 1.20, 1.40])
     assert (s.median, s.min, s.max, s.rounds) == pytest.approx((1.30, 1.10, 1.50, 5))

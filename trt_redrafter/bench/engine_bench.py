@@ -203,8 +203,9 @@ def memory_roofline(engine: Engine, device: torch.device, buffer_mb: int = 512) 
     weight_bytes = 0
     for m in engine.model.modules():
         if isinstance(m, Linear):
+            # oneDNN's packed weight is an opaque mkldnn tensor of the weight's shape and dtype: its elements count
             held = [m.packed if m.packed is not None else m.weight] + ([m.quant[0]] if m.quant else [])
-            weight_bytes += sum(t.numel() * t.element_size() for t in held if t is not None and not t.is_mkldnn)
+            weight_bytes += sum(t.numel() * t.element_size() for t in held if t is not None)
     gbs = read_bandwidth(buffer_mb)
     return {"read_gb_s": gbs, "buffer_mb": buffer_mb, "weight_mb": weight_bytes / 1e6,
             "floor_ms": weight_bytes / 1e6 / gbs}
