@@ -171,3 +171,29 @@ def test_the_torch_attention_traces_at_an_unbacked_tree_width():
         width = torch.arange(T)
         torch._dynamo.decorators.mark_unbacked(width, 0)
         assert torch.equal(compiled(width), attend(width)), T
+
+
+def test_the_torch_attention_traces_with_a_one_row_mask_beside_unbacked_query_rows():
+    """A compiled TP step is split at the ranks' collectives (model/tp.py): a graph piece can receive the attention
+    mask as an input whose rows dynamo specialized at 1 beside queries whose rows are an unbacked size. The mask is
+    expanded to the queries' rows, so that traces (no C++ compiled here) and gives the eager rows."""
+    from trt_redrafter.model.attention import AttentionMeta, torch_tree_attention
+
+    g = torch.Generator().manual_seed(1)
+    block, nblk, nh, nkv, D = 16, 2, 4, 2, 16
+    kc, vc = (torch.randn(2 * nblk * block, nkv, D, generator=g) for _ in range(2))
+    table, ctx = torch.tensor([[3, 1]]), torch.tensor([9])
+    one = torch.zeros(1, 1, 1, dtype=torch.bool)
+    full = AttentionMeta(positions=ctx[:, None], write_slots=ctx[:, None], block_table=table, ctx_len=ctx,
+                         tree_mask=one | True, block_size=block).for_torch()
+
+    def attend(q: torch.Tensor, kv_slots: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        meta = AttentionMeta(positions=ctx[:, None], write_slots=ctx[:, None], block_table=table, ctx_len=ctx,
+                             tree_mask=one, block_size=block, kv_slots=kv_slots, visible=visible)
+        return torch_tree_attention(q, kc, vc, meta, D ** -0.5)
+
+    q = torch.randn(1, 1, nh, D, generator=g)
+    torch._dynamo.decorators.mark_unbacked(q, 1)
+    compiled = torch.compile(attend, backend="eager", fullgraph=True)
+    assert full.visible.shape[2] == 1
+    assert torch.equal(compiled(q, full.kv_slots, full.visible), attend(q, full.kv_slots, full.visible))

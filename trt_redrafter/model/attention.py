@@ -71,6 +71,11 @@ class AttentionMeta:
 PAD_QUERY_ROWS = 3
 
 
+def _padded_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [bs, heads, T, ...] with PAD_QUERY_ROWS copies of its first row appended along dim 2."""
+    return torch.cat([x, x[:, :, :1].expand(-1, -1, PAD_QUERY_ROWS, -1)], dim=2)
+
+
 def torch_tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMeta,
                          scale: float) -> torch.Tensor:
     """q [bs, T, nh, D]; caches [num_slots, kvh, D] (this step's K/V already written) -> out [bs, T, nh, D]."""
@@ -85,12 +90,10 @@ def torch_tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     # T >= 1 always; said so for a compiled tree step, whose width is an unbacked size (runtime/graphs.py
     # `mark_width`): without it the copies' source slice [:1] has the size min(1, T) and will not expand
     torch._check(T >= 1)
-    qt = q.transpose(1, 2)  # [bs, nh, T, D]
-    qt = torch.cat([qt, qt[:, :, :1].expand(-1, -1, PAD_QUERY_ROWS, -1)], dim=2)  # [bs, nh, T + pad, D]
+    qt = _padded_rows(q.transpose(1, 2))  # [bs, nh, T + pad, D]
     # the mask has T rows; expanded to q's T, which compiled TP steps need: split at the ranks' collectives, a graph
     # piece can receive the two as separate inputs, the mask's rows specialized at 1 and q's symbolic
-    visible = meta.visible.expand(-1, -1, T, -1)
-    visible = torch.cat([visible, visible[:, :, :1].expand(-1, -1, PAD_QUERY_ROWS, -1)], dim=2)
+    visible = _padded_rows(meta.visible.expand(-1, -1, T, -1))  # [bs, 1, T + pad, S]
     out = F.scaled_dot_product_attention(qt, keys, vals, attn_mask=visible, scale=scale,
                                          enable_gqa=nh != nkv)  # [bs, nh, T + pad, D]
     return out[:, :, :T].transpose(1, 2)
