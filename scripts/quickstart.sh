@@ -48,7 +48,8 @@ compare "$OUT/ar.json" "$OUT/redrafter.json" "one rank"
 set -x
 # AR vs ReDrafter on MT-Bench first turns (one of each category) in the model's chat template, same engine, same run,
 # 2 threads, compiled
-# (inductor: a few minutes the first time, with progress bars; the compiled kernels are kept beside the engine)
+# (inductor: a few minutes the first time on a CPU with AVX-512, ~17 without it, with progress bars; the compiled
+# kernels are kept beside the engine)
 trt-redrafter bench-engine --engine "$OUT/smollm2-engine" --num-prompts 8 --max-tokens 64 --repeats 3 \
     --batch-size 1,8 --modes ar,redrafter --threads 2 | tee "$OUT/bench.txt" | grep -v '^{'
 # tensor parallelism: the same model at TP=3 (run relaunches itself under mpirun -n 3; one thread per rank)
