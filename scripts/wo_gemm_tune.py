@@ -228,11 +228,14 @@ def row_tile_table(args, shapes, rows: list[int], x_all, cublas_ms, bw: float, g
 
 
 def apply(best: dict[str, Tiles]) -> None:
+    """The searched block sizes into the kernel's table; each kind keeps its row tiles per program (the search runs
+    one row tile per program; `--row-tiles` measures the others)."""
     for kind, tiles in best.items():
         bits, group = KINDS[kind]
-        weight_only.TILES[(bits, group is None)] = tiles
-        if kind == "int8":  # int8 in groups: not searched, takes the per-channel tiles
-            weight_only.TILES[(8, False)] = tiles
+        keys = [(bits, group is None)] + ([(8, False)] if kind == "int8" else [])  # int8 in groups takes int8's
+        for key in keys:
+            old = weight_only.TILES[key]
+            weight_only.TILES[key] = tiles._replace(max_row_tiles=old.max_row_tiles, row_tiles_from=old.row_tiles_from)
 
 
 if __name__ == "__main__":
