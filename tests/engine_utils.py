@@ -150,16 +150,44 @@ class HostDrafts(Proposer):
         return Draft(beams.tolist(), self.scores(beams))
 
 
-def OracleProposer(engine_dir: Path, continuations: dict[int, list[int]], corrupt_every: int = 0,
-                   seed: int = 0) -> ContinuationOracle:
+def OracleProposer(engine_dir: Path, continuations: dict, corrupt_every: int = 0, seed: int = 0,
+                   key: str = "seq_id") -> ContinuationOracle:
     """A host proposer that drafts each request's known AR continuation (`continuations[seq_id]`: `generate` numbers
-    its prompts from 0) as one beam of every tree, certain of it; with `corrupt_every=k` every k-th tree's oracle
-    beam is wrong at a random depth (partial acceptances). The other beams branch off it with random tokens."""
+    its prompts from 0; with key="prompt", `continuations[tuple(prompt)]`, for requests over several `generate`
+    calls) as one beam of every tree, certain of it; with `corrupt_every=k` every k-th tree's oracle beam is wrong at
+    a random depth (partial acceptances). The other beams branch off it with random tokens."""
     from trt_redrafter.checkpoint.engine_config import load_engine_config
 
     ecfg = load_engine_config(engine_dir)
     return ContinuationOracle(ecfg.tree.num_beams, ecfg.tree.draft_len_per_beam, ecfg.checkpoint.model.vocab_size,
-                              continuations, key="seq_id", corrupt_every=corrupt_every, seed=seed)
+                              continuations, key=key, corrupt_every=corrupt_every, seed=seed)
+
+
+def chunk_calls(engine: Engine) -> list[int]:
+    """Spy on the engine's prompt chunks: the tokens of each chunk computed (not the ones that end a prompt)."""
+    calls, orig = [], engine.steps.prefill_chunk
+
+    def spy(slots, ids, lengths, *a, **kw):
+        calls.extend(lengths.tolist())
+        return orig(slots, ids, lengths, *a, **kw)
+
+    engine.steps.prefill_chunk = spy
+    return calls
+
+
+def check_logprobs_against_hf(base_dir: Path, prompt: list[int], result, top: int, atol: float) -> None:
+    """A result's log-probabilities (each output token's and its `top` best) against HF's log_softmax of the same
+    model's logits over prompt + output, at each output position."""
+    with torch.no_grad():
+        logits = _hf_model(str(base_dir))(torch.tensor([prompt + result.output_ids])).logits.float()
+    ref = torch.log_softmax(logits, dim=-1)[0, len(prompt) - 1:-1]  # [len(output), V]
+    assert len(result.logprobs) == len(result.output_ids)
+    got = torch.tensor([t.logprob for t in result.logprobs])
+    torch.testing.assert_close(got, ref.gather(-1, torch.tensor(result.output_ids)[:, None])[:, 0], atol=atol, rtol=0)
+    best = ref.topk(top, dim=-1)
+    assert [[i for i, _ in t.top] for t in result.logprobs] == best.indices.tolist()
+    torch.testing.assert_close(torch.tensor([[x for _, x in t.top] for t in result.logprobs]), best.values,
+                               atol=atol, rtol=0)
 
 
 # Llama 2's chat template in miniature: it writes the BOS text itself, as Llama 2's and Llama 3's do, so encoding its

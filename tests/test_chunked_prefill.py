@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from engine_utils import build_tiny_engines, decode_tp, greedy, load_engine, random_prompts
+from engine_utils import build_tiny_engines, chunk_calls, decode_tp, greedy, load_engine, random_prompts
 from trt_redrafter.config import SamplingConfig
 from trt_redrafter.errors import UserError
 from trt_redrafter.runtime.generate import generate
@@ -36,18 +36,6 @@ def tiny(tmp_path_factory):
     return engines[1]
 
 
-def _chunk_calls(engine) -> list[int]:
-    """Spy on the engine's prompt chunks: the tokens of each chunk computed (not the ones that end a prompt)."""
-    calls, orig = [], engine.steps.prefill_chunk
-
-    def spy(slots, ids, lengths, *a, **kw):
-        calls.extend(lengths.tolist())
-        return orig(slots, ids, lengths, *a, **kw)
-
-    engine.steps.prefill_chunk = spy
-    return calls
-
-
 @pytest.mark.core
 @pytest.mark.parametrize("mode,params,proposer", [("ar", greedy(24), None), ("redrafter", greedy(24), None),
                                                   ("redrafter", greedy(24), "ngram"), ("redrafter", SAMPLED, None)])
@@ -56,7 +44,7 @@ def test_outputs_are_the_same_at_any_budget(tiny, mode, params, proposer):
                                            proposer=proposer)]
     for budget in (BLOCK, 40, 64):
         engine = load_engine(tiny, max_num_tokens=budget)
-        chunks = _chunk_calls(engine)
+        chunks = chunk_calls(engine)
         res = generate(engine, PROMPTS, params, mode, proposer=proposer)
         assert [r.output_ids for r in res] == want, budget
         assert chunks and max(chunks) <= max(budget, BLOCK), (budget, chunks)  # prompts were cut into chunks

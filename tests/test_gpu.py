@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_utils import build_tiny_engines, greedy, hf_greedy, load_engine, random_prompts
+from engine_utils import (OracleProposer, build_tiny_engines, check_logprobs_against_hf, chunk_calls, greedy,
+                          hf_greedy, load_engine, random_prompts)
 from trt_redrafter.config import SamplingConfig
 from trt_redrafter.runtime import costs
 from trt_redrafter.runtime.generate import generate
@@ -184,14 +185,9 @@ def chat(tmp_path_factory):
     return base, engines[1]
 
 
-def _oracle(engine_dir, prompts, outputs, corrupt_every=2):
+def _oracle(engine_dir, prompts, outputs):
     """Host trees that draft each prompt's known AR continuation (every other tree wrong at some depth)."""
-    from trt_redrafter.bench.oracle import ContinuationOracle
-    from trt_redrafter.checkpoint.engine_config import load_engine_config
-    ecfg = load_engine_config(engine_dir)
-    return ContinuationOracle(ecfg.tree.num_beams, ecfg.tree.draft_len_per_beam, ecfg.checkpoint.model.vocab_size,
-                              {tuple(p): o for p, o in zip(prompts, outputs)}, key="prompt",
-                              corrupt_every=corrupt_every)
+    return OracleProposer(engine_dir, {tuple(p): o for p, o in zip(prompts, outputs)}, corrupt_every=2, key="prompt")
 
 
 def check_reuse_and_chunks_keep_the_tokens(engine_dir, device: str, compile: str) -> None:
@@ -207,13 +203,7 @@ def check_reuse_and_chunks_keep_the_tokens(engine_dir, device: str, compile: str
     prompts = first_turn + [second]
     for mode, proposer in (("ar", None), ("redrafter", None), ("redrafter", _oracle(engine_dir, prompts, want))):
         engine = load_engine(engine_dir, proposer, device=device, compile=compile, max_num_tokens=32)
-        chunks, orig = [], engine.steps.prefill_chunk
-
-        def spy(slots, ids, lengths, *a, **kw):
-            chunks.extend(lengths.tolist())
-            return orig(slots, ids, lengths, *a, **kw)
-
-        engine.steps.prefill_chunk = spy
+        chunks = chunk_calls(engine)
         res = (generate(engine, prompts[:1], greedy(24), mode) + generate(engine, prompts[1:4], greedy(24), mode)
                + generate(engine, prompts[4:], greedy(24), mode))
         assert [r.output_ids for r in res] == want, (mode, proposer)
@@ -234,7 +224,6 @@ def test_cuda_prefix_reuse_and_chunked_prefill_keep_the_cpu_tokens(chat, compile
 def check_logprobs(base, engine_dir, device: str, compile: str) -> None:
     """Greedy log-probabilities (each token's and the top 3) equal HF's log_softmax on the CPU, and ReDrafter, with
     drafts accepted, reports what AR reports."""
-    from engine_utils import _hf_model
     params = SamplingConfig(max_tokens=16, logprobs=True, top_logprobs=3)
     prompts = [SYSTEM + u for u in USERS[:3]]
     engine = load_engine(engine_dir, device=device, compile=compile)
@@ -244,17 +233,8 @@ def check_logprobs(base, engine_dir, device: str, compile: str) -> None:
     assert sum(r.accepted_draft_tokens for r in rd) > 0
     for p, a, r in zip(prompts, ar, rd):
         assert r.output_ids == a.output_ids
-        with torch.no_grad():
-            logits = _hf_model(str(base))(torch.tensor([p + a.output_ids])).logits.float()
-        ref = torch.log_softmax(logits, dim=-1)[0, len(p) - 1:-1]
-        best = ref.topk(3, dim=-1)
         for got in (a, r):
-            assert len(got.logprobs) == len(got.output_ids)
-            torch.testing.assert_close(torch.tensor([t.logprob for t in got.logprobs]),
-                                       ref.gather(-1, torch.tensor(got.output_ids)[:, None])[:, 0], atol=1e-3, rtol=0)
-            assert [[i for i, _ in t.top] for t in got.logprobs] == best.indices.tolist()
-            torch.testing.assert_close(torch.tensor([[x for _, x in t.top] for t in got.logprobs]), best.values,
-                                       atol=1e-3, rtol=0)
+            check_logprobs_against_hf(base, p, got, top=3, atol=1e-3)
 
 
 @pytest.mark.parametrize("compile", ["off", "cudagraphs"])

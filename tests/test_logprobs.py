@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine_utils import OracleProposer, _hf_model, build_tiny_engines, load_engine, random_prompts, run_json
+from engine_utils import (OracleProposer, build_tiny_engines, check_logprobs_against_hf, load_engine, random_prompts,
+                          run_json)
 from trt_redrafter.config import SamplingConfig
 from trt_redrafter.decoding import logprobs as lp
 from trt_redrafter.errors import UserError
@@ -38,23 +39,8 @@ PROMPTS = random_prompts(VOCAB, [7, 20, 40], seed=1)
 GREEDY = SamplingConfig(max_tokens=16, logprobs=True, top_logprobs=TOP)
 
 
-def _hf_logprobs(base, prompt: list[int], output: list[int]) -> torch.Tensor:
-    """[len(output), V]: HF's log_softmax at each output position."""
-    with torch.no_grad():
-        logits = _hf_model(str(base))(torch.tensor([prompt + output])).logits.float()
-    return torch.log_softmax(logits, dim=-1)[0, len(prompt) - 1:-1]
-
-
 def _check_against_hf(base, prompt: list[int], result, top: int = TOP) -> None:
-    ref = _hf_logprobs(base, prompt, result.output_ids)
-    assert len(result.logprobs) == len(result.output_ids)
-    got = torch.tensor([t.logprob for t in result.logprobs])
-    want = ref.gather(-1, torch.tensor(result.output_ids)[:, None])[:, 0]
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
-    best = ref.topk(top, dim=-1)
-    assert [[i for i, _ in t.top] for t in result.logprobs] == best.indices.tolist()
-    torch.testing.assert_close(torch.tensor([[x for _, x in t.top] for t in result.logprobs]), best.values,
-                               atol=1e-4, rtol=0)
+    check_logprobs_against_hf(base, prompt, result, top, atol=1e-4)
 
 
 class _LaterBeamsFirst:
