@@ -120,10 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         deadline = t_start + args.budget_s * (n_kind + 1) / len(kinds)
         weights = {}
         for label, N, K in shapes:
-            gs = group or K
-            lo, hi = (-128, 127) if bits == 8 else (-8, 7)
-            q = torch.randint(lo, hi + 1, (N, K), generator=g, dtype=torch.int8)
-            s = 0.001 + 0.01 * torch.rand(N, -(-K // gs), generator=g)
+            q, s, gs = _weight(bits, group, N, K, g)
             ref_w = (q.float() * s.repeat_interleave(gs, dim=1)[:, :K]).to(device)
             weights[label] = (q, s, gs, ref_w, N, K)
         times: dict[Tiles, dict[tuple[str, int], float]] = {}
@@ -187,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _weight(bits: int, group, N: int, K: int, g: torch.Generator):
+def _weight(bits: int, group, N: int, K: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A random weight of this kind: int8 values q [N, K] in its range, scales [N, K / group], the group size."""
     gs = group or K
     lo, hi = (-128, 127) if bits == 8 else (-8, 7)
     q = torch.randint(lo, hi + 1, (N, K), generator=g, dtype=torch.int8)
@@ -202,8 +200,9 @@ def row_tile_table(args, shapes, rows: list[int], x_all, cublas_ms, bw: float, g
     out = {}
     for kind in args.kinds.split(","):
         bits, group = KINDS[kind]
-        print(f"\n{kind}, tiles {tuple(weight_only.tiles_for(bits, group or 1 << 30, 1 << 30))}: ms per call by row "
-              f"tiles per program (the default takes {', '.join(f'{weight_only.row_tiles_for(m, weight_only.TILES[(bits, group is None)])} at M={m}' for m in rows)})")
+        tiles = weight_only.TILES[(bits, group is None)]
+        default = ", ".join(f"{weight_only.row_tiles_for(m, tiles)} at M={m}" for m in rows)
+        print(f"\n{kind}, tiles {tuple(tiles)}: ms per call by row tiles per program (the default takes {default})")
         print("| shape | M | " + " | ".join(f"{r} row tile{'s' if r > 1 else ''}" for r in counts)
               + " | cuBLAS bf16 | HBM floor |")
         print("|---|---|" + "---|" * (len(counts) + 2))

@@ -9,9 +9,9 @@ contiguous slice of the input. Scales [N, K / group] fp32.
 
 Each program owns 1, 2 or 4 row tiles of BLOCK_M rows (as many as M fills, as its tiles allow: `row_tiles_for`) x
 `block_n` outputs and walks K in `block_k` steps, one group at most per step (`block_k` divides the group size). It
-loads its weight tile once per step for all its row tiles (a batch's verify step of 200 rows loaded and widened each
-tile 13 times) along K (each output channel's bytes are contiguous, so
-the loads coalesce), widens the integers to the input's dtype (exact: bf16 and fp16 hold every int8 value) and
+loads its weight tile once per step for all its row tiles (with one row tile per program, a batch's verify step of
+200 rows loaded and widened each tile 13 times), along K (each output channel's bytes are contiguous, so the loads
+coalesce), widens the integers to the input's dtype (exact: bf16 and fp16 hold every int8 value) and
 multiplies on the tensor cores with fp32 accumulation, so every product is exact; fp32 inputs multiply in IEEE fp32,
 and so does every input under Triton's interpreter (its bf16 / fp16 `tl.dot` returns garbage in Triton 3.9; the
 products are the same exact values).
