@@ -593,8 +593,8 @@ def test_the_policy_gives_ar_tokens_and_measures_its_costs_once(tiny, monkeypatc
 def test_a_cost_model_measured_while_the_machine_was_busy_is_measured_again(tiny):
     """A cached model whose steps the machine now runs much faster (here: the real model with every cell ten times
     slower, as a very busy machine would have timed it) is measured again at load; one slower than the machine now
-    (cells halved: a busy machine now, a good model) is kept. Real steps on the tiny engine decide. Ten, not less: the
-    tests run two at a time (`-n 2`), and the other one's compiling made these steps up to 4x slower than the model
+    (cells halved: a busy machine now, a good model) is kept. Real steps on the tiny engine decide. Ten, not less: with
+    tests run two at a time (`-n 2`), the other one's compiling made these steps up to 4x slower than the model
     measured by the test above."""
     load_engine(tiny["engine_dir"], speculate="auto")  # measured, or cached by the test above
     cached = tiny["engine_dir"] / costs.COST_MODEL_FILE
