@@ -67,21 +67,34 @@ def test_an_ar_run_measures_no_step_cost_model(engine):
         generate(ar_only, [[1, 2, 3]], SamplingConfig(max_tokens=4), "redrafter")
 
 
-@pytest.mark.parametrize("flag, check", [
-    ("--regex", lambda text: re.fullmatch(r"[a-z]{2,4}-[0-9]{2}", text)),
-    ("--json-object", lambda text: isinstance(json.loads(text, strict=False), dict)),
-])
-def test_run_follows_a_guide(engine, capsys, flag, check):
-    """`run --regex R` / `--json-object`, ReDrafter and AR: the same text, following the guide, ended by EOS."""
+@pytest.mark.parametrize("flag", ["--regex", "--json-object"])
+def test_run_follows_a_guide(engine, capsys, flag):
+    """`run --regex R` / `--json-object`, ReDrafter and AR: the same tokens, each one accepted by xgrammar's own matcher
+    for the guide; the regex's short language is always closed and ended by EOS, where a random model's JSON object
+    may still be open after 40 tokens (then the matcher must not be complete, nor the text parse)."""
+    import xgrammar
+    from transformers import AutoTokenizer
+
     args = {"--regex": ["--regex", "[a-z]{2,4}-[0-9]{2}"], "--json-object": ["--json-object"]}[flag]
-    texts = []
+    docs = []
     for mode in ("redrafter", "ar"):
         assert cli(["run", "--engine", str(engine), "--prompt", "def f(x):", "--max-tokens", "40", "--json",
                     "--mode", mode, *args]) == 0
-        doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-        assert doc["finish_reason"] == "stop", doc
-        texts.append(doc["text"])
-    assert texts[0] == texts[1] and check(texts[0]), texts
+        docs.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    assert docs[0]["output_ids"] == docs[1]["output_ids"] and docs[0]["text"] == docs[1]["text"], docs
+    doc, text = docs[0], docs[0]["text"]
+    tok = AutoTokenizer.from_pretrained(engine / "tokenizer")
+    compiler = xgrammar.GrammarCompiler(xgrammar.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok)))
+    grammar = (compiler.compile_regex(args[1]) if flag == "--regex" else compiler.compile_builtin_json_grammar())
+    matcher = xgrammar.GrammarMatcher(grammar)
+    assert all(matcher.accept_token(t) for t in doc["output_ids"]), doc
+    if flag == "--regex":
+        assert doc["finish_reason"] == "stop" and re.fullmatch(args[1], text), doc
+    elif doc["finish_reason"] == "stop":
+        assert isinstance(json.loads(text, strict=False), dict), doc
+    else:
+        assert doc["finish_reason"] == "length" and len(doc["output_ids"]) == 40 and text.lstrip().startswith("{")
+        assert not matcher.is_terminated(), doc
 
 
 def _refused(argv, capsys, *needles):

@@ -21,6 +21,19 @@ def test_deterministic_by_seed(tiny_pair, tmp_path):
         assert (tmp_path / "other" / f).read_bytes() != (tiny_pair / f).read_bytes(), f
 
 
+def test_the_bytes_do_not_depend_on_what_the_process_imported_before(tiny_pair, tmp_path):
+    """A package holds a submodule as an attribute once anything imported it; the tokenizer's training text must not
+    change with that (it did: the fast tier under pytest-xdist made another tokenizer in another test order)."""
+    import subprocess
+    import sys
+
+    code = ("import json.tool, unittest.mock, logging.handlers, email.mime.text, sys; "
+            "from trt_redrafter.cli import main; sys.exit(main(['make-tiny', '--output', sys.argv[1]]))")
+    subprocess.run([sys.executable, "-c", code, str(tmp_path / "after")], check=True, capture_output=True)
+    for f in ("base/tokenizer.json", "base/model.safetensors", "drafter/model.safetensors"):
+        assert (tmp_path / "after" / f).read_bytes() == (tiny_pair / f).read_bytes(), f
+
+
 def test_transformers_loads_it(tiny_pair):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

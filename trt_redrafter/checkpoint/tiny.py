@@ -89,7 +89,9 @@ class TinyConfig(ConfigBase):
 
 
 def _corpus() -> list[str]:
-    """Docstrings of a fixed list of stdlib modules and their public members, in a fixed order."""
+    """Docstrings of a fixed list of stdlib modules and their public members, in a fixed order. Members that are
+    modules are left out: a package holds a submodule as an attribute only once something in the process imported
+    it (`collections.abc`, `unittest.mock`, `logging.handlers`), so with them the bytes depended on what ran before."""
     texts = []
     for name in CORPUS_MODULES:
         mod = importlib.import_module(name)
@@ -97,7 +99,8 @@ def _corpus() -> list[str]:
         for attr in sorted(a for a in dir(mod) if not a.startswith("_")):
             with warnings.catch_warnings():  # e.g. typing.io warns when touched
                 warnings.simplefilter("ignore", DeprecationWarning)
-                doc = inspect.getdoc(getattr(mod, attr, None))
+                member = getattr(mod, attr, None)
+                doc = None if inspect.ismodule(member) else inspect.getdoc(member)
             if doc:
                 texts.append(doc)
     return [t for t in texts if t]
