@@ -435,12 +435,14 @@ def test_chat_uses_the_models_template_and_matches_offline(client, offline, code
 
 def _stop_case(codec, ids: list[int]) -> tuple[str, str, int]:
     """(stop string, text before it, tokens up to the one completing it) for an output: the last two characters of
-    the text after n tokens, where they first occur there and no character is incomplete."""
+    the text after n tokens, where they first occur there, are printable, and the text so far is the whole text's
+    start (no character is incomplete; a random model's bytes may hold invalid ones before, decoded as U+FFFD)."""
     full = codec.decode(ids)
     for n in range(4, len(ids)):
         head = codec.decode(ids[:n])
         stop = head[-2:]
-        if REPLACEMENT not in head and stop.strip() and full.find(stop) == len(head) - 2:
+        if (full.startswith(head) and REPLACEMENT not in stop and stop.strip() and stop.isprintable()
+                and full.find(stop) == len(head) - 2):
             return stop, head[:-2], n
     raise AssertionError(f"no stop string candidate in {full!r}")
 
