@@ -404,6 +404,7 @@ def _forward(model, kv, ids: torch.Tensor, ctx: int) -> torch.Tensor:
 
 # ---- compiled --------------------------------------------------------------------------------------------------
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # inductor compiles the steps: minutes on 2 cores shared with another worker (CI's -n 2)
 def test_compiled_greedy_redrafter_equals_ar(tiny):
     """inductor (the CPU default) around the packed op this CPU's engines take (linear auto: AVX-512 where the CPU
     has it for the dtype, else oneDNN; each is checked eagerly above) and the CPU tree attention (an external op each;

@@ -173,7 +173,7 @@ def test_guides_mixed_with_free_requests_in_one_batch(tiny):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)  # inductor compiles the steps: minutes on 2 cores shared with another worker (CI's -n 2)
 def test_constrained_redrafter_compiled_gives_eager_tokens(tiny):
     engine_dir, tok = tiny
     from trt_redrafter.config import RuntimeConfig

@@ -150,6 +150,7 @@ def test_asking_for_more_top_logprobs_than_the_engine_allows_is_refused(tiny):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # inductor compiles the steps: minutes on 2 cores shared with another worker (CI's -n 2)
 def test_compiled_steps_report_the_eager_logprobs(tiny):
     """The tree step's log-probability variant under inductor, compiled when first asked for (no warm-up: the only
     graph compiled is the one this test needs)."""

@@ -182,6 +182,7 @@ def test_greedy_redrafter_equals_ar_when_drafts_are_accepted(dyn, corrupt_every)
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # inductor compiles the steps: minutes on 2 cores shared with another worker (CI's -n 2)
 @pytest.mark.parametrize("runtime", [dict(compile="inductor"), dict(kernels="triton")], ids=["inductor", "triton"])
 def test_compiled_step_and_kernels_equal_hf(dyn, runtime):
     """The compiled decode step and the Triton kernels (the interpreter, on the CPU) take the same rows."""
