@@ -71,7 +71,7 @@ def test_an_ar_run_measures_no_step_cost_model(engine):
 def test_run_follows_a_guide(engine, capsys, flag):
     """`run --regex R` / `--json-object`, ReDrafter and AR: the same tokens, each one accepted by xgrammar's own matcher
     for the guide; the regex's short language is always closed and ended by EOS, where a random model's JSON object
-    may still be open after 40 tokens (then the matcher must not be complete, nor the text parse)."""
+    may still be open after 40 tokens (then the matcher must not have terminated)."""
     import xgrammar
     from transformers import AutoTokenizer
 
