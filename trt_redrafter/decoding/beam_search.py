@@ -27,7 +27,7 @@ LOG_ZERO; otherwise step 0 would pick the same token nb times.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Protocol
+from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 
@@ -136,7 +136,8 @@ SelectFn = Callable[[torch.Tensor, torch.Tensor, int, Optional[int], bool],
 def beam_search(drafter: DrafterProtocol, embed: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor,
                 true_token: torch.Tensor, num_beams: int, draft_len: int,
                 warp_top_k: Optional[int] = DEFAULT_WARP_TOP_K, keep_log_probs: bool = True,
-                select: SelectFn = select_beams, max_beams: Optional[int] = None) -> BeamSearchResult:
+                select: SelectFn = select_beams, max_beams: Optional[int] = None,
+                depth_rows: Optional[Sequence[torch.Tensor]] = None) -> BeamSearchResult:
     """Draft `num_beams` beams of `draft_len` tokens for each row of h [bs, H] and true_token [bs].
 
     `embed` maps token ids [n] to embeddings [n, H] (the base model's input embedding, shared with the drafter).
@@ -149,6 +150,13 @@ def beam_search(drafter: DrafterProtocol, embed: Callable[[torch.Tensor], torch.
 
     Step 0 runs the drafter on one row per request: every beam is still [true token] with the same state, so
     the nb rows of the literal algorithm are copies of one (only beam 0 is live: the others start at LOG_ZERO).
+
+    `depth_rows` (dl - 1 index tensors, one per drafting step t = 1..dl-1): the rows of the [bs * nb] beams that step
+    t runs the drafter on, all of them (arange(bs * nb)) or none (an empty tensor: the search stops before t, and
+    so before every later step). A step without rows reads no drafter weight (its layers run over zero rows); its
+    beams keep their parents, repeat their last token and score LOG_ZERO there, so the beams of a search of depth d
+    are the d-step search's, padded to dl. An index tensor's length, not an int: in a compiled step it is an unbacked
+    size, so one graph drafts any depth.
     """
     assert h.dim() == 2 and true_token.shape == (h.shape[0],), \
         f"h must be [bs, H] and true_token [bs], got {tuple(h.shape)} and {tuple(true_token.shape)}"
@@ -181,7 +189,11 @@ def beam_search(drafter: DrafterProtocol, embed: Callable[[torch.Tensor], torch.
     if keep_log_probs or (ids is not None and warp_top_k is not None and ids.shape[0] <= warp_top_k):
         ids = None
     logits = drafter.logits if ids is None else drafter.head_logits
+    if depth_rows is not None:
+        assert len(depth_rows) == dl - 1, f"need {dl - 1} depth_rows tensors, got {len(depth_rows)}"
+        assert not keep_log_probs, "a search of chosen depth keeps no log-probabilities (`apple` verifies whole trees)"
     for t in range(dl):
+        live: Optional[torch.Tensor] = None  # [] bool: step t runs (depth_rows); None: it always does
         if t == 0:  # all beams are [true token] with the same state: run the drafter once and share the row
             state = drafter.update_state(embed(true_token), state, 0)  # [bs, H]
             step_logits = logits(h, state)[:, None]  # [bs, 1, V]
@@ -191,13 +203,27 @@ def beam_search(drafter: DrafterProtocol, embed: Callable[[torch.Tensor], torch.
             if step_logits.shape[-1] < bound or (warp_top_k is not None and warp_top_k < bound):
                 step_logits = step_logits.expand(bs, nb, -1)  # [bs, nb, V]
             state = state[:, None].expand(bs, nb, H).reshape(bs * nb, H)
+        elif depth_rows is not None:  # the rows of step t: all, or none where the search stops before it
+            idx = depth_rows[t - 1]
+            live = torch.ones_like(idx, dtype=torch.bool).any()  # False for no rows (a value: no guard on the size)
+            new = drafter.update_state(embed(beams[:, :, t].reshape(-1).index_select(0, idx)),
+                                       state.index_select(0, idx), t)  # [rows, H]
+            head = logits(context.index_select(0, idx), new)  # [rows, V]
+            state = state.index_copy(0, idx, new)
+            step_logits = head.new_zeros(bs * nb, head.shape[1]).index_copy(0, idx, head).reshape(bs, nb, -1)
         else:
             state = drafter.update_state(embed(beams[:, :, t].reshape(-1)), state, t)  # [bs*nb, H]
             step_logits = logits(context, state).reshape(bs, nb, -1)  # [bs, nb, V] float32
-        live = score[:, :step_logits.shape[1]]  # step 0 (one row): beam 0's score
-        score, parent, token, step_logp = select(step_logits, live, nb, warp_top_k, keep_log_probs, **by_bound)
+        parents = score[:, :step_logits.shape[1]]  # step 0 (one row): beam 0's score
+        new_score, parent, token, step_logp = select(step_logits, parents, nb, warp_top_k, keep_log_probs,
+                                                     **by_bound)
         if ids is not None:
             token = ids[token]
+        if live is not None:  # a step past the search's depth: every beam keeps itself, repeats its last token
+            parent = torch.where(live, parent, torch.arange(nb, device=device)[None, :])
+            token = torch.where(live, token, beams[:, :, t])
+            new_score = torch.where(live, new_score, torch.full_like(new_score, LOG_ZERO))
+        score = new_score
         beams = torch.cat([beams[rows, parent], token[:, :, None]], dim=2)  # [bs, nb, t+2]
         history = score[:, :, None] if history is None else torch.cat([history[rows, parent], score[:, :, None]], 2)
         state = state.view(bs, nb, -1)[rows, parent].view(bs * nb, -1)

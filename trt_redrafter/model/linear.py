@@ -180,6 +180,8 @@ def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.T
     """x [M, in] @ packed^T (+ bias) -> [M, out]; inputs of fewer rows padded to `min_rows` (M-invariance and speed,
     see above)."""
     M, pad = x.shape[0], min_rows(x.dtype)
+    if M == 0:  # no rows (a beam search that stopped before this depth): no weight read, not `pad` rows' worth
+        return x.new_empty(0, packed.shape[0])
     if M < pad:
         y = torch.ops.mkldnn._linear_pointwise(F.pad(x, (0, 0, 0, pad - M)), packed, bias, "none", [], "")
         return y[:M]
