@@ -1,11 +1,15 @@
-"""Paired benchmark of `--draft-beams` settings on one engine: AR and ReDrafter under each setting, request by
-request in rotating order within one process (so the machine's phases hit every setting alike), rounds of the same
-prompts. Prints, per round, each setting's decode time and steps and its speedup over AR, the beam counts its
-drafting steps searched, and whether every setting emitted AR's tokens; with --outcomes, the acceptance of verified
-nodes by (score bin, depth) under each fixed beam count (what runtime/calibration.py learns per cell).
+"""Paired benchmark of `--draft-beams` and `--draft-depth` settings on one engine: AR and ReDrafter under each
+setting, request by request in rotating order within one process (so the machine's phases hit every setting alike),
+rounds of the same prompts. Prints, per round, each setting's decode time and steps and its speedup over AR, the beam
+counts and depths its drafting steps searched, and whether every setting emitted AR's tokens; with --outcomes, the
+acceptance of verified nodes by (score bin, depth) under each fixed beam count (what runtime/calibration.py learns
+per cell).
 
     python scripts/bench_draft_beams.py --engine ENGINE [--settings all,auto] [--batch-size 1] [--num-prompts 8]
         [--max-tokens 64] [--rounds 3] [--threads 2] [--outcomes 1,4]
+
+A setting is BEAMS or BEAMS/DEPTH (`--draft-beams`, `--draft-depth`; DEPTH all where left out): `all/all,all/auto`
+compares the policy's choice of depth against the whole depth.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ import torch
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engine", required=True)
-    ap.add_argument("--settings", default="all,auto", help="--draft-beams values to compare, comma-separated")
+    ap.add_argument("--settings", default="all,auto", help="--draft-beams values (or BEAMS/DEPTH pairs with "
+                    "--draft-depth values) to compare, comma-separated")
     ap.add_argument("--speculate", default="auto")
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--num-prompts", type=int, default=8)
@@ -40,7 +45,7 @@ def main() -> None:
     from trt_redrafter.runtime.distributed import init_dist
     from trt_redrafter.runtime.engine import Engine
     from trt_redrafter.runtime.generate import generate
-    from trt_redrafter.runtime.launch import draft_beam_options
+    from trt_redrafter.runtime.launch import draft_beam_options, draft_depth_options
 
     rt = RuntimeConfig(threads=a.threads, speculate=a.speculate)
     torch.set_num_threads(a.threads)
@@ -51,14 +56,21 @@ def main() -> None:
     groups = [prompts[i:i + a.batch_size] for i in range(0, len(prompts), a.batch_size)]
     params = SamplingConfig(max_tokens=a.max_tokens)
     nb = engine.tree.num_beams
-    settings = {s: draft_beam_options(s, engine.launcher.beam_options, nb) for s in a.settings.split(",")}
+    dl = engine.tree.draft_len_per_beam
+
+    def options(setting: str) -> tuple[list[int], list[int]]:
+        beams, _, depth = setting.partition("/")
+        return (draft_beam_options(beams, engine.launcher.beam_options, nb),
+                draft_depth_options(depth or "all", engine.launcher.depth_options, dl))
+
+    settings = {s: options(s) for s in a.settings.split(",")}
     if engine.policy.costs is not None:
         print(engine.policy.costs.overhead_table())
 
     def run(name: str, group):
         if name == "ar":
             return run_mode(engine, group, params, "ar", last=False)
-        engine.policy.beam_options = settings[name]
+        engine.policy.beam_options, engine.policy.depth_options = settings[name]
         return run_mode(engine, group, params, "redrafter", last=False)
 
     names = ["ar", *settings]
@@ -69,7 +81,8 @@ def main() -> None:
     print(f"engine {a.engine}, batch {a.batch_size}, {len(prompts)} MT-Bench prompts, {a.max_tokens} tokens, "
           f"speculate {a.speculate}, {a.threads} threads, load {_load():.2f}")
     for r in range(a.rounds):
-        ms, steps, beams = collections.Counter(), collections.Counter(), {n: collections.Counter() for n in names}
+        ms, steps = collections.Counter(), collections.Counter()
+        beams, depths = ({n: collections.Counter() for n in names} for _ in range(2))
         for i, g in enumerate(groups):
             k = (i + r) % len(names)
             for n in names[k:] + names[:k]:
@@ -77,10 +90,12 @@ def main() -> None:
                 ms[n] += 1e3 * x.decode_s
                 steps[n] += x.decode_steps
                 beams[n].update(x.beams)
+                depths[n].update(x.depths)
                 outputs.setdefault((n, i), [o.output_ids for o in x.results])
         print(f"round {r}: AR {ms['ar']:.0f} ms {steps['ar']} steps | " + " | ".join(
-            f"--draft-beams {n}: {ms[n]:.0f} ms {steps[n]} steps {ms['ar'] / ms[n]:.3f}x, drafting steps by beams "
-            f"{dict(sorted(beams[n].items()))}" for n in settings), flush=True)
+            f"{n}: {ms[n]:.0f} ms {steps[n]} steps {ms['ar'] / ms[n]:.3f}x, drafting steps by beams "
+            f"{dict(sorted(beams[n].items()))}, by depth {dict(sorted(depths[n].items()))}" for n in settings),
+            flush=True)
     same = all(outputs[(n, i)] == outputs[("ar", i)] for n in settings for i in range(len(groups)))
     print(f"greedy == AR for every setting: {same}")
 
@@ -90,6 +105,7 @@ def main() -> None:
         table = {}
         for k in counts:
             engine.policy.beam_options = draft_beam_options(str(k), engine.launcher.beam_options, nb)
+            engine.policy.depth_options = [dl]
             engine.outcomes = []
             generate(engine, prompts, params, "redrafter", last=False)
             cells = collections.defaultdict(lambda: [0, 0, 0.0])

@@ -128,9 +128,9 @@ def test_compiled_every_beam_count_runs_the_one_tree_graph(tiny, compiled):
     generate(compiled, prompts, greedy(40), "redrafter")  # the greedy variants, compiled by now or here
     seen, tree_step = [], launcher.tree
 
-    def recording(slots, width, keep, longest, variant, pending=None, grammar=None, beams=0):
+    def recording(slots, width, keep, longest, variant, pending=None, grammar=None, beams=0, depth=0):
         seen.append(beams)
-        return tree_step(slots, width, keep, longest, variant, pending, grammar, beams)
+        return tree_step(slots, width, keep, longest, variant, pending, grammar, beams, depth)
 
     launcher.tree, options = recording, policy.beam_options
     torch.compiler.set_stance("fail_on_recompile")
@@ -144,6 +144,46 @@ def test_compiled_every_beam_count_runs_the_one_tree_graph(tiny, compiled):
         torch.compiler.set_stance("default")
         del launcher.tree
         policy.beam_options = options
+
+
+def test_compiled_every_draft_depth_runs_the_one_tree_graph(tiny, compiled):
+    """`--draft-depth 1` and `2` (of 3) on the compiled engine, with 4 beams and with 1: each drafting depth's rows
+    are an unbacked size (none past the depth), so the tree graph compiled at load stops the search at any depth
+    without a recompile; the steps verify nothing deeper (the nodes past the depth score SCORE_PAD and are not
+    kept), and the tokens are AR's, greedy and sampled. (The trained pair's acceptance at every depth:
+    test_draft_depth.)"""
+    _, _, prompts, ar = tiny
+    launcher, policy = compiled.launcher, compiled.policy
+    assert launcher.depth_options == [1, 2, 3]
+    generate(compiled, prompts, greedy(40), "redrafter")  # the greedy variants, compiled by now or here
+    seen, tree_step = [], launcher.tree
+
+    def recording(slots, width, keep, longest, variant, pending=None, grammar=None, beams=0, depth=0):
+        seen.append(depth)
+        return tree_step(slots, width, keep, longest, variant, pending, grammar, beams, depth)
+
+    launcher.tree, options, beam_options = recording, policy.depth_options, policy.beam_options
+    try:
+        # sampled, one token deep: AR's draws (the sampled variants may compile here)
+        params = [SamplingConfig(max_tokens=30, temperature=0.8, top_k=50, seed=s) for s in range(len(prompts))]
+        sampled_ar = [r.output_ids for r in generate(compiled, prompts, params, "ar")]
+        policy.depth_options = [1]
+        res = generate(compiled, prompts, params, "redrafter")
+        assert [r.output_ids for r in res] == sampled_ar and set(seen) == {1}
+        assert all(r.draft_tokens > 0 for r in res)
+        torch.compiler.set_stance("fail_on_recompile")
+        for k, d in ((4, 1), (4, 2), (1, 1)):
+            policy.depth_options, policy.beam_options, seen[:] = [d], [k], []
+            res = generate(compiled, prompts, greedy(40), "redrafter")
+            assert [r.output_ids for r in res] == ar, (k, d)
+            assert set(seen) == {d} and all(r.draft_tokens > 0 for r in res), (k, d)
+            # `draft_tokens` adds up the depth of the deepest node each tree step verified (the first tree, drafted
+            # after the prompt, is whole: 3 deep)
+            assert all(r.draft_tokens <= d * r.steps + 3 - d for r in res), (k, d, [r.draft_tokens for r in res])
+    finally:
+        torch.compiler.set_stance("default")
+        del launcher.tree
+        policy.depth_options, policy.beam_options = options, beam_options
 
 
 def test_the_torch_attention_traces_at_an_unbacked_tree_width():

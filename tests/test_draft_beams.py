@@ -172,10 +172,10 @@ def beams_drafted(engine) -> list[int]:
     """Wrap the launcher to record the beam count of every tree step that drafts."""
     seen, tree_step = [], engine.launcher.tree
 
-    def recording(slots, width, keep, longest, variant, pending=None, grammar=None, beams=0):
+    def recording(slots, width, keep, longest, variant, pending=None, grammar=None, beams=0, depth=0):
         if variant.draft:
             seen.append(beams or engine.tree.num_beams)
-        return tree_step(slots, width, keep, longest, variant, pending, grammar, beams)
+        return tree_step(slots, width, keep, longest, variant, pending, grammar, beams, depth)
 
     engine.launcher.tree = recording
     return seen

@@ -45,6 +45,9 @@ RUNS = {
     **{f"beams-{k}": {"prompts": PROMPTS, "draft_beams": k} for k in (1, 2)},
     "sampled-beams-1": {"prompts": PROMPTS, "draft_beams": 1, "sampling": SAMPLED},
     "beams-auto": {"prompts": PROMPTS, "speculate": "auto", "draft_beams": "auto"},
+    **{f"depth-{d}": {"prompts": PROMPTS, "draft_depth": d, "draft_beams": k} for d, k in ((1, "all"), (2, 2))},
+    "sampled-depth-1": {"prompts": PROMPTS, "draft_depth": 1, "sampling": SAMPLED},
+    "depth-auto": {"prompts": PROMPTS, "speculate": "auto", "draft_beams": "auto", "draft_depth": "auto"},
 }
 TP4_RUNS = ("redrafter", "ar")
 
@@ -136,6 +139,21 @@ def test_tp2_every_beam_count_gives_the_tp1_ar_tokens(decoded):
         assert run == decoded[1][f"beams-{k}"] and all(n > 0 for n in run["draft_tokens"]), k
     assert decoded[2]["sampled-beams-1"]["output_ids"] == decoded[1]["ar-sampled"]["output_ids"]
     assert decoded[2]["beams-auto"]["output_ids"] == decoded[1]["ar"]["output_ids"]  # the policy choosing counts
+
+
+@pytest.mark.core  # one engine load per TP size for all of them (the `decoded` fixture)
+def test_tp2_every_draft_depth_gives_the_tp1_ar_tokens(decoded):
+    """Drafting less deep (`--draft-depth N`, with every beam and with 2; and `auto`: rank 0's policy chooses depth
+    and beams; its step plans carry them), greedy and sampled, at TP=2, where the sharded drafter's layers gather
+    zero rows past the depth: AR's tokens at TP=1, and the same trees as at TP=1 (drafted and verified alike), never
+    verified deeper than the depth (the first tree, drafted after the prompt, aside: 3 deep)."""
+    for d in (1, 2):
+        run = decoded[2][f"depth-{d}"]
+        assert run["output_ids"] == decoded[1]["ar"]["output_ids"], d
+        assert run == decoded[1][f"depth-{d}"] and all(n > 0 for n in run["draft_tokens"]), d
+        assert all(n <= d * steps + 3 - d for n, steps in zip(run["draft_tokens"], run["steps"])), d
+    assert decoded[2]["sampled-depth-1"]["output_ids"] == decoded[1]["ar-sampled"]["output_ids"]
+    assert decoded[2]["depth-auto"]["output_ids"] == decoded[1]["ar"]["output_ids"]  # the policy choosing depths
 
 
 @pytest.mark.core  # one engine load per TP size for all of them (the `decoded` fixture)

@@ -623,6 +623,13 @@ class RuntimeConfig(ConfigBase):
                                           "what drafting costs), or N (one of those counts, every drafting step). "
                                           "Fewer beams draft smaller trees for less. Counts below all need a step "
                                           "that drafts any count: eager, or inductor on the CPU")
+    draft_depth: str = option("auto", help="tokens each beam drafts in a step that drafts: all (the engine's "
+                                           "--draft-len-per-beam), auto (with --speculate auto, the speculation "
+                                           "policy chooses among 1 .. all, by what the trees at hand earn at each "
+                                           "depth and what each depth's read of the drafter's weights costs), or N "
+                                           "(every drafting step). Depths below all need a step that stops drafting "
+                                           "early: the CPU, eager or inductor, with the drafter run as ops (not the "
+                                           "fused beam_draft kernel); elsewhere auto is all")
 
     def validate(self) -> None:
         super().validate()
@@ -639,6 +646,8 @@ class RuntimeConfig(ConfigBase):
             raise bad_value(s, "speculate", "auto, full or a positive number of tree nodes", self.speculate)
         if self.draft_beams not in ("all", "auto") and not (self.draft_beams.isdigit() and int(self.draft_beams) > 0):
             raise bad_value(s, "draft_beams", "all, auto or a positive number of beams", self.draft_beams)
+        if self.draft_depth not in ("all", "auto") and not (self.draft_depth.isdigit() and int(self.draft_depth) > 0):
+            raise bad_value(s, "draft_depth", "all, auto or a positive number of tokens", self.draft_depth)
 
     @property
     def speculation(self) -> "Speculation":

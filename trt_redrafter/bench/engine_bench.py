@@ -64,6 +64,7 @@ class ModeRow:
     greedy_outputs_equal: bool  # last round's outputs == AR's
     steps_by_width: dict[int, int]  # last round's decode steps by verified tree nodes (0: AR)
     steps_by_beams: dict[int, int]  # last round's drafting tree steps by beams searched
+    steps_by_depth: dict[int, int]  # ... and by the depth drafted
     round_speedups: list[float]  # per round: AR's mean TPOT over this mode's, over the same groups
     group_speedups: list[float]  # per group and round: AR's TPOT over this mode's, run back to back
     speedup: float  # the median of round_speedups: the headline
@@ -138,11 +139,14 @@ def mode_row(bs: int, mode: str, t: _Tally, ar: _Tally) -> ModeRow:
     results = [r for run in t.last for r in run.results]
     widths: dict[int, int] = {}
     beams: dict[int, int] = {}
+    depths: dict[int, int] = {}
     for run in t.last:
         for w, n in run.widths.items():
             widths[w] = widths.get(w, 0) + n
         for k, n in run.beams.items():
             beams[k] = beams.get(k, 0) + n
+        for d, n in run.depths.items():
+            depths[d] = depths.get(d, 0) + n
     ratio = RatioSummary.of(t.round_ratios)
     speculative = mode != "ar"
     step_ms, propose_ms = t.step_ms, 1e3 * t.propose / max(1, t.steps)
@@ -153,6 +157,7 @@ def mode_row(bs: int, mode: str, t: _Tally, ar: _Tally) -> ModeRow:
         tokens_per_step=statistics.mean(r.tokens_per_step for r in results) if speculative else 1.0,
         acceptance_rate=sum(r.accepted_draft_tokens for r in results) / max(1, drafted) if speculative else None,
         greedy_outputs_equal=t.outputs == ar.outputs, steps_by_width=widths, steps_by_beams=beams,
+        steps_by_depth=depths,
         round_speedups=t.round_ratios,
         group_speedups=t.group_ratios, speedup=ratio.median, speedup_min=ratio.min, speedup_max=ratio.max,
         speedup_iqr=ratio.iqr, step_cost_ratio=step_ms / ar.step_ms if ar.step_ms else 0.0,
@@ -341,6 +346,9 @@ def print_table(rows: list[ModeRow], peers: list[BaselineRow]) -> None:
         if r.steps_by_beams:
             print(f"batch {r.batch_size} {r.mode}: tree steps that drafted, by beams searched: "
                   + " ".join(f"{k}:{n}" for k, n in sorted(r.steps_by_beams.items())))
+        if r.steps_by_depth:
+            print(f"batch {r.batch_size} {r.mode}: tree steps that drafted, by depth drafted: "
+                  + " ".join(f"{d}:{n}" for d, n in sorted(r.steps_by_depth.items())))
     for r in rows:
         if r.ratio.straddles_one:
             print(f"batch {r.batch_size} {r.mode}: the rounds disagree on whether it is faster than AR "

@@ -35,6 +35,7 @@ class ModeRun:
     propose_s: float  # the host's drafting between steps (N-gram, mixed)
     widths: dict[int, int] = field(default_factory=dict)  # decode steps by verified tree nodes (0: AR)
     beams: dict[int, int] = field(default_factory=dict)  # tree steps that drafted, by beams searched
+    depths: dict[int, int] = field(default_factory=dict)  # ... and by the depth drafted
 
     @property
     def tpot_ms(self) -> float:
@@ -68,7 +69,7 @@ def run_mode(engine: Engine, prompts: list[list[int]], params: SamplingConfig, m
     st = engine.step_times  # an N-gram request with nothing worth drafting takes an AR step
     return ModeRun(mode, res, st.seconds["ar"] + st.seconds["tree"], st.steps["ar"] + st.steps["tree"],
                    st.mean_ms("ar" if decoding == "ar" else "tree"), st.seconds["propose"], dict(st.widths),
-                   dict(st.beams))
+                   dict(st.beams), dict(st.depths))
 
 
 def phase_profile(engine: Engine, prompts: list[list[int]], params: SamplingConfig, proposer: str = "redrafter",

@@ -33,7 +33,8 @@ from .state import put_rows
 logger = get_logger(__name__)
 
 COST_MODEL_FILE = "cost_model.json"
-COST_MODEL_VERSION = 3  # 2: width-1 steps by beam count (`beams`, `draft`); 3: whole steps under --profile-phases
+COST_MODEL_VERSION = 4  # 2: width-1 steps by beam count (`beams`, `draft`); 3: whole steps under --profile-phases;
+# 4: width-1 steps by draft depth (`depths`, `by_depth`)
 COST_CONTEXTS = (32, 1024)  # context lengths the cost model is measured at (the longer one capped by max_seq_len)
 COST_REPEATS = (3, 9)  # timed calls per measured point (after one untimed): fewest, and most for the fastest ones
 COST_POINT_S = 0.25  # ... so that each point takes about this long
@@ -47,7 +48,8 @@ STALE_PROBES = 5  # timed calls of each kind for that check (their median)
 class CostModel:
     """Measured step times (ms): `ar[b]` and `tree[b][T]` at context lengths `contexts` (two), for the batch sizes
     `batches` (the engine's buckets); `tree` drafts the next trees with every beam, and `draft[b][k]` is a width-1
-    step that drafts with `beams[k]` beams (empty where the step drafts one count only). Lookups interpolate linearly
+    step that drafts with `beams[k]` beams (empty where the step drafts one count only), `by_depth[b][d]` one that
+    drafts every beam to depth `depths[d]` (empty where the step drafts one depth only). Lookups interpolate linearly
     between measured batch sizes and contexts (and extrapolate past the longer context)."""
 
     batches: list[int]
@@ -58,18 +60,25 @@ class CostModel:
     key: dict = field(default_factory=dict)  # what it was measured for (`fingerprint`)
     beams: list[int] = field(default_factory=list)  # beam counts measured, ascending, every beam last
     draft: list[list[list[float]]] = field(default_factory=list)  # [context][batch][beam count]
+    depths: list[int] = field(default_factory=list)  # draft depths measured, ascending, the whole depth last
+    by_depth: list[list[list[float]]] = field(default_factory=list)  # [context][batch][depth]
 
     def ar_ms(self, batch: int, context: float) -> float:
         return self._lookup([row for row in self.ar], batch, context)
 
-    def tree_ms(self, batch: int, width: int, context: float, beams: int = 0) -> float:
-        """A tree step verifying `width` nodes and drafting the next trees with `beams` beams (0: every beam): the
-        measured step at that width, less what drafting fewer beams saves at width 1."""
+    def tree_ms(self, batch: int, width: int, context: float, beams: int = 0, depth: int = 0) -> float:
+        """A tree step verifying `width` nodes and drafting the next trees with `beams` beams (0: every beam) to
+        `depth` tokens (0: the whole depth): the measured step at that width, less what drafting fewer beams saves at
+        width 1 and what drafting less deep saves there (each measured with the other whole; the two savings add
+        up, since each depth runs the drafter over the beams' rows)."""
         w = self.widths.index(width)
         ms = self._lookup([[per_b[w] for per_b in row] for row in self.tree], batch, context)
         if beams and self.beams and beams != self.beams[-1]:
             k = self.beams.index(beams)
             ms -= self._lookup([[per_b[-1] - per_b[k] for per_b in row] for row in self.draft], batch, context)
+        if depth and self.depths and depth != self.depths[-1]:
+            d = self.depths.index(depth)
+            ms -= self._lookup([[per_b[-1] - per_b[d] for per_b in row] for row in self.by_depth], batch, context)
         return ms
 
     def outpaced_by(self, ar_ms: float, width1_ms: float) -> bool:
@@ -84,12 +93,13 @@ class CostModel:
 
     def to_dict(self) -> dict:
         return {"batches": self.batches, "widths": self.widths, "contexts": self.contexts, "ar": self.ar,
-                "tree": self.tree, "key": self.key, "beams": self.beams, "draft": self.draft}
+                "tree": self.tree, "key": self.key, "beams": self.beams, "draft": self.draft, "depths": self.depths,
+                "by_depth": self.by_depth}
 
     @classmethod
     def from_dict(cls, d: dict) -> "CostModel":
         return cls(d["batches"], d["widths"], d["contexts"], d["ar"], d["tree"], d.get("key", {}), d.get("beams", []),
-                   d.get("draft", []))
+                   d.get("draft", []), d.get("depths", []), d.get("by_depth", []))
 
     def overheads(self) -> list[dict]:
         """What speculating costs, per context and batch: `fixed`, a width-1 tree step (it verifies the root only and
@@ -110,17 +120,21 @@ class CostModel:
                        "per_node_ms": slope, "per_node": slope / ar}
                 if self.beams:  # a width-1 step drafting one beam: speculating at its cheapest
                     row.update(width1_one_beam_ms=self.draft[c][b][0], fixed_one_beam=self.draft[c][b][0] / ar)
+                if self.depths:  # ... drafting one token deep
+                    row.update(width1_depth1_ms=self.by_depth[c][b][0], fixed_depth1=self.by_depth[c][b][0] / ar)
                 out.append(row)
         return out
 
     def overhead_table(self) -> str:
-        one = bool(self.beams)
+        one, shallow = bool(self.beams), bool(self.depths)
         lines = ["| context | batch | AR step ms | width-1 tree step ms | fixed cost (width 1 / AR) | "
-                 + ("fixed, drafting 1 beam | " if one else "") + "per verified node ms | per node / AR |",
-                 "|---|---|---|---|---|---|---|" + ("---|" if one else "")]
+                 + ("fixed, drafting 1 beam | " if one else "") + ("fixed, drafting depth 1 | " if shallow else "")
+                 + "per verified node ms | per node / AR |",
+                 "|---|---|---|---|---|---|---|" + ("---|" if one else "") + ("---|" if shallow else "")]
         for o in self.overheads():
             lines.append(f"| {o['context']} | {o['batch']} | {o['ar_ms']:.2f} | {o['width1_ms']:.2f} | "
                          f"{o['fixed']:.2f} | " + (f"{o['fixed_one_beam']:.2f} | " if one else "") +
+                         (f"{o['fixed_depth1']:.2f} | " if shallow else "") +
                          f"{o['per_node_ms']:.3f} | {o['per_node']:.3f} |")
         return "\n".join(lines)
 
@@ -138,6 +152,11 @@ class CostModel:
                              " | ".join(f"{k} beam{'s' if k > 1 else ''}" for k in self.beams) + " |")
                 for b, bs in enumerate(self.batches):
                     lines.append(f"| {bs} | " + " | ".join(f"{x:.2f}" for x in self.draft[c][b]) + " |")
+            if self.depths:
+                lines.append(f"width-1 step ms by draft depth at context {ctx}: | batch | " +
+                             " | ".join(f"depth {d}" for d in self.depths) + " |")
+                for b, bs in enumerate(self.batches):
+                    lines.append(f"| {bs} | " + " | ".join(f"{x:.2f}" for x in self.by_depth[c][b]) + " |")
         return "\n".join(lines)
 
 
@@ -330,9 +349,11 @@ def measure(launcher: StepLauncher, dist, free_slots: list[int], max_seq_len: in
 
     widths = launcher.widths
     beams = launcher.beam_options if draft and len(launcher.beam_options) > 1 else []
+    depths = launcher.depth_options if draft and len(launcher.depth_options) > 1 else []
     ar = [[0.0] * len(batches) for _ in contexts]
     trees = [[[0.0] * len(widths) for _ in batches] for _ in contexts]
     drafts = [[[0.0] * len(beams) for _ in batches] for _ in contexts]
+    by_depth = [[[0.0] * len(depths) for _ in batches] for _ in contexts]
     grid = [(c, b) for c in range(len(contexts)) for b in range(len(batches))]
     for c, b in tqdm(grid, desc="measuring step costs", unit="point", disable=not dist.is_driver or None,
                      leave=False):
@@ -354,14 +375,20 @@ def measure(launcher: StepLauncher, dist, free_slots: list[int], max_seq_len: in
         n = len(calls) - 1
         # width-1 steps drafting fewer beams, in the same rounds (the last count is every beam: the T=1 call)
         calls += [lambda k=k: launcher.tree(slots, 1, [1] * bs, ctx, variant, beams=k) for k in beams[:-1]]
+        # ... and drafting every beam less deep (the last depth is the whole one: the T=1 call)
+        calls += [lambda d=d: launcher.tree(slots, 1, [1] * bs, ctx, variant, depth=d) for d in depths[:-1]]
         ms = timed(calls, slots, ctx)
         ar[c][b] = ms[0]
         for w, T in enumerate(widths):  # the widths past the cut-off extrapolated, proportionally
             trees[c][b][w] = ms[1 + w] if w < n else ms[n] * T / widths[n - 1]
+        nk = max(len(beams) - 1, 0)
         if beams:
-            drafts[c][b] = ms[1 + n:] + [ms[1]]
+            drafts[c][b] = ms[1 + n:1 + n + nk] + [ms[1]]
+        if depths:
+            by_depth[c][b] = ms[1 + n + nk:] + [ms[1]]
     _release(launcher, ids, free)
-    model = CostModel(batches, list(widths), contexts, ar, trees, beams=list(beams), draft=drafts if beams else [])
+    model = CostModel(batches, list(widths), contexts, ar, trees, beams=list(beams), draft=drafts if beams else [],
+                      depths=list(depths), by_depth=by_depth if depths else [])
     logger.info("step costs measured in %.1fs (%d batch sizes x %d tree widths x %d contexts)",
                 time.perf_counter() - t0, len(batches), len(widths), len(contexts))
     return model

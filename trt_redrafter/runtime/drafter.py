@@ -4,7 +4,7 @@ draft on the device own one (proposer.py); the step runs it (step.py)."""
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Protocol, runtime_checkable
+from typing import Callable, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -23,10 +23,17 @@ class DeviceDrafter(Protocol):
     draft_len: int
 
     def draft(self, h: torch.Tensor, true_token: torch.Tensor, keep_log_probs: bool,
-              beams: Optional[torch.Tensor] = None) -> BeamSearchResult:
+              beams: Optional[torch.Tensor] = None, depth_rows: Optional[Sequence[torch.Tensor]] = None
+              ) -> BeamSearchResult:
         """h [bs, H] (final-norm hidden state at the last accepted position), true_token [bs] -> beams, scores;
         `beams` [k]: search k <= num_beams beams (None: num_beams). A tensor whose length counts, not an int: in a
-        compiled step k is an unbacked size, which stays one where the step's graph breaks around this call."""
+        compiled step k is an unbacked size, which stays one where the step's graph breaks around this call.
+        `depth_rows`: the search stops early (`decoding.beam_search`'s; None: it drafts draft_len tokens), where
+        `any_depth`."""
+
+    @property
+    def any_depth(self) -> bool:
+        """Whether `draft` takes `depth_rows`, so that one step drafts any depth."""
 
 
 class BeamDrafter:
@@ -52,16 +59,24 @@ class BeamDrafter:
             return "one kernel call a step (cpu beam_draft)"
         return "a call per layer and depth (decoding.beam_search)"
 
+    @property
+    def any_depth(self) -> bool:
+        """Whether a step may stop the search early (`beam_search`'s `depth_rows`): not where the fused kernel drafts,
+        whose search runs every depth."""
+        return self.fused is None
+
     def draft(self, h: torch.Tensor, true_token: torch.Tensor, keep_log_probs: bool,
-              beams: Optional[torch.Tensor] = None) -> BeamSearchResult:
+              beams: Optional[torch.Tensor] = None, depth_rows: Optional[Sequence[torch.Tensor]] = None
+              ) -> BeamSearchResult:
         nb = self.num_beams if beams is None else beams.shape[0]
         if self.fused is not None and not keep_log_probs and h.dtype == self.fused.embedding.dtype:
+            assert depth_rows is None, "the fused search drafts every depth (any_depth is False)"
             return self.fused(h, true_token, nb, self.num_beams, self.draft_len)
         # traced (the count an unbacked size): choose every path by the bound, never by the count
         bound = self.num_beams if beams is not None and torch.compiler.is_compiling() else None
         return beam_search.beam_search(self.drafter, self.embed, h, true_token, nb, self.draft_len,
                                        warp_top_k=self.warp_top_k, keep_log_probs=keep_log_probs,
-                                       select=self.select, max_beams=bound)
+                                       select=self.select, max_beams=bound, depth_rows=depth_rows)
 
 
 class FusedSearch:

@@ -44,7 +44,7 @@ from .distributed import Dist
 from .drafter import BeamDrafter
 from .grammar import Grammars
 from .graphs import Compiler
-from .launch import StepLauncher, draft_beam_options, variant_for, warmup_variants
+from .launch import StepLauncher, draft_beam_options, draft_depth_options, variant_for, warmup_variants
 from .loading import keep_inductor_cache, load_models, make_proposers, ngram_when, plug_kernels, resolve_kernels
 from .policy import AR_STEP, Candidate, Policy, StepDecision
 from .prompt import PromptPhase
@@ -119,7 +119,8 @@ class Engine:
         self.prompts = PromptPhase(self.steps, self.cache, self.state, tree, self.vocab_size, dist.device)
         self.launcher = StepLauncher(self.steps, self.compiler, self.cache, self.state, tree,
                                      self.build.max_batch_size, self.vocab_size, self.timer,
-                                     trims_key_blocks=self.kernels == "torch")
+                                     trims_key_blocks=self.kernels == "torch",
+                                     stops_early=runtime.draft_depth != "all")
         self.step_times = StepTimes()
         self._ids = itertools.count()
         self.outcomes: Optional[list[tuple[str, int, int, bool]]] = None  # a list: record verified nodes (tools)
@@ -128,7 +129,9 @@ class Engine:
             self.warmup(trees=speculative)
         spec = runtime.speculation
         self.policy = Policy(spec, tree.max_tree_tokens, self.cost_model() if spec.auto and speculative else None,
-                             draft_beam_options(runtime.draft_beams, self.launcher.beam_options, tree.num_beams))
+                             draft_beam_options(runtime.draft_beams, self.launcher.beam_options, tree.num_beams),
+                             draft_depth_options(runtime.draft_depth, self.launcher.depth_options,
+                                                 tree.draft_len_per_beam))
 
     @classmethod
     def load(cls, engine_dir: str | Path, dist: Dist, runtime: RuntimeConfig | None = None,
@@ -278,6 +281,7 @@ class Engine:
         self.step_times.widths[decision.width] += 1
         if layout is not None and layout.draft:
             self.step_times.beams[decision.beams or self.tree.num_beams] += 1
+            self.step_times.depths[decision.depth or self.tree.draft_len_per_beam] += 1
         self.policy.observe_step(decision, len(group), sum(s.ctx_len for s in group) / len(group), 1e3 * took)
         emitted = {}
         # each row's log-probability columns come last: one emitted token's worth per AR row, bl per tree row
@@ -318,7 +322,8 @@ class Engine:
         masks = self._masks(group, keep)
         variant = variant_for(True, rule, self._speculating_proposers(group), decision.draft,
                               any(p is not None for p in pending), with_logprobs, masks is not None)
-        out = self.launcher.tree(slots, decision.width, keep, longest, variant, pending, masks, decision.beams)
+        out = self.launcher.tree(slots, decision.width, keep, longest, variant, pending, masks, decision.beams,
+                                 decision.depth)
         tree = self.tree
         return out, RowLayout(tree.beam_length, tree.max_tree_tokens, variant.draft,
                               tree.num_beams * tree.beam_length if variant.return_beams else 0)

@@ -241,6 +241,12 @@ def beam_buckets(num_beams: int) -> list[int]:
     return _doubling(num_beams)
 
 
+def depth_buckets(draft_len: int) -> list[int]:
+    """Draft depths a drafting step may stop at: every one from 1 to draft_len (each reads the drafter's weights
+    once more)."""
+    return list(range(1, draft_len + 1))
+
+
 def tree_buckets(max_tree_tokens: int) -> list[int]:
     """Tree widths a step may verify: 1 (the root: a probe), 2, 3, 5, 9, 17, ... (1 + powers of two) and the whole
     tree. Few, so that CUDA graphs capture each; spaced so that the next bucket roughly doubles the drafted nodes."""

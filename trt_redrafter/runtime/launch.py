@@ -20,7 +20,7 @@ from ..config import AcceptanceRule, ReDrafterConfig
 from ..decoding import bitmask
 from ..errors import UserError
 from ..log import get_logger
-from .graphs import Compiler, batch_buckets, beam_buckets, bucket_for, tree_buckets
+from .graphs import Compiler, batch_buckets, beam_buckets, bucket_for, depth_buckets, tree_buckets
 from .kv_cache import PagedKVCache
 from .proposer import Proposer, drafts_on_device, returns_device_beams
 from .sequence import Draft
@@ -80,6 +80,24 @@ def _builds(unit) -> int:
     return counters["stats"]["unique_graphs"] + len(getattr(unit, "graphs", ()))
 
 
+def draft_depth_options(spec: str, options: list[int], draft_len: int) -> list[int]:
+    """The draft depths the policy may draft to, as `--draft-depth` says: all (draft_len), auto (`options`, the
+    launcher's), or N, which must be one of `options`."""
+    if spec == "all":
+        return [draft_len]
+    if spec == "auto":
+        return options
+    fixed = int(spec)
+    if fixed not in options:
+        can = ", ".join(map(str, options))
+        where = "" if len(options) > 1 else \
+            " (a step stops drafting early only on the CPU, eager or inductor, where the drafter runs as ops, not " \
+            "as the one fused beam_draft kernel)"
+        raise UserError(f"--draft-depth {fixed}: this engine's steps can draft to depth {can}{where} (its beams draft "
+                        f"{draft_len} tokens); use one of those, all, or auto to let the speculation policy choose.")
+    return [fixed]
+
+
 def draft_beam_options(spec: str, options: list[int], num_beams: int) -> list[int]:
     """The beam counts the policy may draft with, as `--draft-beams` says: all (num_beams), auto (`options`, the
     launcher's), or N, which must be one of `options`."""
@@ -103,7 +121,9 @@ class StepLauncher:
 
     def __init__(self, steps: DecodeStep, compiler: Compiler, cache: PagedKVCache, state: SlotState,
                  tree: ReDrafterConfig, max_batch_size: int, vocab_size: int, timer: PhaseTimer,
-                 trims_key_blocks: bool):
+                 trims_key_blocks: bool, stops_early: bool = True):
+        """`stops_early`: steps may draft less deep than the tree (`--draft-depth` other than all), where they can
+        (`depth_options`); without it the step drafts the whole depth, with no per-depth rows in its graph."""
         self.steps, self.compiler, self.cache, self.state = steps, compiler, cache, state
         self.tree_shape = tree
         self.vocab_size, self.timer = vocab_size, timer
@@ -118,6 +138,12 @@ class StepLauncher:
         # (`Compiler.any_width`: the count is an unbacked size, as the width is); else the tree's nb only
         nb = tree.num_beams
         self.beam_options = beam_buckets(nb) if compiler.any_width else [nb]
+        # draft depths a drafting step may stop at (`beam_search`'s depth_rows, also unbacked sizes) where one compiled
+        # step serves them all and the drafter runs as ops on the CPU (a layer over zero rows reads no weight there)
+        dl = tree.draft_len_per_beam
+        any_depth = stops_early and steps.proposer is not None and steps.proposer.any_depth
+        self.depth_options = depth_buckets(dl) if compiler.any_width and any_depth and self.device.type == "cpu" \
+            else [dl]
 
     # ---- the two step kinds ------------------------------------------------------------------------------------
     def ar(self, slots: list[int], longest: int, rule: AcceptanceRule, logprobs: bool = False,
@@ -129,18 +155,20 @@ class StepLauncher:
 
     def tree(self, slots: list[int], width: int, keep: list[int], longest: int, variant: StepVariant,
              pending: Optional[list[Optional[Draft]]] = None, grammar: Optional[torch.Tensor] = None,
-             beams: int = 0) -> torch.Tensor:
+             beams: int = 0, depth: int = 0) -> torch.Tensor:
         """A tree step: the first `width` nodes of each slot's tree (each counting keep[i] of them), over contexts up
         to `longest` committed positions; `pending`: the trees the host composed, per slot (None: the stored one);
         grammar [len(slots), nb, bl, words]: the token bitmasks of the trees' nodes, in beam layout; `beams`: how
-        many beams the drafter searches for the next trees (one of `beam_options`; 0: all nb)."""
+        many beams the drafter searches for the next trees (one of `beam_options`; 0: all nb); `depth`: how many
+        tokens deep (one of `depth_options`; 0: all dl; where the beams come back to the host, always all)."""
         if variant.rule is AcceptanceRule.APPLE:
             self.state.ensure_draft_logp(self.vocab_size)
         T = self.verify_width(width, max(keep))
         args = self._inputs(slots, T, longest + T, keep)
         host = self._host_inputs(pending, args[0].shape[0]) if variant.host_trees else (None, None, None)
         call = (*args, variant.rule, variant.draft, variant.return_beams, variant.logprobs, *host,
-                self._padded(grammar, args[0].shape[0]), self._draft_beams(variant, beams))
+                self._padded(grammar, args[0].shape[0]), self._draft_beams(variant, beams),
+                self._draft_depth(variant, args[0].shape[0] * (beams or self.tree_shape.num_beams), depth))
         if self.timer.enabled:  # each phase its own unit, timed
             out = self.steps.redrafter_step(*call, run=self._timed_phase)
             self.timer.end_step()
@@ -169,6 +197,23 @@ class StepLauncher:
         k = torch.arange(beams or nb, device=self.device)
         self.compiler.mark_width(k)
         return k
+
+    def _draft_depth(self, variant: StepVariant, rows: int, depth: int) -> Optional[list[torch.Tensor]]:
+        """`beam_search`'s depth_rows for a search of `depth` (0: dl) tokens over `rows` beams: dl - 1 index tensors,
+        arange(rows) for each drafting step that runs and empty ones after. None where the step drafts nothing, the
+        depth is static (`depth_options`), the beams come back to the host (mixed trees and grammars compose from
+        whole beams) or the rule reads the drafter's distributions (`apple`)."""
+        dl = self.tree_shape.draft_len_per_beam
+        if depth not in (0, *self.depth_options):
+            raise ValueError(f"a step may draft to depth {self.depth_options}, not {depth}")
+        if not variant.draft or variant.return_beams or variant.rule is AcceptanceRule.APPLE \
+                or len(self.depth_options) < 2:
+            return None
+        d = depth or dl
+        out = [torch.arange(rows if t < d else 0, device=self.device) for t in range(1, dl)]
+        for idx in out:
+            self.compiler.mark_width(idx)
+        return out
 
     # ---- warm-up -----------------------------------------------------------------------------------------------
     def warmup(self, variants: list[StepVariant], trees: bool = True, show: bool = True, guided: bool = False,

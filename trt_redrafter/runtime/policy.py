@@ -26,10 +26,12 @@ verifies the fresh trees where the proposer's own claims say they would pay, wha
 calibration that turned pessimistic on a hard stretch of text learns only from verified nodes, and a policy that
 stopped verifying would never see the drafter recover.
 
-A third, where one compiled step drafts any beam count (eager, inductor on the CPU: the count is an unbacked size,
-step.py `_propose`): how many beams a drafting step searches for the next trees. Drafting costs per beam (the cost
-model measures a width-1 step at each count), and a drafter whose other beams are never right wastes them: the trees
-at hand, cut to their first k beams, forecast what k would earn (`_next_beams`).
+A third, where one compiled step drafts any beam count or depth (eager, inductor on the CPU: each is an unbacked
+size, step.py `_propose`): how many beams a drafting step searches for the next trees, and how many tokens deep.
+Drafting costs per beam and per depth (the cost model measures a width-1 step at each count and each depth): a
+drafter whose other beams are never right wastes them, and one whose deeper tokens are never accepted wastes a read
+of its weights at each further depth. The trees at hand, cut to their first k beams and first d depths, forecast what
+(k, d) would earn (`_next_draft`).
 
 Trees composed on the host between steps (N-gram, a test's oracle) cost host time as well as the verify: where every
 tree of the batch comes from the host, that time (a running mean per request, measured) is added to the tree step's
@@ -60,10 +62,10 @@ from ..config import Speculation
 from .calibration import Calibration
 from .costs import CostModel
 from .graphs import tree_buckets
-from .step import SCORE_SCALE
+from .step import SCORE_PAD, SCORE_SCALE
 
 PROBE_MIN, PROBE_MAX = 4, 64  # AR steps between probes while resting (doubling while probes find nothing)
-BEAM_EXPLORE = 8  # drafting steps with fewer beams, after which one drafts every beam (the choice made again)
+BEAM_EXPLORE = 8  # drafting steps with fewer beams or less depth, after which one drafts the whole tree (chosen again)
 PROBE_HOPE = 0.95  # probe sooner than PROBE_MAX only where the last trees nearly pay, or drafting faded this close
 MEAN_DECAY = 0.8  # running means of a drafting step's gain and cost: weight of the past
 # the cost model, measured once, against the steps as they run now: a running mean (weight of the past) of each kind's
@@ -91,6 +93,14 @@ class Candidate:
     depths: Optional[list[int]] = None  # each node's depth (aligned with `scores`); None: unknown
 
     @property
+    def drafted_depth(self) -> int:
+        """How many tokens deep the drafter searched for this tree (0: unknown): the deepest node it drafted. A search
+        that stopped early leaves the nodes past its depth at SCORE_PAD (step.py `_propose`)."""
+        if not self.depths or not self.beams:
+            return 0
+        return max((d for d, s in zip(self.depths[1:], self.scores[1:]) if s > SCORE_PAD), default=0)
+
+    @property
     def drafted_beams(self) -> int:
         """How many beams the drafter searched for this tree (0: unknown). A search of k beams fills the other slots
         with copies of beam 0, and every beam it found has a node of its own (beams are distinct), so the highest
@@ -102,7 +112,7 @@ class Candidate:
 class StepDecision:
     """What a decode step does, decided on rank 0 and broadcast with the step plan: an AR step (`width` 0) or a
     tree step over `width` nodes that keeps keep[seq_id] of them per request and drafts the next trees (`draft`)
-    with `beams` beams (0: the tree's nb)."""
+    with `beams` beams (0: the tree's nb), `depth` tokens deep (0: the tree's dl)."""
 
     width: int
     keep: dict[Hashable, int] = field(default_factory=dict)
@@ -110,6 +120,7 @@ class StepDecision:
     expected: float = 0.0  # tokens per request the policy expected (tree steps), for the record
     compose: bool = True  # host proposers compose the next trees after this step (not while the policy rests)
     beams: int = 0
+    depth: int = 0
 
     @property
     def is_tree(self) -> bool:
@@ -148,7 +159,8 @@ class PolicyState:
     # the batch size at which drafting that paid stopped on running means within PROBE_HOPE of paying (0: it did not,
     # or never paid): probes on the doubling schedule while the batch keeps that size, whatever the last trees say
     faded: int = 0
-    # drafting steps with fewer beams than every one in a row: at BEAM_EXPLORE the next drafts every beam
+    # drafting steps with fewer beams than every one, or less depth than the whole, in a row: at BEAM_EXPLORE the next
+    # drafts the whole tree
     beam_hold: int = 0
 
 
@@ -165,18 +177,20 @@ class StepCosts:
     def ar_ms(self, batch: int, context: float) -> float:
         return self.model.ar_ms(batch, context) * self.scale[0]
 
-    def tree_ms(self, batch: int, width: int, context: float, beams: int = 0) -> float:
-        return self.model.tree_ms(batch, width, context, beams) * self.scale[1]
+    def tree_ms(self, batch: int, width: int, context: float, beams: int = 0, depth: int = 0) -> float:
+        return self.model.tree_ms(batch, width, context, beams, depth) * self.scale[1]
 
 
 def decide(state: PolicyState, cands: list[Candidate], can_draft: bool, costs: StepCosts, widths: Sequence[int],
-           fixed: Optional[int], beam_options: Sequence[int] = ()) -> tuple[StepDecision, PolicyState]:
+           fixed: Optional[int], beam_options: Sequence[int] = (), depth_options: Sequence[int] = ()
+           ) -> tuple[StepDecision, PolicyState]:
     """The step for these decoding requests, and the state after it; nothing is changed. `can_draft`: some request's
     next tree is drafted on the device (a tree step drafts, an AR step does not; without it, trees come from the host,
     composed after any step the decision does not rest). `widths`: the widths a tree step may verify (tree_buckets:
     1 first, the whole tree last); `fixed`: the width every step verifies (None: the cost model decides);
     `beam_options`: the beam counts a drafting step may search, ascending, the tree's nb last (one: no choice; empty:
-    nb). A fixed width drafts with the first option where it is the only one, else nb; so do probes.
+    nb); `depth_options` likewise the depths, the tree's dl last. A fixed width drafts with the first option of each
+    where it is the only one, else the whole tree; so do probes.
 
     Trees are fresh (drafted after the request's last step) or stale (its last tree again, or none). The transitions,
     all of them here (`rest` counts AR steps, `probe_every` doubles up to PROBE_MAX):
@@ -212,22 +226,24 @@ def decide(state: PolicyState, cands: list[Candidate], can_draft: bool, costs: S
                                                                                         it was on already)
       any          can draft                                            host_resting off (before all the above)
 
-    The beam count of a tree step that drafts while SPECULATING (`_next_beams`): the fresh trees at hand are the
-    forecast of the next ones. Of the counts up to the one they were drafted with, the one whose trees (their nodes
-    on its first k beams) emit the most per millisecond at their best width, counting what drafting k beams costs;
-    every beam after BEAM_EXPLORE drafting steps in a row with fewer (what more beams would find is seen only in
-    trees that have them: a whole tree now and then makes the choice again).
+    The beam count and depth of a tree step that drafts while SPECULATING (`_next_draft`): the fresh trees at hand
+    are the forecast of the next ones. Of the counts and depths up to those they were drafted with, the pair whose
+    trees (their nodes on the first k beams, d deep) emit the most per millisecond at their best width, counting what
+    drafting k beams d deep costs; the whole tree after BEAM_EXPLORE drafting steps in a row with less (what more
+    beams or depth would find is seen only in trees that have them: a whole tree now and then makes the choice
+    again).
 
     While host_resting, an AR step composes nothing (AR_REST) but the last before rest reaches probe_every: that one
     composes the trees that probe whether host trees pay again."""
-    d, state = _decide(state, cands, can_draft, costs, widths, fixed, beam_options)
+    d, state = _decide(state, cands, can_draft, costs, widths, fixed, beam_options, depth_options)
     if d is AR_STEP and state.host_resting and state.rest + 1 < state.probe_every:
         return AR_REST, state  # the next step is an AR step too: nothing to compose for it
     return d, state
 
 
 def _decide(s: PolicyState, cands: list[Candidate], can_draft: bool, costs: StepCosts, widths: Sequence[int],
-            fixed: Optional[int], beam_options: Sequence[int]) -> tuple[StepDecision, PolicyState]:
+            fixed: Optional[int], beam_options: Sequence[int], depth_options: Sequence[int] = ()
+            ) -> tuple[StepDecision, PolicyState]:
     if can_draft and s.host_resting:
         s = replace(s, host_resting=False)
     spec = [c for c in cands if c.speculative]
@@ -241,7 +257,8 @@ def _decide(s: PolicyState, cands: list[Candidate], can_draft: bool, costs: Step
             return AR_STEP, s
         width = fixed if fresh else 1
         beams = beam_options[0] if len(beam_options) == 1 else 0
-        return StepDecision(width, _keep(cands, width), can_draft, beams=beams), s
+        depth = depth_options[0] if len(depth_options) == 1 else 0
+        return StepDecision(width, _keep(cands, width), can_draft, beams=beams, depth=depth), s
     B = len(cands)
     context = sum(c.context for c in cands) / B
     ar_ms = costs.ar_ms(B, context)
@@ -275,17 +292,19 @@ def _decide(s: PolicyState, cands: list[Candidate], can_draft: bool, costs: Step
         # a probe that found nothing worth it (resting already): wait twice as long for the next
         probe_every = min(2 * s.probe_every, PROBE_MAX) if s.host_resting else s.probe_every
         return AR_STEP, replace(s, host_resting=True, rest=0, probe_every=probe_every)
-    full = beam_options[0] if len(beam_options) == 1 else 0  # probes draft with every beam (or the only count)
+    # probes draft the whole tree (or the only count and depth)
+    full = beam_options[0] if len(beam_options) == 1 else 0
+    full_depth = depth_options[0] if len(depth_options) == 1 else 0
     if s.phase is Phase.PROBING:  # the probe's second step: verify the fresh trees if their claims would pay
         s = replace(s, phase=Phase.RESTING)
-        width, expected, ms = _best(fresh, B, context, widths[1:], costs, claims=True, beams=full)
+        width, expected, ms = _best(fresh, B, context, widths[1:], costs, claims=True, beams=full, depth=full_depth)
         if (B + expected) / ms > B / ar_ms:
-            return StepDecision(width, _keep(cands, width), True, expected / B, beams=full), s
+            return StepDecision(width, _keep(cands, width), True, expected / B, beams=full, depth=full_depth), s
     # drafting: worth its cost while the trees it makes pay on average (running means of what a step emits per
     # request, and of what it costs in AR steps at this batch size); a run of trees with nothing worth verifying stops
     # it. Width 1: verify nothing, draft the next trees
-    beams, s = _next_beams(s, fresh, B, context, widths, costs, beam_options)
-    width, expected, ms = _best(fresh, B, context, widths, costs, beams=beams)
+    beams, depth, s = _next_draft(s, fresh, B, context, widths, costs, beam_options, depth_options)
+    width, expected, ms = _best(fresh, B, context, widths, costs, beams=beams, depth=depth)
     gain, cost = 1 + expected / B, ms / ar_ms
     if s.phase is not Phase.SPECULATING:
         mean_gain, mean_cost = gain, cost
@@ -301,35 +320,40 @@ def _decide(s: PolicyState, cands: list[Candidate], can_draft: bool, costs: Step
         mean_cost = MEAN_DECAY * s.mean_cost + (1 - MEAN_DECAY) * cost
     s = replace(s, mean_gain=mean_gain, mean_cost=mean_cost, mean_batch=B, rest=0)
     if mean_gain >= mean_cost:
-        return (StepDecision(width, _keep(cands, width), True, expected / B, beams=beams),
+        return (StepDecision(width, _keep(cands, width), True, expected / B, beams=beams, depth=depth),
                 replace(s, phase=Phase.SPECULATING, probe_every=PROBE_MIN, faded=0))
     faded = B if s.phase is Phase.SPECULATING and mean_gain >= PROBE_HOPE * mean_cost else s.faded
     return AR_STEP, replace(s, phase=Phase.RESTING, hopeless=0, faded=faded)
 
 
 def _best(cands: list[Candidate], B: int, context: float, widths: Sequence[int], costs: StepCosts,
-          claims: bool = False, beams: int = 0, on_beams: int = 0) -> tuple[int, float, float]:
+          claims: bool = False, beams: int = 0, on_beams: int = 0, depth: int = 0, on_depth: int = 0
+          ) -> tuple[int, float, float]:
     """The width whose step emits the most tokens per millisecond for these trees -> (width, expected drafted tokens
-    accepted over the batch, step ms). `claims`: by the proposer's own scores, not the calibration; `beams`: the step
-    drafts the next trees with that many beams (0: all); `on_beams`: only the trees' nodes on their first so many
-    beams count (0: all of them)."""
-    gains = [_gains(c, claims, on_beams) for c in cands]
+    accepted over the batch, step ms). `claims`: by the proposer's own scores, not the calibration; `beams`, `depth`:
+    the step drafts the next trees with that many beams, that deep (0: all); `on_beams`, `on_depth`: only the trees'
+    nodes on their first so many beams, that deep, count (0: all of them)."""
+    gains = [_gains(c, claims, on_beams, on_depth) for c in cands]
     best = None
     for w in widths:
         expected = sum(g[min(w, len(g)) - 1] for g in gains)
-        ms = costs.tree_ms(B, w, context, beams)
+        ms = costs.tree_ms(B, w, context, beams, depth)
         if best is None or (B + expected) / ms > (B + best[1]) / best[2]:
             best = (w, expected, ms)
     return best
 
 
-def _gains(c: Candidate, claims: bool = False, on_beams: int = 0) -> list[float]:
-    """g[k - 1]: tokens expected from the request's first k nodes (the root adds none); `on_beams`: of the nodes on
-    its first so many beams (0, or a tree composed on the host: all of them)."""
+def _gains(c: Candidate, claims: bool = False, on_beams: int = 0, on_depth: int = 0) -> list[float]:
+    """g[k - 1]: tokens expected from the request's first k nodes (the root adds none); `on_beams`, `on_depth`: of
+    the nodes on its first so many beams, that deep (0, or a tree composed on the host: all of them). Nodes past
+    where the drafter stopped (SCORE_PAD) add none."""
     depths = c.depths[1:] if c.depths else [0] * (len(c.scores) - 1)
     nodes = list(zip(c.scores[1:], depths))
     if on_beams and c.beams:
         nodes = [n for n, b in zip(nodes, c.beams[1:]) if b < on_beams]
+    if on_depth and c.depths:
+        nodes = [n for n in nodes if n[1] <= on_depth]
+    nodes = [n for n in nodes if n[0] > SCORE_PAD]
     if claims:
         probs = (math.exp(s / SCORE_SCALE) for s, _ in nodes)
     else:
@@ -337,27 +361,45 @@ def _gains(c: Candidate, claims: bool = False, on_beams: int = 0) -> list[float]
     return list(itertools.accumulate(probs, initial=0.0))
 
 
-def _next_beams(s: PolicyState, fresh: list[Candidate], B: int, context: float, widths: Sequence[int],
-                costs: StepCosts, options: Sequence[int]) -> tuple[int, PolicyState]:
-    """The beam count a drafting step searches for the next trees (`decide`'s docstring says how), and the state
-    after it. 0 where there is no choice (nb)."""
-    if len(options) < 2:
-        return (options[0] if options else 0), s
-    drafted = min(c.drafted_beams or options[-1] for c in fresh)  # the fewest the trees at hand have: known up to it
-    known = [k for k in options if k <= drafted] or options[:1]
+def _next_draft(s: PolicyState, fresh: list[Candidate], B: int, context: float, widths: Sequence[int],
+                costs: StepCosts, beam_options: Sequence[int], depth_options: Sequence[int]
+                ) -> tuple[int, int, PolicyState]:
+    """The beam count and depth a drafting step searches for the next trees (`decide`'s docstring says how), and the
+    state after it. 0 for either where there is no choice (the tree's own)."""
+    beam_choice, depth_choice = len(beam_options) >= 2, len(depth_options) >= 2
+    if not beam_choice and not depth_choice:
+        return (beam_options[0] if beam_options else 0), (depth_options[0] if depth_options else 0), s
+    # known up to the fewest beams and the least depth the trees at hand have
+    if beam_choice:
+        drafted = min(c.drafted_beams or beam_options[-1] for c in fresh)
+        counts = [k for k in beam_options if k <= drafted] or list(beam_options[:1])
+    else:
+        counts = [beam_options[0] if beam_options else 0]
+    if depth_choice:
+        deep = min(c.drafted_depth or depth_options[-1] for c in fresh)
+        depths = [d for d in depth_options if d <= deep] or list(depth_options[:1])
+    else:
+        depths = [depth_options[0] if depth_options else 0]
     rated = []
-    for k in known:
-        width, expected, ms = _best(fresh, B, context, widths, costs, beams=k, on_beams=k)
-        rated.append(((B + expected) / ms, k, width))
-    _, k, _ = max(rated)  # ties: the larger count
-    hold = s.beam_hold + 1 if k < options[-1] else 0
+    for k in counts:
+        for d in depths:
+            width, expected, ms = _best(fresh, B, context, widths, costs, beams=k, on_beams=k, depth=d, on_depth=d)
+            rated.append(((B + expected) / ms, k, d))
+    _, k, d = max(rated)  # ties: the larger count, then the larger depth
+    less = (beam_choice and k < beam_options[-1]) or (depth_choice and d < depth_options[-1])
+    hold = s.beam_hold + 1 if less else 0
     if hold > BEAM_EXPLORE:
-        k, hold = options[-1], 0
-    return k, replace(s, beam_hold=hold)
+        k = beam_options[-1] if beam_choice else k
+        d = depth_options[-1] if depth_choice else d
+        hold = 0
+    return k, d, replace(s, beam_hold=hold)
 
 
 def _keep(cands: list[Candidate], width: int) -> dict[Hashable, int]:
-    return {c.seq_id: (min(width, len(c.scores)) if c.speculative and c.scores and c.fresh else 1) for c in cands}
+    """How many of its first `width` nodes each request verifies: its drafted ones (not the nodes past where the
+    drafter stopped, at SCORE_PAD, last in the tree), 1 (the root) without a fresh tree."""
+    return {c.seq_id: (min(width, sum(1 for x in c.scores if x > SCORE_PAD)) if c.speculative and c.scores and c.fresh
+                       else 1) for c in cands}
 
 
 # ---- the policy ---------------------------------------------------------------------------------------------------
@@ -368,13 +410,15 @@ class Policy:
     measured and the decision's state; `decide` (the function) decides."""
 
     def __init__(self, speculation: Speculation, max_tree_tokens: int, costs: Optional[CostModel] = None,
-                 beam_options: Sequence[int] = ()):
+                 beam_options: Sequence[int] = (), depth_options: Sequence[int] = ()):
         """`beam_options`: the beam counts a drafting step may search (StepLauncher.beam_options, or the one count
-        `--draft-beams` fixes; empty: the tree's nb)."""
+        `--draft-beams` fixes; empty: the tree's nb); `depth_options` likewise the depths (StepLauncher.depth_options,
+        or the one `--draft-depth` fixes; empty: the tree's dl)."""
         self.speculation = speculation
         self.P = max_tree_tokens
         self.widths = tree_buckets(max_tree_tokens)
         self.beam_options = list(beam_options)
+        self.depth_options = list(depth_options)
         self.costs = costs  # what `auto` decides by (the engine measures or loads it)
         self.state = PolicyState()
         self.calibrations: dict[tuple[str, bool], Calibration] = {}
@@ -428,5 +472,5 @@ class Policy:
         state moves on."""
         costs = StepCosts(self.costs, (self.step_scale[0], self.step_scale[1]), self.host_ms)
         d, self.state = decide(self.state, cands, can_draft, costs, self.widths, self.fixed_width(),
-                               self.beam_options)
+                               self.beam_options, self.depth_options)
         return d

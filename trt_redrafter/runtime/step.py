@@ -287,32 +287,43 @@ class DecodeStep:
         return path
 
     def draft(self, hidden: torch.Tensor, path: torch.Tensor, decision: torch.Tensor, keep_log_probs: bool,
-              draft_beams: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+              draft_beams: Optional[torch.Tensor] = None, draft_depth: Optional[list[torch.Tensor]] = None
+              ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         """The proposer's beams [bs, nb, bl], their quantized scores [bs, nb, dl] (and drafter log-probs for `apple`)
-        for each request's next tree; `draft_beams` [k]: draft k <= nb beams (`_propose`)."""
+        for each request's next tree; `draft_beams` [k]: draft k <= nb beams, `draft_depth`: stop the search early
+        (`_propose`)."""
         rows = torch.arange(hidden.shape[0], device=hidden.device)
         acc = Acceptance.unpack(decision)
         return self._propose(hidden[rows, path[rows, acc.num_accepted]], acc.next_token, keep_log_probs,
-                             draft_beams)
+                             draft_beams, draft_depth)
 
     def _propose(self, h: torch.Tensor, true_token: torch.Tensor, keep_log_probs: bool,
-                 draft_beams: Optional[torch.Tensor] = None
+                 draft_beams: Optional[torch.Tensor] = None, draft_depth: Optional[list[torch.Tensor]] = None
                  ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         """The beam search from h [bs, H] and the true tokens. `draft_beams` [k] (its length is what counts: an
         unbacked size under inductor, so one compiled step drafts any k): search k beams instead of nb, and fill the
         other nb - k with copies of beam 0, which `pack_beams` dedups. The tree is then the k-beam search's: what
-        drafting costs shrinks with k (every depth runs the drafter over k rows), and shapes stay [bs, nb, ...]."""
+        drafting costs shrinks with k (every depth runs the drafter over k rows), and shapes stay [bs, nb, ...].
+        `draft_depth` (dl - 1 index tensors: `beam_search`'s `depth_rows`, over the bs * k rows): the search stops
+        after d <= dl drafted tokens, and the nodes past depth d score SCORE_PAD, below every drafted node, as padding
+        does, so they come last in the tree and the host sees where the search stopped (what drafting costs shrinks
+        with d: every depth reads the drafter's weights once)."""
         nb = self.proposer.num_beams
         k = nb if draft_beams is None else draft_beams.shape[0]
-        res = self.proposer.draft(h, true_token, keep_log_probs, draft_beams)
+        res = self.proposer.draft(h, true_token, keep_log_probs, draft_beams, draft_depth)
         if draft_beams is not None:
             j = torch.arange(nb, device=h.device)
             fill = torch.where(j < k, j, 0)  # beam j, or beam 0 where the search had fewer
             res = BeamSearchResult(*(None if x is None else x.index_select(1, fill)
                                      for x in (res.beams, res.log_probs, res.scores)))
         bl = res.beams.shape[2]
+        scores = quantize_scores(res.scores)
+        if draft_depth is not None:  # [dl]: whether the search ran at each depth (the first always does)
+            ran = torch.stack([torch.ones((), dtype=torch.bool, device=h.device)] +
+                              [torch.ones_like(idx, dtype=torch.bool).any() for idx in draft_depth])
+            scores = torch.where(ran, scores, SCORE_PAD)
         # beams and scores in one collective: every rank orders the tree by rank 0's scores
-        both = self.dist.broadcast(torch.cat([res.beams, quantize_scores(res.scores)], dim=2).contiguous())
+        both = self.dist.broadcast(torch.cat([res.beams, scores], dim=2).contiguous())
         return both[:, :, :bl], both[:, :, bl:], res.log_probs
 
     def pack(self, slots: torch.Tensor, beams: torch.Tensor, scores: torch.Tensor, log_probs: Optional[torch.Tensor]
@@ -342,7 +353,8 @@ class DecodeStep:
                        logprobs: bool = False, host_beams: Optional[torch.Tensor] = None,
                        host_scores: Optional[torch.Tensor] = None, host_mask: Optional[torch.Tensor] = None,
                        grammar: Optional[torch.Tensor] = None, draft_beams: Optional[torch.Tensor] = None,
-                       run: Optional[Callable] = None) -> torch.Tensor:
+                       draft_depth: Optional[list[torch.Tensor]] = None, run: Optional[Callable] = None
+                       ) -> torch.Tensor:
         """One speculative step for [bs] slots over the first T = len(tree_width) nodes of their trees, of which each
         request keeps keep [bs] -> [bs, RowLayout(...).width] rows (RowLayout).
 
@@ -352,7 +364,8 @@ class DecodeStep:
         for the host to compose mixed trees with. `run(name, phase, *args)` calls each phase: directly by default;
         the engine's phase profile passes one that runs each phase as its own timed unit. `grammar`
         [bs, nb, bl, words]: token bitmasks of the tree's nodes, in beam layout (structured output; `accept`).
-        `draft_beams` [k]: the next trees are drafted with k beams (`_propose`; None: nb).
+        `draft_beams` [k]: the next trees are drafted with k beams (`_propose`; None: nb); `draft_depth`: to a depth
+        d <= dl (`_propose`; None: dl).
         """
         run = run or _call
         if host_beams is not None:
@@ -363,7 +376,8 @@ class DecodeStep:
         out = [a.emitted, torch.zeros_like(slots)[:, None], path]
         if draft:
             apple = rule is AcceptanceRule.APPLE
-            beams, scores, log_probs = run("draft", self.draft, v.hidden, path, a.decision, apple, draft_beams)
+            beams, scores, log_probs = run("draft", self.draft, v.hidden, path, a.decision, apple, draft_beams,
+                                           draft_depth)
             packed = run("pack", self.pack, slots, beams, scores, log_probs)  # [bs, 1 + 2P]
             out[1] = packed[:, :1]
             out.append(packed[:, 1:])

@@ -83,6 +83,7 @@ class StepTimes:
     steps: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     widths: dict[int, int] = field(default_factory=lambda: defaultdict(int))  # decode steps by verified width (0: AR)
     beams: dict[int, int] = field(default_factory=lambda: defaultdict(int))  # drafting tree steps by beams searched
+    depths: dict[int, int] = field(default_factory=lambda: defaultdict(int))  # ... and by the depth drafted
 
     def add(self, kind: str, seconds: float) -> None:
         self.seconds[kind] += seconds
@@ -96,3 +97,4 @@ class StepTimes:
         self.steps.clear()
         self.widths.clear()
         self.beams.clear()
+        self.depths.clear()
