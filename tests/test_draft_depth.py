@@ -191,6 +191,20 @@ def test_the_cost_model_charges_a_step_what_its_depth_costs():
     assert old.tree_ms(2, 5, 100, depth=1) == full  # a model measured without depths charges the whole depth
 
 
+def test_a_step_drafting_less_deep_is_observed_against_its_own_cost():
+    """The running scale of measured to modelled tree steps (`Policy.observe_step`): a step that drafted one token
+    deep and took what the model says such a step takes leaves the scale at 1 (against the whole depth's cell it would
+    read as a machine 14% faster, and the policy would count the saving twice)."""
+    from trt_redrafter.runtime.policy import StepDecision
+
+    costs = depth_costs()
+    policy = Policy(Speculation.parse("auto"), 13, costs, [4], [1, 2, 3])
+    shallow = StepDecision(5, {0: 5}, True, depth=1)
+    for _ in range(3):
+        policy.observe_step(shallow, 1, 100, costs.tree_ms(1, 5, 100, depth=1))
+    assert policy.step_scale[1] == pytest.approx(1.0)
+
+
 def test_draft_depth_is_checked_against_what_the_steps_can_draft():
     from trt_redrafter.runtime.launch import draft_depth_options
 

@@ -442,8 +442,10 @@ class Policy:
             # times and the policy weighs, does not pay; observed, it would make lone probes look dear and keep
             # the policy from trees that pay
             return
-        model = self.costs.tree_ms(batch, decision.width, context) if decision.is_tree else \
-            self.costs.ar_ms(batch, context)
+        # the step as it ran: a tree step drafting fewer beams or less deep against its own cell, not the whole
+        # tree's (which would read its savings as a faster machine, and count them twice)
+        model = self.costs.tree_ms(batch, decision.width, context, decision.beams, decision.depth) \
+            if decision.is_tree else self.costs.ar_ms(batch, context)
         ratio = min(max(ms / model, 1 / STEP_SCALE_CLAMP), STEP_SCALE_CLAMP)
         self.step_scale[k] = STEP_SCALE_DECAY * self.step_scale[k] + (1 - STEP_SCALE_DECAY) * ratio
 
