@@ -83,35 +83,29 @@ def _builds(unit) -> int:
 def draft_depth_options(spec: str, options: list[int], draft_len: int) -> list[int]:
     """The draft depths the policy may draft to, as `--draft-depth` says: all (draft_len), auto (`options`, the
     launcher's), or N, which must be one of `options`."""
-    if spec == "all":
-        return [draft_len]
-    if spec == "auto":
-        return options
-    fixed = int(spec)
-    if fixed not in options:
-        can = ", ".join(map(str, options))
-        where = "" if len(options) > 1 else \
-            " (a step stops drafting early only on the CPU, eager or inductor, where the drafter runs as ops, not " \
-            "as the one fused beam_draft kernel)"
-        raise UserError(f"--draft-depth {fixed}: this engine's steps can draft to depth {can}{where} (its beams draft "
-                        f"{draft_len} tokens); use one of those, all, or auto to let the speculation policy choose.")
-    return [fixed]
+    return _draft_options(spec, options, draft_len, "--draft-depth", "to depth {}", "its beams draft {} tokens",
+                          "a step stops drafting early only on the CPU, eager or inductor, where the drafter runs as "
+                          "ops, not as the one fused beam_draft kernel")
 
 
 def draft_beam_options(spec: str, options: list[int], num_beams: int) -> list[int]:
     """The beam counts the policy may draft with, as `--draft-beams` says: all (num_beams), auto (`options`, the
     launcher's), or N, which must be one of `options`."""
+    return _draft_options(spec, options, num_beams, "--draft-beams", "{} beams", "its trees have {}",
+                          "one compiled step drafts other counts only on the CPU: eager or inductor")
+
+
+def _draft_options(spec: str, options: list[int], whole: int, flag: str, can: str, has: str, why: str) -> list[int]:
     if spec == "all":
-        return [num_beams]
+        return [whole]
     if spec == "auto":
         return options
     fixed = int(spec)
     if fixed not in options:
-        can = ", ".join(map(str, options))
-        where = "" if len(options) > 1 else \
-            " (one compiled step drafts other counts only on the CPU: eager or inductor)"
-        raise UserError(f"--draft-beams {fixed}: this engine's steps can draft {can} beams{where} (its trees have "
-                        f"{num_beams}); use one of those, all, or auto to let the speculation policy choose.")
+        where = "" if len(options) > 1 else f" ({why})"
+        raise UserError(f"{flag} {fixed}: this engine's steps can draft {can.format(', '.join(map(str, options)))}"
+                        f"{where} ({has.format(whole)}); use one of those, all, or auto to let the speculation policy "
+                        f"choose.")
     return [fixed]
 
 
