@@ -221,6 +221,8 @@ def test_draft_depth_is_checked_against_what_the_steps_can_draft():
 
 
 # ---- engines -------------------------------------------------------------------------------------------------------
+# `kernels="torch"`: the drafter runs as ops (on an AVX-512 CPU the default `cpu` kernels draft in the fused beam_draft
+# kernel, which drafts every depth: there the launcher offers the whole depth only)
 
 @pytest.fixture(scope="module")
 def small(tmp_path_factory) -> tuple[Path, list[list[int]], list[list[int]]]:
@@ -230,7 +232,8 @@ def small(tmp_path_factory) -> tuple[Path, list[list[int]], list[list[int]]]:
                                 max_input_len=128, max_seq_len=256)
     tok = AutoTokenizer.from_pretrained(str(SMALL / "base"))
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
-    ar = [r.output_ids for r in generate(load_engine(engine), prompts, SamplingConfig(max_tokens=40), mode="ar")]
+    ar = [r.output_ids for r in generate(load_engine(engine, kernels="torch"), prompts, SamplingConfig(max_tokens=40),
+                                         mode="ar")]
     return engine, prompts, ar
 
 
@@ -251,7 +254,7 @@ def depths_drafted(engine) -> list[int]:
 def test_every_draft_depth_gives_ar_tokens_greedy_and_sampled(small):
     """Each depth, every drafting step (`--draft-depth N`, the whole tree verified: `--speculate full`): AR's tokens,
     greedy and sampled; drafts made and accepted; and a deeper search accepts more per step."""
-    engine = load_engine(small[0])
+    engine = load_engine(small[0], kernels="torch")
     assert engine.launcher.depth_options == [1, 2, 3, 4] and engine.policy.depth_options == [1, 2, 3, 4]
     _, prompts, ar = small
     params = SamplingConfig(max_tokens=40)
@@ -274,7 +277,7 @@ def test_every_draft_depth_gives_ar_tokens_greedy_and_sampled(small):
 @needs_small
 def test_the_policy_chooses_draft_depths_and_keeps_ar_tokens(small):
     """`--speculate auto` with a cost model where each depth is dear: AR's tokens, and shallower trees drafted."""
-    engine = load_engine(small[0], speculate="auto")
+    engine = load_engine(small[0], speculate="auto", kernels="torch")
     engine.policy.costs = depth_costs(draft_per_depth=2.5, P=engine.tree.max_tree_tokens, dl=4)
     seen = depths_drafted(engine)
     _, prompts, ar = small

@@ -147,6 +147,8 @@ def test_tp2_every_draft_depth_gives_the_tp1_ar_tokens(decoded):
     and beams; its step plans carry them), greedy and sampled, at TP=2, where the sharded drafter's layers gather
     zero rows past the depth: AR's tokens at TP=1, and the same trees as at TP=1 (drafted and verified alike), never
     verified deeper than the depth (the first tree, drafted after the prompt, aside: 3 deep)."""
+    if "unavailable" in decoded[1]["depth-1"]:  # TP 1 on an AVX-512 CPU: the fused search drafts every depth
+        pytest.skip(decoded[1]["depth-1"]["unavailable"])
     for d in (1, 2):
         run = decoded[2][f"depth-{d}"]
         assert run["output_ids"] == decoded[1]["ar"]["output_ids"], d

@@ -8,7 +8,8 @@ Rank 0 prints one JSON line per run: every prompt's output ids, accepted and dra
          "max_new": 20, "sampling": {SamplingConfig fields but max_tokens}, "max_num_tokens": 0 | the step budget
          (chunked prefill; rank 0's scheduler cuts the prompts, its step plans carry the chunks), "draft_beams": "all" |
          "auto" | N: the beams a drafting step searches (--draft-beams; rank 0's step plans carry the count),
-         "draft_depth": "all" | "auto" | N: how deep (--draft-depth; likewise)}
+         "draft_depth": "all" | "auto" | N: how deep (--draft-depth; likewise; a depth this rank's steps cannot draft,
+         where the fused AVX-512 search drafts at TP 1, prints {"unavailable": why})}
 """
 
 import dataclasses
@@ -20,6 +21,7 @@ from trt_redrafter.config import RuntimeConfig, SamplingConfig, Speculation
 from trt_redrafter.runtime.distributed import init_dist, shutdown_dist
 from trt_redrafter.runtime.engine import Engine
 from trt_redrafter.runtime.generate import generate, release_followers
+from trt_redrafter.errors import UserError
 from trt_redrafter.runtime.launch import draft_beam_options, draft_depth_options
 from trt_redrafter.runtime.scheduler import follow
 
@@ -46,8 +48,13 @@ def decode_runs(engine: Engine, runs: list[dict]) -> list[dict]:
         engine.policy.speculation = Speculation.parse(run.get("speculate", "full"))
         engine.policy.beam_options = draft_beam_options(str(run.get("draft_beams", "all")),
                                                         engine.launcher.beam_options, engine.tree.num_beams)
-        engine.policy.depth_options = draft_depth_options(str(run.get("draft_depth", "all")),
-                                                          engine.launcher.depth_options, engine.tree.draft_len_per_beam)
+        try:
+            engine.policy.depth_options = draft_depth_options(str(run.get("draft_depth", "all")),
+                                                              engine.launcher.depth_options,
+                                                              engine.tree.draft_len_per_beam)
+        except UserError as e:
+            out.append({"unavailable": str(e)})
+            continue
         engine.runtime = dataclasses.replace(engine.runtime, max_num_tokens=run.get("max_num_tokens", 0))
         params = SamplingConfig(max_tokens=run.get("max_new", 20), **run.get("sampling", {}))
         res = generate(engine, run["prompts"], params, run.get("mode", "redrafter"), proposer=run.get("proposer"),
