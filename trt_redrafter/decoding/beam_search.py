@@ -129,6 +129,12 @@ def select_beams_topk(step_logits: torch.Tensor, score: torch.Tensor, num_beams:
     return new_score, flat // kk, token, step_logp
 
 
+def runs(rows: torch.Tensor) -> torch.Tensor:
+    """[] bool: whether a drafting step given these `depth_rows` rows runs (any rows at all). A value computed on the
+    device, not the size read on the host: under inductor the size is unbacked, and branching on it would guard."""
+    return torch.ones_like(rows, dtype=torch.bool).any()
+
+
 SelectFn = Callable[[torch.Tensor, torch.Tensor, int, Optional[int], bool],
                     tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]
 
@@ -205,7 +211,7 @@ def beam_search(drafter: DrafterProtocol, embed: Callable[[torch.Tensor], torch.
             state = state[:, None].expand(bs, nb, H).reshape(bs * nb, H)
         elif depth_rows is not None:  # the rows of step t: all, or none where the search stops before it
             idx = depth_rows[t - 1]
-            live = torch.ones_like(idx, dtype=torch.bool).any()  # False for no rows (a value: no guard on the size)
+            live = runs(idx)
             new = drafter.update_state(embed(beams[:, :, t].reshape(-1).index_select(0, idx)),
                                        state.index_select(0, idx), t)  # [rows, H]
             head = logits(context.index_select(0, idx), new)  # [rows, V]

@@ -73,13 +73,17 @@ class CostModel:
         up, since each depth runs the drafter over the beams' rows)."""
         w = self.widths.index(width)
         ms = self._lookup([[per_b[w] for per_b in row] for row in self.tree], batch, context)
-        if beams and self.beams and beams != self.beams[-1]:
-            k = self.beams.index(beams)
-            ms -= self._lookup([[per_b[-1] - per_b[k] for per_b in row] for row in self.draft], batch, context)
-        if depth and self.depths and depth != self.depths[-1]:
-            d = self.depths.index(depth)
-            ms -= self._lookup([[per_b[-1] - per_b[d] for per_b in row] for row in self.by_depth], batch, context)
-        return ms
+        return ms - self._saving(self.beams, self.draft, beams, batch, context) \
+            - self._saving(self.depths, self.by_depth, depth, batch, context)
+
+    def _saving(self, options: list[int], steps: list[list[list[float]]], value: int, batch: int,
+                context: float) -> float:
+        """What a width-1 step drafting `value` (a beam count or depth; 0: the whole) saves against one drafting the
+        whole, from `steps` [context][batch][option] measured at `options` (none: nothing known, nothing saved)."""
+        if not value or not options or value == options[-1]:
+            return 0.0
+        i = options.index(value)
+        return self._lookup([[per_b[-1] - per_b[i] for per_b in row] for row in steps], batch, context)
 
     def outpaced_by(self, ar_ms: float, width1_ms: float) -> bool:
         """Whether steps timed now (batch 1, the shorter context) ran in under STALE_RATIO of this model's cells:

@@ -369,17 +369,8 @@ def _next_draft(s: PolicyState, fresh: list[Candidate], B: int, context: float, 
     beam_choice, depth_choice = len(beam_options) >= 2, len(depth_options) >= 2
     if not beam_choice and not depth_choice:
         return (beam_options[0] if beam_options else 0), (depth_options[0] if depth_options else 0), s
-    # known up to the fewest beams and the least depth the trees at hand have
-    if beam_choice:
-        drafted = min(c.drafted_beams or beam_options[-1] for c in fresh)
-        counts = [k for k in beam_options if k <= drafted] or list(beam_options[:1])
-    else:
-        counts = [beam_options[0] if beam_options else 0]
-    if depth_choice:
-        deep = min(c.drafted_depth or depth_options[-1] for c in fresh)
-        depths = [d for d in depth_options if d <= deep] or list(depth_options[:1])
-    else:
-        depths = [depth_options[0] if depth_options else 0]
+    counts = _known(beam_options, [c.drafted_beams for c in fresh])
+    depths = _known(depth_options, [c.drafted_depth for c in fresh])
     rated = []
     for k in counts:
         for d in depths:
@@ -393,6 +384,15 @@ def _next_draft(s: PolicyState, fresh: list[Candidate], B: int, context: float, 
         d = depth_options[-1] if depth_choice else d
         hold = 0
     return k, d, replace(s, beam_hold=hold)
+
+
+def _known(options: Sequence[int], drafted: list[int]) -> list[int]:
+    """The options (beam counts or depths) the trees at hand forecast: those up to the least any of them was drafted
+    with (0: unknown, as the most); the only one, or 0 (the tree's own), where there is no choice."""
+    if len(options) < 2:
+        return [options[0] if options else 0]
+    least = min(d or options[-1] for d in drafted)
+    return [x for x in options if x <= least] or list(options[:1])
 
 
 def _keep(cands: list[Candidate], width: int) -> dict[Hashable, int]:

@@ -37,7 +37,7 @@ from typing import Callable, Optional
 import torch
 
 from ..config import AcceptanceRule
-from ..decoding import acceptance, bitmask, sampling, tree
+from ..decoding import acceptance, beam_search, bitmask, sampling, tree
 from ..decoding.logprobs import encode as logprob_columns
 from ..decoding.acceptance import Acceptance
 from ..decoding.beam_search import BeamSearchResult
@@ -320,7 +320,7 @@ class DecodeStep:
         scores = quantize_scores(res.scores)
         if draft_depth is not None:  # [dl]: whether the search ran at each depth (the first always does)
             ran = torch.stack([torch.ones((), dtype=torch.bool, device=h.device)] +
-                              [torch.ones_like(idx, dtype=torch.bool).any() for idx in draft_depth])
+                              [beam_search.runs(idx) for idx in draft_depth])
             scores = torch.where(ran, scores, SCORE_PAD)
         # beams and scores in one collective: every rank orders the tree by rank 0's scores
         both = self.dist.broadcast(torch.cat([res.beams, scores], dim=2).contiguous())
