@@ -22,6 +22,21 @@ from trt_redrafter.runtime.sequence import Draft
 SMALL = Path(__file__).resolve().parents[1] / "models" / "small"  # the trained pair (scripts/train_small_pair.sh)
 
 
+def record_tree_steps(launcher, pick) -> list:
+    """Wrap `launcher.tree` to record pick(variant, beams, depth) of every tree step the engine launches (its beams
+    and depth as passed: 0 for the tree's own), skipping steps it maps to None; `del launcher.tree` restores it."""
+    seen, tree_step = [], launcher.tree
+
+    def recording(slots, width, keep, longest, variant, pending=None, grammar=None, beams=0, depth=0):
+        value = pick(variant, beams, depth)
+        if value is not None:
+            seen.append(value)
+        return tree_step(slots, width, keep, longest, variant, pending, grammar, beams, depth)
+
+    launcher.tree = recording
+    return seen
+
+
 def run_cli(*args) -> None:
     rc = cli([str(a) for a in args])
     assert rc == 0, f"trt-redrafter {' '.join(map(str, args))} exited {rc}"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_utils import build_tiny_engines, greedy, hf_greedy, load_engine, random_prompts
+from engine_utils import build_tiny_engines, greedy, hf_greedy, load_engine, random_prompts, record_tree_steps
 from trt_redrafter.config import SamplingConfig, Speculation
 from trt_redrafter.runtime.generate import generate
 
@@ -126,13 +126,8 @@ def test_compiled_every_beam_count_runs_the_one_tree_graph(tiny, compiled):
     launcher, policy = compiled.launcher, compiled.policy
     assert launcher.beam_options == [1, 2, 4]
     generate(compiled, prompts, greedy(40), "redrafter")  # the greedy variants, compiled by now or here
-    seen, tree_step = [], launcher.tree
-
-    def recording(slots, width, keep, longest, variant, pending=None, grammar=None, beams=0, depth=0):
-        seen.append(beams)
-        return tree_step(slots, width, keep, longest, variant, pending, grammar, beams, depth)
-
-    launcher.tree, options = recording, policy.beam_options
+    seen = record_tree_steps(launcher, lambda variant, beams, depth: beams)
+    options = policy.beam_options
     torch.compiler.set_stance("fail_on_recompile")
     try:
         for k in (1, 2):
@@ -158,13 +153,8 @@ def test_compiled_every_draft_depth_runs_the_one_tree_graph(tiny, compiled):
         pytest.skip("the fused AVX-512 beam_draft kernel drafts here, and drafts every depth (no depth to choose)")
     assert launcher.depth_options == [1, 2, 3]
     generate(compiled, prompts, greedy(40), "redrafter")  # the greedy variants, compiled by now or here
-    seen, tree_step = [], launcher.tree
-
-    def recording(slots, width, keep, longest, variant, pending=None, grammar=None, beams=0, depth=0):
-        seen.append(depth)
-        return tree_step(slots, width, keep, longest, variant, pending, grammar, beams, depth)
-
-    launcher.tree, options, beam_options = recording, policy.depth_options, policy.beam_options
+    seen = record_tree_steps(launcher, lambda variant, beams, depth: depth)
+    options, beam_options = policy.depth_options, policy.beam_options
     try:
         # sampled, one token deep: AR's draws (the sampled variants may compile here)
         params = [SamplingConfig(max_tokens=30, temperature=0.8, top_k=50, seed=s) for s in range(len(prompts))]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_utils import SMALL, build_small_engine, load_engine
+from engine_utils import SMALL, build_small_engine, load_engine, record_tree_steps
 from trt_redrafter.config import RuntimeConfig, SamplingConfig, Speculation
 from trt_redrafter.decoding import tree
 from trt_redrafter.decoding.beam_search import beam_search, select_beams_topk
@@ -156,29 +156,28 @@ def test_the_cost_model_charges_a_step_what_its_beams_cost():
 
 # ---- engines -------------------------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def small(tmp_path_factory) -> tuple[Path, list[list[int]], list[list[int]]]:
+def small_4x4(root: Path, **runtime) -> tuple[Path, list[list[int]], list[list[int]]]:
+    """models/small's 4 x 4 engine under `root`, PROMPTS tokenized, and their greedy AR outputs (40 tokens) from an
+    engine loaded with `runtime`."""
     from transformers import AutoTokenizer
 
-    engine = build_small_engine(tmp_path_factory.mktemp("draft-beams"), num_beams=4, draft_len=4, max_batch_size=4,
-                                max_input_len=128, max_seq_len=256)
+    engine = build_small_engine(root, num_beams=4, draft_len=4, max_batch_size=4, max_input_len=128, max_seq_len=256)
     tok = AutoTokenizer.from_pretrained(str(SMALL / "base"))
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
-    ar = [r.output_ids for r in generate(load_engine(engine), prompts, SamplingConfig(max_tokens=40), mode="ar")]
+    ar = [r.output_ids for r in generate(load_engine(engine, **runtime), prompts, SamplingConfig(max_tokens=40),
+                                         mode="ar")]
     return engine, prompts, ar
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory) -> tuple[Path, list[list[int]], list[list[int]]]:
+    return small_4x4(tmp_path_factory.mktemp("draft-beams"))
 
 
 def beams_drafted(engine) -> list[int]:
     """Wrap the launcher to record the beam count of every tree step that drafts."""
-    seen, tree_step = [], engine.launcher.tree
-
-    def recording(slots, width, keep, longest, variant, pending=None, grammar=None, beams=0, depth=0):
-        if variant.draft:
-            seen.append(beams or engine.tree.num_beams)
-        return tree_step(slots, width, keep, longest, variant, pending, grammar, beams, depth)
-
-    engine.launcher.tree = recording
-    return seen
+    nb = engine.tree.num_beams
+    return record_tree_steps(engine.launcher, lambda variant, beams, depth: (beams or nb) if variant.draft else None)
 
 
 def check_every_beam_count(engine, small, counts=(1, 2, 4)) -> None:

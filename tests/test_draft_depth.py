@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_utils import SMALL, build_small_engine, load_engine
-from test_draft_beams import PROMPTS, _Drafter, q
+from engine_utils import SMALL, load_engine, record_tree_steps
+from test_draft_beams import _Drafter, q, small_4x4
 from trt_redrafter.config import RuntimeConfig, SamplingConfig, Speculation
 from trt_redrafter.decoding import tree
 from trt_redrafter.decoding.beam_search import LOG_ZERO, beam_search, select_beams_topk
@@ -226,28 +226,13 @@ def test_draft_depth_is_checked_against_what_the_steps_can_draft():
 
 @pytest.fixture(scope="module")
 def small(tmp_path_factory) -> tuple[Path, list[list[int]], list[list[int]]]:
-    from transformers import AutoTokenizer
-
-    engine = build_small_engine(tmp_path_factory.mktemp("draft-depth"), num_beams=4, draft_len=4, max_batch_size=4,
-                                max_input_len=128, max_seq_len=256)
-    tok = AutoTokenizer.from_pretrained(str(SMALL / "base"))
-    prompts = [tok(p)["input_ids"] for p in PROMPTS]
-    ar = [r.output_ids for r in generate(load_engine(engine, kernels="torch"), prompts, SamplingConfig(max_tokens=40),
-                                         mode="ar")]
-    return engine, prompts, ar
+    return small_4x4(tmp_path_factory.mktemp("draft-depth"), kernels="torch")
 
 
 def depths_drafted(engine) -> list[int]:
     """Wrap the launcher to record the depth of every tree step that drafts."""
-    seen, tree_step = [], engine.launcher.tree
-
-    def recording(slots, width, keep, longest, variant, pending=None, grammar=None, beams=0, depth=0):
-        if variant.draft:
-            seen.append(depth or engine.tree.draft_len_per_beam)
-        return tree_step(slots, width, keep, longest, variant, pending, grammar, beams, depth)
-
-    engine.launcher.tree = recording
-    return seen
+    dl = engine.tree.draft_len_per_beam
+    return record_tree_steps(engine.launcher, lambda variant, beams, depth: (depth or dl) if variant.draft else None)
 
 
 @needs_small
