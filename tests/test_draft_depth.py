@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine_utils import SMALL, load_engine, record_tree_steps
-from test_draft_beams import _Drafter, q, small_4x4
+from test_draft_beams import _Drafter, beam_costs, q, small_4x4
 from trt_redrafter.config import RuntimeConfig, SamplingConfig, Speculation
 from trt_redrafter.decoding import tree
 from trt_redrafter.decoding.beam_search import LOG_ZERO, beam_search, select_beams_topk
@@ -189,6 +189,20 @@ def test_the_cost_model_charges_a_step_what_its_depth_costs():
     assert costs.tree_ms(2, 5, 100, depth=1) == pytest.approx(full - 0.8 * 2 * 2)
     old = CostModel.from_dict({k: v for k, v in costs.to_dict().items() if k not in ("depths", "by_depth")})
     assert old.tree_ms(2, 5, 100, depth=1) == full  # a model measured without depths charges the whole depth
+
+
+def test_fewer_beams_save_at_each_depth_drafted():
+    """Drafting 1 of 4 beams saves at each drafting step: drafted 1 deep of 3, a third of what it saves at the whole
+    depth (the two savings, each measured with the other whole, added up charged such a step less than it costs)."""
+    beams = beam_costs()
+    costs = depth_costs()
+    costs.beams, costs.draft = beams.beams, beams.draft
+    full = costs.tree_ms(2, 5, 100)
+    beam_saving = full - costs.tree_ms(2, 5, 100, beams=1)
+    depth_saving = full - costs.tree_ms(2, 5, 100, depth=1)
+    assert beam_saving > 0 and depth_saving > 0
+    assert costs.tree_ms(2, 5, 100, beams=1, depth=1) == pytest.approx(full - depth_saving - beam_saving / 3)
+    assert costs.tree_ms(2, 5, 100, beams=1, depth=3) == pytest.approx(full - beam_saving)
 
 
 def test_a_step_drafting_less_deep_is_observed_against_its_own_cost():

@@ -249,6 +249,18 @@ def test_the_cost_model_follows_the_steps_as_they_run():
     assert fixed.step_scale == [1.0, 1.0]  # fixed widths decide by no cost model
 
 
+def test_a_tree_step_is_never_priced_below_an_ar_step():
+    """AR steps seen at 2x their model and tree steps at half theirs (a busy phase over the many AR steps; lone
+    probes are never observed) would price a tree step at 0.3 AR steps, and a drafter that is never right would
+    draft on as if for free: a tree step runs an AR step's forward and more, and is priced at least as one."""
+    widths = tree_buckets(5)
+    model = CostModel([1], widths, [100, 1100], [[10.0], [10.0]], [[[13.0, 13.5, 14.0, 15.0]]] * 2)
+    scaled = pol.StepCosts(model, (2.0, 0.5))
+    assert scaled.ar_ms(1, 100) == 20.0
+    assert [scaled.tree_ms(1, w, 100) for w in widths] == [20.0] * len(widths)
+    assert pol.StepCosts(model, (1.0, 1.0)).tree_ms(1, 5, 100) == 15.0
+
+
 def test_a_step_after_a_step_of_the_other_kind_does_not_scale_the_cost_model():
     """A probe among AR steps (and the first AR step after trees) runs with its graph and weights out of cache: its
     time is not what a run of such steps costs, so only steps that follow one of their own kind are observed."""
@@ -620,6 +632,22 @@ def test_a_cost_model_measured_while_the_machine_was_busy_is_measured_again(tiny
     assert load_engine(tiny["engine_dir"], speculate="auto").policy.costs.to_dict() == slower.to_dict()
 
 
+def test_a_cost_model_timed_by_a_scripted_clock_never_charges_a_wider_step_less(tiny, monkeypatch):
+    """A busy machine timed a tiny engine's width 2-5 steps below its width 1, and the policy verified 5 nodes of a
+    drafter that is never right, as if for free. Here every call is timed faster than the one before it (so wider
+    steps, and more beams or depth, come out cheaper within each round): the model measured must still charge each
+    wider, deeper or many-beamed step at least what it charges a smaller one."""
+    engine = load_engine(tiny["engine_dir"], speculate="auto")
+    ticks = iter(range(1, 10**6))
+    once = costs._once
+    monkeypatch.setattr(costs, "_once", lambda *args: (once(*args), 1.0 / next(ticks))[1])
+    model = costs.measure(engine.launcher, engine.dist, engine.slots.free, engine.build.max_seq_len, True)
+    rows = [r for table in (model.tree, model.draft, model.by_depth) for per_ctx in table for r in per_ctx]
+    assert len(rows) == len(model.contexts) * len(model.batches) * (1 + bool(model.beams) + bool(model.depths))
+    assert model.beams and model.depths  # the tiny engine drafts as torch ops: beams and depth are measured too
+    assert all(a <= b for r in rows for a, b in zip(r, r[1:])), rows
+
+
 def test_a_drafter_that_is_never_right_gets_ar_steps(tiny):
     """The tiny engine's random drafter: nothing it drafts is accepted. After a few steps of learning that, the
     policy takes AR steps (and an occasional probe); the output is AR's."""
@@ -630,7 +658,7 @@ def test_a_drafter_that_is_never_right_gets_ar_steps(tiny):
     decode = [w for w in seen if w is not None]
     late = decode[len(decode) // 2:]
     assert late.count(0) >= 0.8 * len(late), late  # AR steps
-    assert all(w <= 1 for w in late if w)  # what is not an AR step is a probe (it drafts, verifies the root)
+    assert all(w <= 1 for w in late if w), late  # what is not an AR step is a probe (it drafts, verifies the root)
     cal = engine.policy.calibration("redrafter", True)
     assert sum(s["accepted"] * s["verified"] for s in cal.summary() if s["verified"]) < 1
 

@@ -33,8 +33,8 @@ from .state import put_rows
 logger = get_logger(__name__)
 
 COST_MODEL_FILE = "cost_model.json"
-COST_MODEL_VERSION = 4  # 2: width-1 steps by beam count (`beams`, `draft`); 3: whole steps under --profile-phases;
-# 4: width-1 steps by draft depth (`depths`, `by_depth`)
+COST_MODEL_VERSION = 5  # 2: width-1 steps by beam count (`beams`, `draft`); 3: whole steps under --profile-phases;
+# 4: width-1 steps by draft depth (`depths`, `by_depth`); 5: each table nondecreasing in width, beams and depth
 COST_CONTEXTS = (32, 1024)  # context lengths the cost model is measured at (the longer one capped by max_seq_len)
 COST_REPEATS = (3, 9)  # timed calls per measured point (after one untimed): fewest, and most for the fastest ones
 COST_POINT_S = 0.25  # ... so that each point takes about this long
@@ -68,13 +68,15 @@ class CostModel:
 
     def tree_ms(self, batch: int, width: int, context: float, beams: int = 0, depth: int = 0) -> float:
         """A tree step verifying `width` nodes and drafting the next trees with `beams` beams (0: every beam) to
-        `depth` tokens (0: the whole depth): the measured step at that width, less what drafting fewer beams saves at
-        width 1 and what drafting less deep saves there (each measured with the other whole; the two savings add
-        up, since each depth runs the drafter over the beams' rows)."""
+        `depth` tokens (0: the whole depth): the measured step at that width, less what drafting less deep saves at
+        width 1 and what drafting fewer beams saves there (each measured with the other whole). Fewer beams save at
+        each drafting step, so their saving shrinks with the depth drafted: depth / dl of the whole depth's."""
         w = self.widths.index(width)
         ms = self._lookup([[per_b[w] for per_b in row] for row in self.tree], batch, context)
-        return ms - self._saving(self.beams, self.draft, beams, batch, context) \
-            - self._saving(self.depths, self.by_depth, depth, batch, context)
+        fewer_beams = self._saving(self.beams, self.draft, beams, batch, context)
+        if depth and self.depths:
+            fewer_beams *= depth / self.depths[-1]
+        return ms - fewer_beams - self._saving(self.depths, self.by_depth, depth, batch, context)
 
     def _saving(self, options: list[int], steps: list[list[list[float]]], value: int, batch: int,
                 context: float) -> float:
@@ -390,12 +392,29 @@ def measure(launcher: StepLauncher, dist, free_slots: list[int], max_seq_len: in
             drafts[c][b] = ms[1 + n:1 + n + nk] + [ms[1]]
         if depths:
             by_depth[c][b] = ms[1 + n + nk:] + [ms[1]]
+        # verifying more nodes, or drafting more beams or deeper, never costs less: a cell timed below a smaller
+        # option's is the machine's noise (a busy host timed a tiny engine's width 2-5 steps below its width 1), and
+        # the policy would take the wider step for free. Each row is fitted nondecreasing (pooled adjacent violators)
+        trees[c][b], drafts[c][b], by_depth[c][b] = (_nondecreasing(r) for r in (trees[c][b], drafts[c][b],
+                                                                                   by_depth[c][b]))
     _release(launcher, ids, free)
     model = CostModel(batches, list(widths), contexts, ar, trees, beams=list(beams), draft=drafts if beams else [],
                       depths=list(depths), by_depth=by_depth if depths else [])
     logger.info("step costs measured in %.1fs (%d batch sizes x %d tree widths x %d contexts)",
                 time.perf_counter() - t0, len(batches), len(widths), len(contexts))
     return model
+
+
+def _nondecreasing(xs: list[float]) -> list[float]:
+    """The least-squares nondecreasing fit of `xs` (pool adjacent violators: a run that decreases becomes its mean)."""
+    blocks: list[list[float]] = []  # [sum, count]
+    for x in xs:
+        blocks.append([x, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return [total / count for total, count in blocks for _ in range(int(count))]
 
 
 def _contexts(launcher: StepLauncher, max_seq_len: int) -> list[int]:

@@ -178,7 +178,10 @@ class StepCosts:
         return self.model.ar_ms(batch, context) * self.scale[0]
 
     def tree_ms(self, batch: int, width: int, context: float, beams: int = 0, depth: int = 0) -> float:
-        return self.model.tree_ms(batch, width, context, beams, depth) * self.scale[1]
+        # never below an AR step: a tree step runs the AR step's forward and more. The scales can price it lower (a
+        # busy phase slows the many AR steps, while a lone probe is never observed), and a drafter that is never
+        # right then drafted on, as if for free
+        return max(self.model.tree_ms(batch, width, context, beams, depth) * self.scale[1], self.ar_ms(batch, context))
 
 
 def decide(state: PolicyState, cands: list[Candidate], can_draft: bool, costs: StepCosts, widths: Sequence[int],
