@@ -205,6 +205,23 @@ def test_fewer_beams_save_at_each_depth_drafted():
     assert costs.tree_ms(2, 5, 100, beams=1, depth=3) == pytest.approx(full - beam_saving)
 
 
+def test_drafting_less_never_saves_more_than_the_fixed_cost_share():
+    """A busy host timed the depth-1 and one-beam steps far below the whole one (here: at a tenth of the AR step):
+    each saving is capped at its share of the fixed cost (width 1 less AR), so a step drafting 1 beam of 4, 1 token
+    deep of 3, still costs the AR step and 1/12 of the fixed cost."""
+    costs = depth_costs()
+    costs.beams, costs.draft = beam_costs().beams, beam_costs().draft
+    for table in (costs.by_depth, costs.draft):
+        for per_ctx in table:
+            for row in per_ctx:
+                row[0] = 1.0
+    ar, width1 = costs.ar_ms(2, 100), costs.tree_ms(2, 1, 100)
+    fixed = width1 - ar
+    assert costs.tree_ms(2, 1, 100, depth=1) == pytest.approx(width1 - fixed * 2 / 3)
+    assert costs.tree_ms(2, 1, 100, beams=1) == pytest.approx(width1 - fixed * 3 / 4)
+    assert costs.tree_ms(2, 1, 100, beams=1, depth=1) == pytest.approx(ar + fixed / 12)
+
+
 def test_a_step_drafting_less_deep_is_observed_against_its_own_cost():
     """The running scale of measured to modelled tree steps (`Policy.observe_step`): a step that drafted one token
     deep and took what the model says such a step takes leaves the scale at 1 (against the whole depth's cell it would

@@ -70,13 +70,25 @@ class CostModel:
         """A tree step verifying `width` nodes and drafting the next trees with `beams` beams (0: every beam) to
         `depth` tokens (0: the whole depth): the measured step at that width, less what drafting less deep saves at
         width 1 and what drafting fewer beams saves there (each measured with the other whole). Fewer beams save at
-        each drafting step, so their saving shrinks with the depth drafted: depth / dl of the whole depth's."""
+        each drafting step, so their saving shrinks with the depth drafted: depth / dl of the whole depth's.
+        Each saving is at most its share of the fixed cost (the width-1 step less the AR step, all of it taken for
+        drafting): (dl - depth) / dl of it, and (nb - beams) / nb of what is left. A busy host timed a depth-1 step
+        far below the whole one, and the step came out no dearer than an AR step: drafting looked free."""
         w = self.widths.index(width)
         ms = self._lookup([[per_b[w] for per_b in row] for row in self.tree], batch, context)
-        fewer_beams = self._saving(self.beams, self.draft, beams, batch, context)
+        if not (beams and self.beams) and not (depth and self.depths):
+            return ms
+        width1 = self._lookup([[per_b[0] for per_b in row] for row in self.tree], batch, context)
+        fixed = max(width1 - self.ar_ms(batch, context), 0.0)
+        kept = 1.0  # the share of the drafting kept
+        less_deep = self._saving(self.depths, self.by_depth, depth, batch, context)
         if depth and self.depths:
-            fewer_beams *= depth / self.depths[-1]
-        return ms - fewer_beams - self._saving(self.depths, self.by_depth, depth, batch, context)
+            less_deep = min(less_deep, fixed * (1 - depth / self.depths[-1]))
+            kept = depth / self.depths[-1]
+        fewer_beams = self._saving(self.beams, self.draft, beams, batch, context)
+        if beams and self.beams:
+            fewer_beams = min(fewer_beams, fixed * (1 - beams / self.beams[-1]))
+        return ms - less_deep - fewer_beams * kept
 
     def _saving(self, options: list[int], steps: list[list[list[float]]], value: int, batch: int,
                 context: float) -> float:
