@@ -76,28 +76,26 @@ class CostModel:
         far below the whole one, and the step came out no dearer than an AR step: drafting looked free."""
         w = self.widths.index(width)
         ms = self._lookup([[per_b[w] for per_b in row] for row in self.tree], batch, context)
-        if not (beams and self.beams) and not (depth and self.depths):
+        less_deep_share = _share(self.depths, depth)
+        if not less_deep_share and not _share(self.beams, beams):
             return ms
         width1 = self._lookup([[per_b[0] for per_b in row] for row in self.tree], batch, context)
         fixed = max(width1 - self.ar_ms(batch, context), 0.0)
-        kept = 1.0  # the share of the drafting kept
-        less_deep = self._saving(self.depths, self.by_depth, depth, batch, context)
-        if depth and self.depths:
-            less_deep = min(less_deep, fixed * (1 - depth / self.depths[-1]))
-            kept = depth / self.depths[-1]
-        fewer_beams = self._saving(self.beams, self.draft, beams, batch, context)
-        if beams and self.beams:
-            fewer_beams = min(fewer_beams, fixed * (1 - beams / self.beams[-1]))
-        return ms - less_deep - fewer_beams * kept
+        less_deep = self._saving(self.depths, self.by_depth, depth, batch, context, fixed)
+        fewer_beams = self._saving(self.beams, self.draft, beams, batch, context, fixed)
+        return ms - less_deep - fewer_beams * (1 - less_deep_share)  # fewer beams save at each depth drafted
 
     def _saving(self, options: list[int], steps: list[list[list[float]]], value: int, batch: int,
-                context: float) -> float:
+                context: float, fixed: float) -> float:
         """What a width-1 step drafting `value` (a beam count or depth; 0: the whole) saves against one drafting the
-        whole, from `steps` [context][batch][option] measured at `options` (none: nothing known, nothing saved)."""
-        if not value or not options or value == options[-1]:
+        whole, from `steps` [context][batch][option] measured at `options` (none: nothing known, nothing saved); at
+        most its share of the `fixed` cost (`_share`)."""
+        share = _share(options, value)
+        if not share:
             return 0.0
         i = options.index(value)
-        return self._lookup([[per_b[-1] - per_b[i] for per_b in row] for row in steps], batch, context)
+        measured = self._lookup([[per_b[-1] - per_b[i] for per_b in row] for row in steps], batch, context)
+        return min(measured, fixed * share)
 
     def outpaced_by(self, ar_ms: float, width1_ms: float) -> bool:
         """Whether steps timed now (batch 1, the shorter context) ran in under STALE_RATIO of this model's cells:
@@ -415,6 +413,14 @@ def measure(launcher: StepLauncher, dist, free_slots: list[int], max_seq_len: in
     logger.info("step costs measured in %.1fs (%d batch sizes x %d tree widths x %d contexts)",
                 time.perf_counter() - t0, len(batches), len(widths), len(contexts))
     return model
+
+
+def _share(options: list[int], value: int) -> float:
+    """The share of the drafting that drafting `value` of the whole (options[-1]: beams or depth) leaves out; 0 for
+    the whole, 0 (a value), or no options measured."""
+    if not value or not options:
+        return 0.0
+    return 1 - value / options[-1]
 
 
 def _nondecreasing(xs: list[float]) -> list[float]:
