@@ -417,7 +417,7 @@ def measure(launcher: StepLauncher, dist, free_slots: list[int], max_seq_len: in
 
 def _share(options: list[int], value: int) -> float:
     """The share of the drafting that drafting `value` of the whole (options[-1]: beams or depth) leaves out; 0 for
-    the whole, 0 (a value), or no options measured."""
+    the whole, for a value of 0 (the whole, unspecified) and where no options were measured."""
     if not value or not options:
         return 0.0
     return 1 - value / options[-1]
