@@ -61,6 +61,26 @@ def test_sampled_redrafter_equals_sampled_ar_eager_and_compiled(tiny, compiled):
     assert [r.output_ids for r in generate(eager, prompts, params, "redrafter")] == ar
     assert [r.output_ids for r in generate(compiled, prompts, params, "redrafter")] == ar
     assert len({tuple(o) for o in ar}) == len(ar)  # really sampled: different seeds, different outputs
+    # the sampled tree steps ran in a unit of their own, compiled as one that draws noise; the greedy ones did not
+    units = compiled.launcher._units
+    assert units[(True, True)].draws and not units[(True, False)].draws
+
+
+def test_units_that_draw_noise_store_values_used_twice(monkeypatch):
+    """A sampled step's unit compiles with a low `realize_opcount_threshold` (runtime/graphs.py: its noise's rounds
+    are stored, not inlined into each of their two uses, which took minutes of compiling); greedy steps' units keep
+    inductor's default, and so do units that are not compiled by inductor."""
+    from trt_redrafter.runtime import graphs
+
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(kw["options"]) or fn)
+    cpu = torch.device("cpu")
+    assert graphs.Unit(lambda x: x, "inductor", cpu, "step", draws=True).draws
+    assert seen[-1]["realize_opcount_threshold"] == graphs.DRAWS_REALIZE_OPS
+    graphs.Unit(lambda x: x, "inductor", cpu, "step")
+    assert "realize_opcount_threshold" not in seen[-1]
+    graphs.Unit(lambda x: x, "off", cpu, "step", draws=True)
+    assert len(seen) == 2
 
 
 def test_compiled_step_does_not_recompile_across_steps(tiny, compiled):

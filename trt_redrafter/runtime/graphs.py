@@ -32,6 +32,9 @@ from ..log import get_logger
 logger = get_logger(__name__)
 
 WARMUP_CALLS = 2  # eager/compiled calls before a capture (lazy inits, autotuning, compilation)
+# inductor's `realize_opcount_threshold` for the graphs that draw noise (`Unit`'s `draws`): a value used more than
+# once is stored once it takes more than this many ops, instead of being inlined into each use (CPU default: 50)
+DRAWS_REALIZE_OPS = 8
 
 
 def uses_graphs(mode: str) -> bool:
@@ -101,8 +104,8 @@ class Unit:
     values (variants: a new value compiles / captures a new graph)."""
 
     def __init__(self, fn: Callable, mode: str, device: torch.device, name: str, pool=None,
-                 neutral: Optional[Callable] = None):
-        self.mode, self.device, self.name = mode, device, name
+                 neutral: Optional[Callable] = None, draws: bool = False):
+        self.mode, self.device, self.name, self.draws = mode, device, name, draws
         # capture runs `fn` for real (warm-up calls): on arguments mapped by `neutral`, so a graph first needed in
         # the middle of serving never advances live requests (the engine maps slots to the padding slot)
         self.neutral = neutral
@@ -121,6 +124,14 @@ class Unit:
             # would check are tested by the compiled == eager parity tests.
             options.update(size_asserts=False, alignment_asserts=False, scalar_asserts=False)
             options["cpp_wrapper"] = cpp_wrapper(mode, device)
+            if draws and device.type == "cpu":
+                # the counter-based noise of sampled steps (decoding/sampling.py) is rounds of lowbias32, each using
+                # its input twice: inlined into both uses, a round's ops doubled at each round, and inductor traced
+                # and generated them all before its common-subexpression pass removed the copies. Stored instead,
+                # the noise alone compiles in 11 s instead of 58 s on a 2-core AVX2 CPU (a sampled AR step 31 s
+                # instead of 95 s) and runs as fast (docs/perf-history.md, 2026-12-01). Greedy graphs draw nothing
+                # and keep inductor's default.
+                options["realize_opcount_threshold"] = DRAWS_REALIZE_OPS
             self.compiled = torch.compile(_own_code(fn), dynamic=None, fullgraph=False, options=options)
         self.pool = pool
         self.graphs: dict[Any, tuple[torch.cuda.CUDAGraph, list[torch.Tensor], Any]] = {}
@@ -179,8 +190,9 @@ class Compiler:
     def cpp_wrapper(self) -> bool:
         return cpp_wrapper(self.mode, self.device)
 
-    def unit(self, fn: Callable, name: str, neutral: Optional[Callable] = None) -> Unit:
-        return Unit(fn, self.mode, self.device, name, self.pool, neutral)
+    def unit(self, fn: Callable, name: str, neutral: Optional[Callable] = None, draws: bool = False) -> Unit:
+        """`draws`: every call of `fn` draws counter-based noise (a sampled step; see `Unit`'s compile options)."""
+        return Unit(fn, self.mode, self.device, name, self.pool, neutral, draws)
 
     @property
     def any_width(self) -> bool:

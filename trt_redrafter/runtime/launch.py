@@ -145,7 +145,7 @@ class StepLauncher:
         """An AR step for these slots -> their output rows (on the device, maybe still running). grammar
         [len(slots), words]: token bitmasks (structured output)."""
         args = self._inputs(slots, 1, longest, any_batch=True)
-        return self._unit(False)(*args[:2], rule, logprobs, self._padded(grammar, args[0].shape[0]))[:len(slots)]
+        return self._unit(False, rule)(*args[:2], rule, logprobs, self._padded(grammar, args[0].shape[0]))[:len(slots)]
 
     def tree(self, slots: list[int], width: int, keep: list[int], longest: int, variant: StepVariant,
              pending: Optional[list[Optional[Draft]]] = None, grammar: Optional[torch.Tensor] = None,
@@ -167,7 +167,7 @@ class StepLauncher:
             out = self.steps.redrafter_step(*call, run=self._timed_phase)
             self.timer.end_step()
         else:
-            out = self._unit(True)(*call)
+            out = self._unit(True, variant.rule)(*call)
         return out[:len(slots)]
 
     def verify_width(self, width: int, kept: int) -> int:
@@ -295,11 +295,15 @@ class StepLauncher:
         self.compiler.mark_dynamic(grammar)
         return grammar
 
-    def _unit(self, tree: bool) -> Callable:
-        unit = self._units.get(tree)
+    def _unit(self, tree: bool, rule: AcceptanceRule) -> Callable:
+        """The unit of AR or tree steps under `rule`: one for greedy steps, one for sampled ones (they draw noise,
+        compiled with other options: `graphs.Unit`'s `draws`)."""
+        key = (tree, rule is not AcceptanceRule.GREEDY)
+        unit = self._units.get(key)
         if unit is None:
             fn = self.steps.redrafter_step if tree else self.steps.ar_step
-            unit = self._units[tree] = self.compiler.unit(fn, f"{'tree' if tree else 'ar'}-step", self._on_padding)
+            name = f"{'tree' if tree else 'ar'}-step{'-sampled' if key[1] else ''}"
+            unit = self._units[key] = self.compiler.unit(fn, name, self._on_padding, draws=key[1])
         return unit
 
     def _timed_phase(self, name: str, phase, *args):
