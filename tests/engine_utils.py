@@ -123,11 +123,13 @@ def decode_tp(engine_dir: Path, runs: dict[str, dict], tp: int, tmp: Path) -> di
 
 
 def load_engine(engine_dir: Path, proposer=None, device: str = "cpu", compile: str = "off", speculate: str = "full",
-                **runtime) -> Engine:
+                warmup: bool = True, **runtime) -> Engine:
     """An engine on one rank; eager by default (the compiled step has its own parity tests), verifying every tree
-    whole by default (tests of the tree machinery; the speculation policy's tests ask for `speculate="auto"`)."""
+    whole by default (tests of the tree machinery; the speculation policy's tests ask for `speculate="auto"`).
+    `warmup=False`: compile each step variant when first launched, not every one the engine could launch at load
+    (a compiled test that runs a few of them saves minutes of compiling on a 2-core CPU)."""
     cfg = RuntimeConfig(device=device, compile=compile, speculate=speculate, **runtime)
-    return Engine.load(engine_dir, Dist(0, 1, torch.device(device)), cfg, proposer=proposer)
+    return Engine.load(engine_dir, Dist(0, 1, torch.device(device)), cfg, proposer=proposer, warmup=warmup)
 
 
 @functools.lru_cache(maxsize=None)
