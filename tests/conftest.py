@@ -19,7 +19,16 @@ from typing import Callable
 
 import pytest
 
-from trt_redrafter.checkpoint.tiny import TinyConfig, make_tiny
+# One inductor cache for every engine the tests compile, in this process and in those it starts (run, serve, mpirun
+# ranks, pytest-xdist workers), kept between sessions: a step graph that two tests compile at the same shapes compiles
+# once (test_policy.py's compiled widths find test_compiled.py's graphs: 30 s instead of 171 on a 2-core CPU without
+# AVX-512), and CI's integration tier finds the fast tier's. Set before the runtime is imported, which reads it
+# (runtime/loading.py); a TORCHINDUCTOR_CACHE_DIR the user set wins. Delete out/test-inductor for a cold run.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(__file__).resolve().parents[1] / "out" / "test-inductor"))
+
+import torch  # noqa: E402
+
+from trt_redrafter.checkpoint.tiny import TinyConfig, make_tiny  # noqa: E402
 
 INTEGRATION_MARKERS = ("slow", "server", "mpi")
 TIERS = ("fast", "integration", "all")
@@ -74,6 +83,18 @@ def tiny_pair(make_tiny_pair) -> Path:
 
 
 _INDUCTOR_CACHE_AT_START = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+_THREADS_AT_START = torch.get_num_threads()
+
+
+@pytest.fixture(autouse=True)
+def _own_torch_threads():
+    """Put back torch's thread count after each test: an engine loaded with `threads` sets it for the process
+    (runtime/engine.py), and inductor compiles a CPU graph for the count at hand (its kernels' OpenMP teams, part of
+    its cache key), so a later test in the same process (a pytest-xdist worker's next module) compiled again the
+    graphs that the shared cache above already held, and ran at another count than it was written for."""
+    yield
+    if torch.get_num_threads() != _THREADS_AT_START:
+        torch.set_num_threads(_THREADS_AT_START)
 
 
 @pytest.fixture(autouse=True)
