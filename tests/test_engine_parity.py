@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from engine_utils import OracleProposer, build_tiny_engines, greedy, hf_greedy, load_engine, random_prompts
+from trt_redrafter.config import SamplingConfig
 from trt_redrafter.runtime.generate import generate
 from trt_redrafter.runtime.sequence import RequestSpec
 
@@ -120,6 +121,10 @@ def test_phase_profile_times_every_phase_and_changes_no_token(tiny):
     times = engine.timer.mean_ms()
     assert engine.timer.steps == engine.step_times.steps["tree"] > 0  # every batched ReDrafter step
     assert set(times) == set(PHASES) and all(t > 0 for t in times.values())
+    # a sampled step's accept phase (it draws noise) runs in a unit of its own, compiled as one that draws
+    generate(engine, tiny["prompts"][:1], [SamplingConfig(max_tokens=8, temperature=0.8, seed=1)], mode="redrafter")
+    draws = {key[2] for key, unit in engine.launcher._units.items() if key[0] == "accept" and unit.draws == key[2]}
+    assert draws == {False, True}
 
 
 def test_the_cost_model_times_whole_steps_under_profile_phases(tiny):

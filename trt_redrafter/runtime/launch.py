@@ -307,11 +307,14 @@ class StepLauncher:
         return unit
 
     def _timed_phase(self, name: str, phase, *args):
-        """One phase of a profiled step, run as its own unit (compiled / captured) and timed."""
-        key = (name, phase.__name__)  # "pack" is the device's beams, or the host's (pack_host)
+        """One phase of a profiled step, run as its own unit (compiled / captured) and timed. A sampled step's
+        accept phase draws noise: a unit of its own, as whole steps have one (`_unit`)."""
+        draws = any(isinstance(a, AcceptanceRule) and a is not AcceptanceRule.GREEDY for a in args)
+        key = (name, phase.__name__, draws)  # "pack" is the device's beams, or the host's (pack_host)
         unit = self._units.get(key)
         if unit is None:  # drafting writes no state: its capture needs no padding-slot arguments
-            unit = self._units[key] = self.compiler.unit(phase, name, None if name == "draft" else self._on_padding)
+            unit = self._units[key] = self.compiler.unit(phase, name, None if name == "draft" else self._on_padding,
+                                                         draws)
         built = _builds(unit)
         with self.timer.phase(name):
             out = unit(*args)
