@@ -169,8 +169,6 @@ def test_compiled_every_draft_depth_runs_the_one_tree_graph(tiny, compiled):
     test_draft_depth.)"""
     _, _, prompts, ar = tiny
     launcher, policy = compiled.launcher, compiled.policy
-    if compiled.device_drafter.fused is not None:
-        pytest.skip("the fused AVX-512 beam_draft kernel drafts here, and drafts every depth (no depth to choose)")
     assert launcher.depth_options == [1, 2, 3]
     generate(compiled, prompts, greedy(40), "redrafter")  # the greedy variants, compiled by now or here
     seen = record_tree_steps(launcher, lambda variant, beams, depth: depth)

@@ -2,7 +2,8 @@
 runtime/drafter.py `FusedSearch`) against its unfused oracle, `decoding.beam_search.beam_search` with
 `select_beams_topk` over `cpu.topk` (what the engine's CPU kernels ran before): the same beams, and the same scores up
 to the exp's last bit, for float and int8-input layers, float32 and bfloat16 drafters, a draft vocabulary or none,
-every beam count up to the bound and a few depths; where it does not apply, the engine keeps the oracle. The engine
+every beam count up to the bound and a few depths, and a search stopped early (`depth_rows`); where it does not apply,
+the engine keeps the oracle. The engine
 runs it by default on the CPU kernels: its drafts, steps and tokens equal those of the oracle's search, and greedy
 output equals AR, eager and compiled (tests/test_compiled.py, test_tp.py)."""
 
@@ -16,7 +17,7 @@ import torch
 from engine_utils import SMALL, load_engine
 from trt_redrafter import cpu
 from trt_redrafter.config import DrafterConfig, SamplingConfig
-from trt_redrafter.decoding.beam_search import beam_search, select_beams_topk
+from trt_redrafter.decoding.beam_search import LOG_ZERO, beam_search, select_beams_topk
 from trt_redrafter.model.drafter import DrafterRank
 from trt_redrafter.model.tp import Dist
 from trt_redrafter.runtime.drafter import APPLE_WARP_TOP_K, BeamDrafter, FusedSearch
@@ -59,10 +60,10 @@ def _drafter(dtype: torch.dtype, weights: str, exit_dim: int, draft_vocab: int, 
     return DrafterRank(cfg, t, Dist(0, 1, torch.device("cpu")), dtype, linear=linear, weights=weights)
 
 
-def _oracle(d: DrafterRank, emb: torch.Tensor, h, tok, nb: int, dl: int):
+def _oracle(d: DrafterRank, emb: torch.Tensor, h, tok, nb: int, dl: int, depth_rows=None):
     return beam_search(d, lambda ids: torch.nn.functional.embedding(ids, emb), h, tok, nb, dl,
                        warp_top_k=APPLE_WARP_TOP_K, keep_log_probs=False,
-                       select=functools.partial(select_beams_topk, topk=cpu.topk))
+                       select=functools.partial(select_beams_topk, topk=cpu.topk), depth_rows=depth_rows)
 
 
 # (drafter dtype, drafter weights, exit_dim (2H: no input_proj), draft vocabulary size, base dtype)
@@ -95,6 +96,32 @@ def test_the_fused_search_drafts_the_oracles_beams(dtype, weights, exit_dim, dra
     assert drafted > 0
 
 
+@pytest.mark.parametrize("dtype,weights,exit_dim,draft_vocab,base", [DRAFTERS[0], DRAFTERS[4]])
+def test_the_fused_search_stops_at_the_oracles_depth(dtype, weights, exit_dim, draft_vocab, base):
+    """A search stopped at depth d of dl (`depth_rows`: all rows up to d, none after) is the oracle's stopped search:
+    the d-step search's beams and scores, then each beam's last token repeated at LOG_ZERO (not the whole search's
+    drafts)."""
+    d = _drafter(dtype, weights, exit_dim, draft_vocab, seed=7)
+    g = torch.Generator().manual_seed(2)
+    emb = torch.randn(V, H, generator=g).to(base)
+    fused = FusedSearch.of(d, emb, APPLE_WARP_TOP_K, num_beams=4)
+    assert fused is not None
+    for bs, nb, dl, depth in [(1, 4, 4, 1), (2, 4, 4, 2), (3, 2, 4, 3), (2, 3, 3, 3), (1, 1, 3, 1)]:
+        h = torch.randn(bs, H, generator=g).to(base)
+        tok = torch.randint(0, V, (bs,), generator=g)
+        rows = [torch.arange(bs * nb if t < depth else 0) for t in range(1, dl)]
+        ref = _oracle(d, emb, h, tok, nb, dl, rows)
+        got = fused(h, tok, nb, 4, dl, rows)
+        assert torch.equal(got.beams, ref.beams), (bs, nb, dl, depth)
+        torch.testing.assert_close(got.scores, ref.scores, rtol=1e-5, atol=2e-4)
+        assert (got.scores[:, :, depth:] == LOG_ZERO).all() and (got.scores[:, :, :depth] > LOG_ZERO).any()
+        own = fused(h, tok, nb, 4, depth)
+        assert torch.equal(got.beams[:, :, :depth + 1], own.beams) and torch.equal(got.scores[:, :, :depth], own.scores)
+        assert torch.equal(got.beams[:, :, depth + 1:], own.beams[:, :, -1:].expand(-1, -1, dl - depth))
+        if depth < dl:
+            assert not torch.equal(fused(h, tok, nb, 4, dl).beams, got.beams)
+
+
 def test_the_fused_search_applies_only_where_it_computes_the_oracles_search():
     emb = torch.randn(V, H)
     assert FusedSearch.of(_drafter(torch.float32, "", 96, 0, 0), emb, APPLE_WARP_TOP_K, 4) is not None
@@ -120,19 +147,25 @@ def test_the_fused_search_applies_only_where_it_computes_the_oracles_search():
 def test_the_engine_drafts_with_the_fused_search_and_gets_the_oracles_steps(tmp_path):
     """The engine's device drafter on the CPU kernels is the fused search; with the oracle's search in its place
     (the same engine, `fused` cleared) every request takes the same steps and emits the same tokens, which equal
-    AR's."""
+    AR's: drafting the whole depth, and drafting 2 tokens deep of 4 (`--draft-depth 2`)."""
     from engine_utils import build_small_engine
     from test_drafter_dtype import _prompts
 
     en = build_small_engine(tmp_path, num_beams=4, draft_len=4, max_batch_size=4, max_input_len=128,
                             max_seq_len=256)
     engine = load_engine(en, kernels="cpu", speculate="full")
-    assert engine.device_drafter.fused is not None
+    search = engine.device_drafter.fused
+    assert search is not None and engine.launcher.depth_options == [1, 2, 3, 4]
     params = SamplingConfig(max_tokens=40)
     ar = [r.output_ids for r in generate(engine, _prompts(), params, mode="ar")]
-    fused = generate(engine, _prompts(), params, mode="redrafter")
-    engine.device_drafter.fused = None
-    oracle = generate(engine, _prompts(), params, mode="redrafter")
-    assert [r.output_ids for r in fused] == [r.output_ids for r in oracle] == ar
-    assert [r.steps for r in fused] == [r.steps for r in oracle]
-    assert sum(r.accepted_draft_tokens for r in fused) > 0
+    for depth in (4, 2):
+        engine.policy.depth_options = [depth]
+        engine.device_drafter.fused = search
+        fused = generate(engine, _prompts(), params, mode="redrafter")
+        engine.device_drafter.fused = None
+        oracle = generate(engine, _prompts(), params, mode="redrafter")
+        assert [r.output_ids for r in fused] == [r.output_ids for r in oracle] == ar, depth
+        assert [r.steps for r in fused] == [r.steps for r in oracle], depth
+        assert sum(r.accepted_draft_tokens for r in fused) > 0, depth
+    # two deep, the trees after the first (drafted after the prompt, whole) verify at most 2 drafted tokens a step
+    assert all(r.draft_tokens <= 2 * r.steps + 2 for r in fused), [(r.draft_tokens, r.steps) for r in fused]

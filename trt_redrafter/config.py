@@ -628,8 +628,7 @@ class RuntimeConfig(ConfigBase):
                                            "policy chooses among 1 .. all, by what the trees at hand earn at each "
                                            "depth and what each depth's read of the drafter's weights costs), or N "
                                            "(every drafting step). Depths below all need a step that stops drafting "
-                                           "early: the CPU, eager or inductor, with the drafter run as ops (not the "
-                                           "fused beam_draft kernel); elsewhere auto is all")
+                                           "early: the CPU, eager or inductor; elsewhere auto is all")
 
     def validate(self) -> None:
         super().validate()

@@ -178,7 +178,8 @@ def _topk_fake(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _beam_draft_fake(h, true_token, embedding, weights, bits, out_features, has_proj: bool, bf16: bool, num_beams,
-                     max_beams: int, draft_len: int, warp_top_k: int, vocab: int, ids, wide_rows: int):
+                     max_beams: int, draft_len: int, warp_top_k: int, vocab: int, ids, wide_rows: int,
+                     depth_rows):
     bs = h.shape[0]
     return (true_token.new_empty(bs, num_beams, draft_len + 1),
             h.new_empty(bs, num_beams, draft_len, dtype=torch.float32))

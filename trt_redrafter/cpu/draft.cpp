@@ -17,6 +17,8 @@
 //             their states gathered from the parents
 // Each pointwise result is rounded to the drafter's dtype where the eager torch code rounds it (a sum, then the
 // SiLU of the rounded sum), so the drafts are the oracle's up to its exp's last bit.
+// A search that stops at depth d < dl (the oracle's `depth_rows`: the first empty one ends it) runs no layer after
+// depth d: there every beam keeps itself, repeats its last token and scores LOG_ZERO, as the oracle's beams do.
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
@@ -99,6 +101,7 @@ inline at::Tensor present(const at::Tensor& t) { return t.defined() && t.numel()
 
 struct Search {
   int64_t bs, nb, bound, dl, warp, V, H, E, ldl;  // ldl: the head's row stride (its padded outputs)
+  int64_t depth;                                   // depths drafted (<= dl); the rest pad
   int64_t wide_rows;
   const int64_t* ids;  // draft vocabulary: token id of each head column (null: column = token id)
 };
@@ -135,7 +138,7 @@ std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& h_in, const at::Tensor&
     for (int64_t i = 0; i < nb; ++i) bp[(b * nb + i) * (dl + 1)] = tok[b];
   }
 
-  for (int64_t t = 0; t < dl; ++t) {
+  for (int64_t t = 0; t < s.depth; ++t) {
     const int64_t n = t == 0 ? bs : R;    // drafter rows this depth
     const int64_t live = t == 0 ? 1 : nb;  // rows per request
     for (int64_t r = 0; r < n; ++r) {       // the embeddings of the beams' last tokens, in the drafter's dtype
@@ -212,6 +215,12 @@ std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& h_in, const at::Tensor&
     std::swap(state, next);
     std::copy(new_score.begin(), new_score.end(), score.begin());
   }
+  for (int64_t t = s.depth; t < dl; ++t) {  // past the search's depth (no layer runs there): each beam pads
+    for (int64_t r = 0; r < R; ++r) {
+      bp[r * (dl + 1) + t + 1] = bp[r * (dl + 1) + s.depth];
+      sp[r * dl + t] = kLogZero;
+    }
+  }
   return {beams, hist};
 }
 
@@ -224,7 +233,7 @@ std::tuple<at::Tensor, at::Tensor> beam_draft(const at::Tensor& h, const at::Ten
                                               at::IntArrayRef bits, at::IntArrayRef out_features, bool has_proj,
                                               bool bf16, int64_t num_beams, int64_t max_beams, int64_t draft_len,
                                               int64_t warp_top_k, int64_t vocab, const std::optional<at::Tensor>& ids,
-                                              int64_t wide_rows) {
+                                              int64_t wide_rows, at::TensorList depth_rows) {
   const int64_t L = bits.size();
   TORCH_CHECK(L >= 3 && (int64_t)weights.size() == 6 * L && (int64_t)out_features.size() == L,
               "beam_draft: six tensors, a bits value and an output size per layer");
@@ -233,6 +242,8 @@ std::tuple<at::Tensor, at::Tensor> beam_draft(const at::Tensor& h, const at::Ten
                   embedding.scalar_type() == h.scalar_type(),
               "beam_draft: h [bs, H], true_token [bs] int64 and an embedding table of h's dtype on the CPU");
   TORCH_CHECK(num_beams >= 1 && num_beams <= max_beams && draft_len >= 1, "beam_draft: 1 <= num_beams <= max_beams");
+  TORCH_CHECK(depth_rows.empty() || (int64_t)depth_rows.size() == draft_len - 1,
+              "beam_draft: depth_rows holds draft_len - 1 tensors (or none: every depth)");
   const int64_t H = h.size(1);
   std::vector<Layer> layers(L);
   for (int64_t l = 0; l < L; ++l) {
@@ -270,6 +281,12 @@ std::tuple<at::Tensor, at::Tensor> beam_draft(const at::Tensor& h, const at::Ten
   s.E = E;
   s.ldl = layers.back().N;
   s.wide_rows = wide_rows;
+  s.depth = draft_len;  // the first depth whose rows are empty ends the search
+  for (size_t i = 0; i < depth_rows.size(); ++i)
+    if (depth_rows[i].numel() == 0) {
+      s.depth = i + 1;
+      break;
+    }
   at::Tensor id_t;
   if (ids.has_value() && ids->defined()) {
     id_t = ids->contiguous();
@@ -301,7 +318,7 @@ std::tuple<at::Tensor, at::Tensor> beam_draft(const at::Tensor& h, const at::Ten
 TORCH_LIBRARY_FRAGMENT(trt_redrafter_cpu, m) {
   m.def("beam_draft(Tensor h, Tensor true_token, Tensor embedding, Tensor[] weights, int[] bits, "
         "int[] out_features, bool has_proj, bool bf16, SymInt num_beams, int max_beams, int draft_len, "
-        "int warp_top_k, int vocab, Tensor? ids, int wide_rows) -> (Tensor, Tensor)");
+        "int warp_top_k, int vocab, Tensor? ids, int wide_rows, Tensor[] depth_rows) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(trt_redrafter_cpu, CPU, m) { m.impl("beam_draft", &beam_draft); }

@@ -28,12 +28,7 @@ class DeviceDrafter(Protocol):
         """h [bs, H] (final-norm hidden state at the last accepted position), true_token [bs] -> beams, scores;
         `beams` [k]: search k <= num_beams beams (None: num_beams). A tensor whose length counts, not an int: in a
         compiled step k is an unbacked size, which stays one where the step's graph breaks around this call.
-        `depth_rows`: the search stops early (`decoding.beam_search`'s; None: it drafts draft_len tokens), where
-        `any_depth`."""
-
-    @property
-    def any_depth(self) -> bool:
-        """Whether `draft` takes `depth_rows`, so that one step drafts any depth."""
+        `depth_rows`: the search stops early (`decoding.beam_search`'s; None: it drafts draft_len tokens)."""
 
 
 class BeamDrafter:
@@ -59,19 +54,12 @@ class BeamDrafter:
             return "one kernel call a step (cpu beam_draft)"
         return "a call per layer and depth (decoding.beam_search)"
 
-    @property
-    def any_depth(self) -> bool:
-        """Whether a step may stop the search early (`beam_search`'s `depth_rows`): not where the fused kernel drafts,
-        whose search runs every depth."""
-        return self.fused is None
-
     def draft(self, h: torch.Tensor, true_token: torch.Tensor, keep_log_probs: bool,
               beams: Optional[torch.Tensor] = None, depth_rows: Optional[Sequence[torch.Tensor]] = None
               ) -> BeamSearchResult:
         nb = self.num_beams if beams is None else beams.shape[0]
         if self.fused is not None and not keep_log_probs and h.dtype == self.fused.embedding.dtype:
-            assert depth_rows is None, "the fused search drafts every depth (any_depth is False)"
-            return self.fused(h, true_token, nb, self.num_beams, self.draft_len)
+            return self.fused(h, true_token, nb, self.num_beams, self.draft_len, depth_rows)
         # traced (the count an unbacked size): choose every path by the bound, never by the count
         bound = self.num_beams if beams is not None and torch.compiler.is_compiling() else None
         return beam_search.beam_search(self.drafter, self.embed, h, true_token, nb, self.draft_len,
@@ -127,10 +115,13 @@ class FusedSearch:
         return FusedSearch(drafter, embedding, warp_top_k, layers)
 
     def __call__(self, h: torch.Tensor, true_token: torch.Tensor, num_beams, max_beams: int,
-                 draft_len: int) -> BeamSearchResult:
+                 draft_len: int, depth_rows: Optional[Sequence[torch.Tensor]] = None) -> BeamSearchResult:
+        """`depth_rows`: `beam_search`'s (the search stops before the first empty one; the kernel reads only their
+        lengths); None: every depth."""
         beams, scores = torch.ops.trt_redrafter_cpu.beam_draft(
             h.contiguous(), true_token, self.embedding, self.weights, self.bits, self.out_features, self.has_proj,
-            self.bf16, num_beams, max_beams, draft_len, self.warp, self.vocab, self.ids, W8A8_WIDE_ROWS)
+            self.bf16, num_beams, max_beams, draft_len, self.warp, self.vocab, self.ids, W8A8_WIDE_ROWS,
+            list(depth_rows or ()))
         return BeamSearchResult(beams=beams, log_probs=None, scores=scores)
 
 

@@ -84,8 +84,7 @@ def draft_depth_options(spec: str, options: list[int], draft_len: int) -> list[i
     """The draft depths the policy may draft to, as `--draft-depth` says: all (draft_len), auto (`options`, the
     launcher's), or N, which must be one of `options`."""
     return _draft_options(spec, options, draft_len, "--draft-depth", "to depth {}", "its beams draft {} tokens",
-                          "a step stops drafting early only on the CPU, eager or inductor, where the drafter runs as "
-                          "ops, not as the one fused beam_draft kernel")
+                          "a step stops drafting early only on the CPU, eager or inductor")
 
 
 def draft_beam_options(spec: str, options: list[int], num_beams: int) -> list[int]:
@@ -133,9 +132,10 @@ class StepLauncher:
         nb = tree.num_beams
         self.beam_options = beam_buckets(nb) if compiler.any_width else [nb]
         # draft depths a drafting step may stop at (`beam_search`'s depth_rows, also unbacked sizes) where one compiled
-        # step serves them all and the drafter runs as ops on the CPU (a layer over zero rows reads no weight there)
+        # step serves them all, on the CPU (a layer over zero rows reads no weight there; the fused beam_draft kernel
+        # stops at the first empty one)
         dl = tree.draft_len_per_beam
-        any_depth = stops_early and steps.proposer is not None and steps.proposer.any_depth
+        any_depth = stops_early and steps.proposer is not None
         self.depth_options = depth_buckets(dl) if compiler.any_width and any_depth and self.device.type == "cpu" \
             else [dl]
 
