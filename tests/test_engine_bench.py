@@ -147,4 +147,7 @@ def test_bench_engine_end_to_end_on_models_small(small_engine, tmp_path, capsys)
     assert set(doc["phases_ms"]) == {"verify", "accept", "rewind", "draft", "pack"}
     if cpu.available(torch.float32):  # the CPU kernels: the drafter's search is one call (cpu/draft.cpp)
         assert doc["drafting"].startswith("one kernel call") and "beam search: one kernel call" in out
+    # the machine the figures came from, with the instruction sets they depend on
+    assert doc["machine"]["cpu"] and f"CPU: {doc['machine']['cpu']}" in out
+    assert ("avx512f" in doc["machine"]["features"]) == cpu.available(torch.float32)
     assert "| 1 | redrafter |" in out and "| 1 | llama.cpp_q8_0 | failed: " in out

@@ -25,7 +25,6 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -35,6 +34,7 @@ from typing import Optional
 
 import torch
 
+from .. import cpu
 from ..checkpoint.engine_config import EngineConfig, load_engine_config
 from ..config import PROPOSERS, RuntimeConfig, SamplingConfig
 from ..errors import UserError
@@ -296,7 +296,8 @@ def summary_doc(args: argparse.Namespace, ecfg: EngineConfig, engine: Engine, ru
         "engine_load_s": load_s, "speculate": str(engine.policy.speculation),
         "cost_model": costs.to_dict(), "speculation_overheads": costs.overheads(),
         "step_scale": dict(zip(("ar", "tree"), engine.policy.step_scale)), "roofline": roofline,
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+        "machine": {"cpu": cpu.model_name(), "family": cpu.cpuinfo("cpu family"), "features": cpu.features(),
+                    "cores": os.cpu_count(),
                     "torch_threads": torch.get_num_threads(), "loadavg": os.getloadavg(), "device": device},
     }
 
@@ -307,6 +308,10 @@ def print_header(doc: dict, engine: Engine) -> None:
           f"load average {os.getloadavg()[0]:.2f}; {doc['prompts']} prompts ({doc['prompt_order']} order) x "
           f"{doc['max_tokens']} tokens, greedy; medians of {doc['repeats']} rounds, the modes alternating per "
           f"prompt group")
+    m = doc["machine"]
+    if m["device"] == "cpu":
+        family = f" (family {m['family']})" if m.get("family") else ""
+        print(f"CPU: {m['cpu']}{family}, {m['cores']} cores, {' '.join(m['features']) or 'no AVX2'}")
     print("linear layers (base and drafter) by kernel: " +
           ", ".join(f"{n} {path}" for path, n in doc["linear_paths"].items()))
     if doc.get("drafting"):

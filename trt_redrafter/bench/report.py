@@ -29,12 +29,9 @@ def git_revision(root: Optional[Path] = None) -> dict:
 
 
 def machine_info() -> dict:
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
+    from .. import cpu as kernels
+
+    cpu = kernels.model_name()
     info = {"hostname": platform.node(), "platform": platform.platform(), "python": sys.version.split()[0],
             "cpu": cpu, "cpu_count": os.cpu_count(),
             "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,

@@ -68,11 +68,11 @@ def run(args: argparse.Namespace) -> int:
     if logs:
         logs.mkdir(parents=True, exist_ok=True)
     import os
-    import platform
 
+    from .. import cpu
     from ..bench.engine_bench import read_bandwidth
 
-    machine = {"cpu": _cpu_name() or platform.machine(), "cores": os.cpu_count(),
+    machine = {"cpu": cpu.model_name(), "cores": os.cpu_count(),
                "loadavg_before": os.getloadavg(), "read_gb_s_before": read_bandwidth()}
     doc = {"engine": str(Path(args.engine).absolute()), "modes": modes, "max_tokens": args.max_tokens,
            "runtime": runtime.to_dict(), "command": ["trt-redrafter", *args.argv], "machine": machine}
@@ -107,10 +107,3 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cpu_name() -> str:
-    """The CPU's model name (/proc/cpuinfo), '' where it cannot be read."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        return ""

@@ -30,6 +30,7 @@ import fcntl
 import hashlib
 import logging
 import os
+import platform
 import sys
 import sysconfig
 from typing import Optional
@@ -45,6 +46,30 @@ _SOURCES = [os.path.join(os.path.dirname(__file__), name) for name in ("linear.c
                                                                               "draft.cpp")]
 _BUILD_ERROR: list[str] = []  # the first build failure: a process tries once
 _CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
+
+
+# the instruction sets a run's figures depend on (bench-engine records which of them the machine has)
+FEATURES = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
+
+
+def cpuinfo(key: str) -> str:
+    """The first /proc/cpuinfo value of `key`, '' where there is none (or no /proc)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.split(":", 1)[0].strip() == key), "")
+    except OSError:
+        return ""
+
+
+def model_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what `platform` knows."""
+    return cpuinfo("model name") or platform.processor() or platform.machine()
+
+
+def features() -> list[str]:
+    """Which of FEATURES this CPU has (its /proc/cpuinfo flags)."""
+    flags = set(cpuinfo("flags").split())
+    return [f for f in FEATURES if f in flags]
 
 
 def available(dtype: torch.dtype) -> bool:

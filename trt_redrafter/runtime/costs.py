@@ -16,7 +16,6 @@ import functools
 import hashlib
 import json
 import os
-import platform
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -219,13 +218,9 @@ def kernel_sources_digest(roots: Optional[Iterable[Path]] = None) -> str:
 
 
 def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip() + f" x{os.cpu_count()}"
-    except OSError:
-        pass
-    return f"{platform.processor() or platform.machine()} x{os.cpu_count()}"
+    from .. import cpu
+
+    return f"{cpu.model_name()} x{os.cpu_count()}"
 
 
 def cost_cache_paths(engine_dir: Optional[Path]) -> list[Path]:
