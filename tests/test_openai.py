@@ -504,7 +504,7 @@ def test_errors_have_openai_shape_and_status(served, client):
     assert r.usage.completion_tokens == 2  # and it keeps serving
 
 
-def _idle(served, timeout: float = 5.0) -> dict:
+def _idle(served, timeout: float = 30.0) -> dict:
     url = f"http://127.0.0.1:{served['ports']['metrics']}/metrics"
     deadline = time.monotonic() + timeout
     while True:

@@ -250,13 +250,15 @@ class ChildProcess:
 class TritonServer(ChildProcess):
     """`with TritonServer(repo, grpc_port=..., ...) as srv:` a ready server; leaving the block shuts it down.
 
-    Logs go to `log_path` (a temporary file by default) and, with `echo`, to `echo` too.
+    Logs go to `log_path` (a temporary file by default) and, with `echo`, to `echo` too. `exit_timeout`: how long
+    tritonserver waits for its models to unload (its own default, 30 s): the engine model's close drains its requests
+    for up to 5 s and joins its scheduler for up to 10, which a machine busy with other work can need whole.
     """
 
     NAME = "tritonserver"
 
     def __init__(self, repo: str | Path, grpc_port: int = 8001, http_port: int = 8000, metrics_port: int = 8002,
-                 host: str = "127.0.0.1", ready_timeout: float = 180.0, exit_timeout: int = 10,
+                 host: str = "127.0.0.1", ready_timeout: float = 180.0, exit_timeout: int = 30,
                  log_path: str | Path | None = None, echo: Optional[TextIO] = None, verbose: bool = False):
         self.repo = Path(repo).absolute()
         if not (self.repo / "ensemble" / "config.pbtxt").is_file() and not any(self.repo.glob("*/config.pbtxt")):
