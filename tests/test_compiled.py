@@ -10,9 +10,11 @@ from engine_utils import build_tiny_engines, greedy, hf_greedy, load_engine, ran
 from trt_redrafter.config import SamplingConfig, Speculation
 from trt_redrafter.runtime.generate import generate
 
-# inductor compiles C++ on first use (a minute on 2 cores); core: the CPU default (`--compile auto` at TP 1) is
-# inductor, so the fast tier runs its parity
-pytestmark = [pytest.mark.slow, pytest.mark.core, pytest.mark.timeout(600)]
+# inductor compiles C++ on first use (a minute on 2 cores); core (every test but the host-composed trees', whose
+# variants are graphs of their own, also compiled at TP 2 in test_tp.py): the CPU default (`--compile auto` at TP 1)
+# is inductor, so the fast tier runs its parity
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+core = pytest.mark.core
 
 PROMPT_LENS = [5, 11, 3, 8, 14]  # more prompts than max_batch_size=4: batches of 4 and 1
 
@@ -32,6 +34,7 @@ def compiled(tiny):
     return load_engine(tiny[1], compile="inductor")
 
 
+@core
 def test_compiled_greedy_redrafter_and_ar_equal_eager_ar_and_hf(tiny, compiled):
     base, _, prompts, ar = tiny
     assert compiled.compiler.mode == "inductor"
@@ -52,6 +55,7 @@ def test_compiled_ngram_and_mixed_trees_equal_ar(tiny, compiled):
         assert sum(r.accepted_draft_tokens for r in res) >= 10, (proposer, [r.accepted_draft_tokens for r in res])
 
 
+@core
 def test_sampled_redrafter_equals_sampled_ar_eager_and_compiled(tiny, compiled):
     """Counter-based noise keyed by (seed, position): exact acceptance emits AR's own draws."""
     _, engine_dir, prompts, _ = tiny
@@ -66,6 +70,7 @@ def test_sampled_redrafter_equals_sampled_ar_eager_and_compiled(tiny, compiled):
     assert units[(True, True)].draws and not units[(True, False)].draws
 
 
+@core
 def test_units_that_draw_noise_store_values_used_twice(monkeypatch):
     """A sampled step's unit compiles with a low `realize_opcount_threshold` (runtime/graphs.py: its noise's rounds
     are stored, not inlined into each of their two uses, which took minutes of compiling); greedy steps' units keep
@@ -83,6 +88,7 @@ def test_units_that_draw_noise_store_values_used_twice(monkeypatch):
     assert len(seen) == 2
 
 
+@core
 def test_compiled_step_does_not_recompile_across_steps(tiny, compiled):
     """After warm-up, a request's steps (KV crossing blocks, trees of varying width) and both batch shapes run
     the graphs compiled at load; a recompile would raise under `fail_on_recompile`."""
@@ -100,6 +106,7 @@ def test_compiled_step_does_not_recompile_across_steps(tiny, compiled):
     assert all(len(r.output_ids) == 70 for r in res)
 
 
+@core
 def test_the_compiled_ar_step_is_one_graph_for_every_batch_size(tiny):
     """The AR step's batch is an unbacked size on the CPU (`Compiler.mark_any_batch`): the graph compiled at batch 2
     runs batch 1 without compiling another (a dynamic size would specialize 1), and its tokens are AR's."""
@@ -119,6 +126,7 @@ def test_the_compiled_ar_step_is_one_graph_for_every_batch_size(tiny):
     assert [r.output_ids for r in two] == [a[:8] for a in ar[:2]] and one[0].output_ids == ar[2]
 
 
+@core
 def test_compiled_root_only_steps_run_the_one_tree_graph(tiny, compiled):
     """`--speculate 1`: every step verifies its root alone and drafts the next trees, the fixed cost of speculating.
     It verifies one node, not two (the width an unbacked size: the graph compiled at the whole tree's width runs
@@ -138,6 +146,7 @@ def test_compiled_root_only_steps_run_the_one_tree_graph(tiny, compiled):
     assert set(verified) == {1} and len(verified) >= 39  # every decode step a tree step (40 tokens: >= 39 steps)
 
 
+@core
 def test_compiled_every_beam_count_runs_the_one_tree_graph(tiny, compiled):
     """`--draft-beams 1` and `2` on the compiled engine: the drafter's beam count is an unbacked size, so the tree
     graph compiled at load drafts any count without a recompile, and the tokens are AR's. (The trained pair's
@@ -161,6 +170,7 @@ def test_compiled_every_beam_count_runs_the_one_tree_graph(tiny, compiled):
         policy.beam_options = options
 
 
+@core
 def test_compiled_every_draft_depth_runs_the_one_tree_graph(tiny, compiled):
     """`--draft-depth 1` and `2` (of 3) on the compiled engine, with 4 beams and with 1: each drafting depth's rows
     are an unbacked size (none past the depth), so the tree graph compiled at load stops the search at any depth
@@ -196,6 +206,7 @@ def test_compiled_every_draft_depth_runs_the_one_tree_graph(tiny, compiled):
         policy.depth_options, policy.beam_options = options, beam_options
 
 
+@core
 def test_the_torch_attention_traces_at_an_unbacked_tree_width():
     """Where the CPU has no AVX-512, the compiled tree step runs `torch_tree_attention`, at a tree width that is an
     unbacked size (`Compiler.mark_width`: one graph for every width, 1 included). It traces so (dynamo's fake
@@ -223,6 +234,7 @@ def test_the_torch_attention_traces_at_an_unbacked_tree_width():
         assert torch.equal(compiled(width), attend(width)), T
 
 
+@core
 def test_the_torch_attention_traces_with_a_one_row_mask_beside_unbacked_query_rows():
     """A compiled TP step is split at the ranks' collectives (model/tp.py): a graph piece can receive the attention
     mask as an input whose rows dynamo specialized at 1 beside queries whose rows are an unbacked size. The mask is
