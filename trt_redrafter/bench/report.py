@@ -29,11 +29,10 @@ def git_revision(root: Optional[Path] = None) -> dict:
 
 
 def machine_info() -> dict:
-    from .. import cpu as kernels
+    from .. import cpu
 
-    cpu = kernels.model_name()
     info = {"hostname": platform.node(), "platform": platform.platform(), "python": sys.version.split()[0],
-            "cpu": cpu, "cpu_count": os.cpu_count(),
+            "cpu": cpu.model_name(), "cpu_count": os.cpu_count(),
             "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
             "loadavg": os.getloadavg() if hasattr(os, "getloadavg") else None, "gpus": []}
     try:
