@@ -49,6 +49,38 @@ def model(ar=((10.0, 12.0, 20.0), (14.0, 18.0, 30.0)), tree=None) -> CostModel:
     return CostModel([1, 2, 4], [1, 2, 3], [100, 1100], [list(r) for r in ar], tree, {"k": 1})
 
 
+def test_memoized_cost_lookups_equal_the_tables_and_follow_a_replaced_table():
+    """`CostModel._cached` (the policy's hundreds of lookups a step) against `_lookup` on each column built anew, at
+    every batch, context, width, beam count and depth asked twice; a table set afresh is read afresh."""
+    m = model()
+    m.beams, m.draft = [1, 2], [[[a * 1.02, a * 1.1] for a in row] for row in m.ar]
+    m.depths, m.by_depth = [1, 2], [[[a * 1.01, a * 1.1] for a in row] for row in m.ar]
+    fresh = CostModel.from_dict(m.to_dict())
+
+    def unmemoized(batch, width, context, beams, depth):
+        col = lambda table, f: [[f(per_b) for per_b in row] for row in table]  # noqa: E731
+        ms = fresh._lookup(col(fresh.tree, lambda r: r[fresh.widths.index(width)]), batch, context)
+        if not beams and not depth:
+            return ms
+        fixed = max(fresh._lookup(col(fresh.tree, lambda r: r[0]), batch, context)
+                    - fresh._lookup(fresh.ar, batch, context), 0.0)
+        deep = min(fresh._lookup(col(fresh.by_depth, lambda r: r[-1] - r[0]), batch, context), fixed / 2) if depth else 0
+        few = min(fresh._lookup(col(fresh.draft, lambda r: r[-1] - r[0]), batch, context), fixed / 2) if beams else 0
+        return ms - deep - few * (1 - (0.5 if depth else 0))
+
+    for _ in range(2):
+        for batch in (1, 2, 3, 8):
+            for context in (0, 100, 350.5, 1100, 2000):
+                assert m.ar_ms(batch, context) == fresh._lookup(fresh.ar, batch, context)
+                for width in (1, 2, 3):
+                    for beams, depth in ((0, 0), (1, 0), (0, 1), (1, 1)):
+                        assert m.tree_ms(batch, width, context, beams, depth) == \
+                            pytest.approx(unmemoized(batch, width, context, beams, depth), rel=1e-12)
+    before = m.tree_ms(2, 2, 100)
+    m.tree = [[[2 * x for x in per_b] for per_b in row] for row in m.tree]
+    assert m.tree_ms(2, 2, 100) == pytest.approx(2 * before)
+
+
 def test_cost_lookup_interpolates_batches_and_contexts():
     m = model()
     assert m.ar_ms(2, 100) == 12.0 and m.ar_ms(2, 1100) == 18.0
@@ -279,6 +311,21 @@ def test_a_step_after_a_step_of_the_other_kind_does_not_scale_the_cost_model():
     assert policy.step_scale[1] == pytest.approx(0.9 + 0.1 * 2.0)
     policy.observe_step(pol.AR_STEP, 1, 100, 20.0)  # back to AR: not observed
     assert policy.step_scale[0] == 1.0
+
+
+def test_a_candidate_asked_again_is_weighed_by_the_calibration_as_it_is_now():
+    """`_gains` keeps what it computed on the candidate for one decision only: the same candidates decided on again
+    after their calibration learned that the drafter is never right get the decision fresh candidates get."""
+    costs, widths = pol.StepCosts(flat_costs()), tree_buckets(13)
+    cal = Calibration()
+    same = cands(1, [0, q(0.9), q(0.8), q(0.7)], cal)
+    first, _ = pol.decide(pol.PolicyState(), same, True, costs, widths, None)
+    assert first.is_tree and first.width > 1
+    for _ in range(200):
+        cal.observe([q(0.9), q(0.8), q(0.7)], [])
+    again, _ = pol.decide(pol.PolicyState(), same, True, costs, widths, None)
+    new, _ = pol.decide(pol.PolicyState(), cands(1, [0, q(0.9), q(0.8), q(0.7)], cal), True, costs, widths, None)
+    assert again == new and again != first
 
 
 def never_right() -> Calibration:

@@ -41,6 +41,7 @@ COST_POINT_S = 0.25  # ... so that each point takes about this long
 # of its time was measured in a slow phase (a busy machine): it is measured again
 STALE_RATIO = 0.7
 STALE_PROBES = 5  # timed calls of each kind for that check (their median)
+_MEMO_MAX = 4096  # lookups a CostModel keeps (`_cached`) before it starts its memo afresh
 
 
 @dataclass
@@ -62,8 +63,13 @@ class CostModel:
     depths: list[int] = field(default_factory=list)  # draft depths measured, ascending, the whole depth last
     by_depth: list[list[list[float]]] = field(default_factory=list)  # [context][batch][depth]
 
+    def __setattr__(self, name: str, value) -> None:
+        super().__setattr__(name, value)
+        if not name.startswith("_"):  # a table replaced (a test scales one): what was looked up in it goes
+            self.__dict__.pop("_memo", None)
+
     def ar_ms(self, batch: int, context: float) -> float:
-        return self._lookup([row for row in self.ar], batch, context)
+        return self._cached(("ar",), batch, context)
 
     def tree_ms(self, batch: int, width: int, context: float, beams: int = 0, depth: int = 0) -> float:
         """A tree step verifying `width` nodes and drafting the next trees with `beams` beams (0: every beam) to
@@ -73,28 +79,50 @@ class CostModel:
         Each saving is at most its share of the fixed cost (the width-1 step less the AR step, all of it taken for
         drafting): (dl - depth) / dl of it, and (nb - beams) / nb of what is left. A busy host timed a depth-1 step
         far below the whole one, and the step came out no dearer than an AR step: drafting looked free."""
-        w = self.widths.index(width)
-        ms = self._lookup([[per_b[w] for per_b in row] for row in self.tree], batch, context)
+        ms = self._cached(("tree", self.widths.index(width)), batch, context)
         less_deep_share = _share(self.depths, depth)
         if not less_deep_share and not _share(self.beams, beams):
             return ms
-        width1 = self._lookup([[per_b[0] for per_b in row] for row in self.tree], batch, context)
+        width1 = self._cached(("tree", 0), batch, context)
         fixed = max(width1 - self.ar_ms(batch, context), 0.0)
-        less_deep = self._saving(self.depths, self.by_depth, depth, batch, context, fixed)
-        fewer_beams = self._saving(self.beams, self.draft, beams, batch, context, fixed)
+        less_deep = self._saving("by_depth", self.depths, depth, batch, context, fixed)
+        fewer_beams = self._saving("draft", self.beams, beams, batch, context, fixed)
         return ms - less_deep - fewer_beams * (1 - less_deep_share)  # fewer beams save at each depth drafted
 
-    def _saving(self, options: list[int], steps: list[list[list[float]]], value: int, batch: int,
-                context: float, fixed: float) -> float:
+    def _saving(self, steps: str, options: list[int], value: int, batch: int, context: float, fixed: float) -> float:
         """What a width-1 step drafting `value` (a beam count or depth; 0: the whole) saves against one drafting the
-        whole, from `steps` [context][batch][option] measured at `options` (none: nothing known, nothing saved); at
-        most its share of the `fixed` cost (`_share`)."""
+        whole, from the table `steps` names ([context][batch][option]) measured at `options` (none: nothing known,
+        nothing saved); at most its share of the `fixed` cost (`_share`)."""
         share = _share(options, value)
         if not share:
             return 0.0
-        i = options.index(value)
-        measured = self._lookup([[per_b[-1] - per_b[i] for per_b in row] for row in steps], batch, context)
+        measured = self._cached((steps, options.index(value)), batch, context)
         return min(measured, fixed * share)
+
+    def _cached(self, column: tuple, batch: int, context: float) -> float:
+        """`_lookup` of one column of the tables, memoized: the policy asks for the same few columns at the step's
+        batch size and context once per width, beam count and depth it weighs (hundreds of lookups a step, each of
+        which built its column anew). `column`: ("ar",), ("tree", width index), or ("by_depth" | "draft", option
+        index): that option's saving against the last (the whole depth or every beam). The tables are never changed
+        in place; setting one clears the memo (`__setattr__`)."""
+        memo = self.__dict__.get("_memo")
+        if memo is None or len(memo) > _MEMO_MAX:
+            memo = self.__dict__["_memo"] = {}
+        key = (column, batch, context)
+        ms = memo.get(key)
+        if ms is None:
+            table = memo.get(column)
+            if table is None:
+                kind = column[0]
+                if kind == "ar":
+                    table = self.ar
+                elif kind == "tree":
+                    table = [[per_b[column[1]] for per_b in row] for row in self.tree]
+                else:
+                    table = [[per_b[-1] - per_b[column[1]] for per_b in row] for row in getattr(self, kind)]
+                memo[column] = table
+            ms = memo[key] = self._lookup(table, batch, context)
+        return ms
 
     def outpaced_by(self, ar_ms: float, width1_ms: float) -> bool:
         """Whether steps timed now (batch 1, the shorter context) ran in under STALE_RATIO of this model's cells:

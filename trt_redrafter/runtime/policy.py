@@ -91,6 +91,8 @@ class Candidate:
     # host (every node counts for every beam count)
     beams: Optional[list[int]] = None
     depths: Optional[list[int]] = None  # each node's depth (aligned with `scores`); None: unknown
+    # what `_gains` computed for one decision, by what it was asked (`decide` clears it)
+    gains: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def drafted_depth(self) -> int:
@@ -238,6 +240,8 @@ def decide(state: PolicyState, cands: list[Candidate], can_draft: bool, costs: S
 
     While host_resting, an AR step composes nothing (AR_REST) but the last before rest reaches probe_every: that one
     composes the trees that probe whether host trees pay again."""
+    for c in cands:  # what this decision weighs: a caller may ask again after the calibration learned more
+        c.gains.clear()
     d, state = _decide(state, cands, can_draft, costs, widths, fixed, beam_options, depth_options)
     if d is AR_STEP and state.host_resting and state.rest + 1 < state.probe_every:
         return AR_REST, state  # the next step is an AR step too: nothing to compose for it
@@ -350,18 +354,26 @@ def _gains(c: Candidate, claims: bool = False, on_beams: int = 0, on_depth: int 
     """g[k - 1]: tokens expected from the request's first k nodes (the root adds none); `on_beams`, `on_depth`: of
     the nodes on its first so many beams, that deep (0, or a tree composed on the host: all of them). Nodes past
     where the drafter stopped (SCORE_PAD) add none."""
-    depths = c.depths[1:] if c.depths else [0] * (len(c.scores) - 1)
-    nodes = list(zip(c.scores[1:], depths))
-    if on_beams and c.beams:
-        nodes = [n for n, b in zip(nodes, c.beams[1:]) if b < on_beams]
-    if on_depth and c.depths:
-        nodes = [n for n in nodes if n[1] <= on_depth]
-    nodes = [n for n in nodes if n[0] > SCORE_PAD]
-    if claims:
-        probs = (math.exp(s / SCORE_SCALE) for s, _ in nodes)
-    else:
-        probs = (c.calibration.probability(s, d) for s, d in nodes)
-    return list(itertools.accumulate(probs, initial=0.0))
+    key = (claims, on_beams if c.beams else 0, on_depth if c.depths else 0)
+    gains = c.gains.get(key)
+    if gains is None:  # asked once per beam count and depth weighed, and per width decision: computed once a step
+        probs = [p for p, b, d in _node_probs(c, claims)
+                 if (not on_beams or not c.beams or b < on_beams) and (not on_depth or not c.depths or d <= on_depth)]
+        gains = c.gains[key] = list(itertools.accumulate(probs, initial=0.0))
+    return gains
+
+
+def _node_probs(c: Candidate, claims: bool) -> list[tuple[float, int, int]]:
+    """(P(accepted), beam, depth) of each drafted node of the request's tree but the root, in order: by the
+    proposer's own claims or by the calibration. Nodes past where the drafter stopped (SCORE_PAD) are left out."""
+    key = ("nodes", claims)
+    nodes = c.gains.get(key)
+    if nodes is None:
+        depths = c.depths[1:] if c.depths else [0] * (len(c.scores) - 1)
+        beams = c.beams[1:] if c.beams else [0] * (len(c.scores) - 1)
+        prob = (lambda s, d: math.exp(s / SCORE_SCALE)) if claims else c.calibration.probability
+        nodes = c.gains[key] = [(prob(s, d), b, d) for s, b, d in zip(c.scores[1:], beams, depths) if s > SCORE_PAD]
+    return nodes
 
 
 def _next_draft(s: PolicyState, fresh: list[Candidate], B: int, context: float, widths: Sequence[int],
