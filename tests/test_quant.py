@@ -86,6 +86,41 @@ def test_weight_only_rows_bits_do_not_depend_on_the_rows_beside_it(bits, dtype, 
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("group_size", [64, 96])
+def test_bf16_inputs_run_k_pairs_where_the_cpu_has_avx512_bf16(bits, group_size):
+    """bf16 inputs on an AVX512-BF16 CPU take VDPBF16PS over k pairs (`wo_pairs`, named in the layer's path); fp32
+    inputs, an odd group size (int8) and CPUs without it widen to fp32 FMAs. Either way the layer is F.linear of the
+    dequantized weight and a row's bits do not depend on the rows beside it."""
+    _need_kernel()
+    pairs = cpu.available(torch.bfloat16)
+    assert cpu.wo_pairs(torch.bfloat16, group_size) == pairs
+    assert not cpu.wo_pairs(torch.float32, group_size) and not cpu.wo_pairs(torch.bfloat16, 65)
+    w = _quant_weight(80, 192, bits, group_size, torch.bfloat16, 5)
+    layer = lin.Linear(w, impl="avx512")
+    assert layer.quant_pairs == pairs and ("VDPBF16PS" in layer.path) == pairs
+    assert not lin.Linear(_quant_weight(80, 192, bits, group_size, torch.float32, 5), impl="avx512").quant_pairs
+    X = torch.randn(30, 192).bfloat16()
+    full = layer(X)
+    ref = F.linear(X.double(), w.q.double() * w.scales.double().repeat_interleave(group_size, dim=1))
+    torch.testing.assert_close(full.double(), ref, rtol=1.6e-2, atol=2e-2)
+    assert [M for M in (1, 2, 5, 9, 17) if not torch.equal(layer(X[:M]), full[:M])] == []
+    assert [i for i in range(30) if not torch.equal(layer(X[i:i + 1])[0], full[i])] == []
+
+
+def test_bf16_inputs_with_an_odd_group_size_widen_to_fp32():
+    """int8 per channel over an odd K: no k pairs, the FMA path, still F.linear of q s and row-invariant."""
+    _need_kernel()
+    w = _quant_weight(40, 65, 8, 65, torch.bfloat16, 6)
+    layer = lin.Linear(w, impl="avx512")
+    assert not layer.quant_pairs and "VDPBF16PS" not in layer.path
+    X = torch.randn(12, 65).bfloat16()
+    full = layer(X)
+    torch.testing.assert_close(full.double(), F.linear(X.double(), w.q.double() * w.scales.double()),
+                               rtol=1.6e-2, atol=2e-2)
+    assert [M for M in (1, 2, 5, 7) if not torch.equal(layer(X[:M]), full[:M])] == []
+
+
 @pytest.mark.parametrize("impl", ["torch", "onednn"])
 def test_other_impls_run_the_dequantized_weight(impl):
     """Where the weight-only kernel does not run, the layer computes with q * s in the model dtype: the same
@@ -238,6 +273,28 @@ def test_greedy_redrafter_equals_quantized_ar(quantized, corrupt_every):
     assert [r.output_ids for r in res] == ar
     if corrupt_every == 0:
         assert min(r.tokens_per_step for r in res) > 1.5
+
+
+@pytest.mark.slow
+def test_bf16_weight_only_engine_greedy_redrafter_equals_its_ar(tmp_path):
+    """A bf16 engine over int8 weights: its layers run k pairs where the CPU has AVX512-BF16 (VDPBF16PS, one
+    instruction for every row count), and greedy ReDrafter still gives its AR tokens, with the engine's drafter and
+    with an oracle whose long drafts are accepted."""
+    _need_kernel()
+    _, engines = build_tiny_engines(tmp_path, seed=17, num_beams=4, draft_len=3, kv_block_size=16, num_heads=4,
+                                    num_kv_heads=2, intermediate_size=256, dtype="bfloat16",
+                                    convert_args=("--quantize", "int8_wo", "--quantize-lm-head"))
+    prompts = random_prompts(384, PROMPT_LENS, seed=17)
+    engine = load_engine(engines[1], linear="avx512")
+    paths = set(lin.linear_paths(engine.model, None))
+    assert paths == {"avx512 int8 weights" + (", bf16 pairs (VDPBF16PS)" if cpu.available(torch.bfloat16) else "")}
+    ar = [r.output_ids for r in generate(engine, prompts, greedy(MAX_NEW), "ar")]
+    for corrupt_every in (None, 0):
+        proposer = None if corrupt_every is None else OracleProposer(engines[1], dict(enumerate(ar)), corrupt_every=0)
+        res = generate(load_engine(engines[1], proposer, linear="avx512"), prompts, greedy(MAX_NEW), "redrafter")
+        assert [r.output_ids for r in res] == ar
+        assert sum(r.accepted_draft_tokens for r in res) > 0
+    assert min(r.tokens_per_step for r in res) > 1.5  # the oracle's drafts: several tokens a step
 
 
 def test_quantized_engine_is_the_dequantized_model(quantized):

@@ -4,7 +4,8 @@ kernels (their fake functions below give it the output shapes).
 
     pack, linear     y = x W^T (+ b) over W packed in 16-column panels      linear.cpp   oracle: F.linear
     linear_wo        the same over weight-only int8 / int4 W = q s           linear.cpp   oracle: F.linear of q s
-                     (q and s packed by `pack_wo` below)
+                     (q and s packed by `pack_wo` below; bf16 inputs on
+                     AVX512-BF16: VDPBF16PS over k pairs, `wo_pairs`)
     linear_w8a8      the same over int8 (or int4) W = q s with the input     linear.cpp   oracle: `w8a8_reference`
                      quantized to int8 per row (VNNI; the drafter: `pack_w8a8`)
     tree_attention   tree attention reading the paged KV cache in place      attention.cpp
@@ -241,6 +242,12 @@ def vnni_available() -> bool:
         return bool(available(torch.float32) and ops().has_vnni())
     except UserError:
         return False
+
+
+def wo_pairs(dtype: torch.dtype, group_size: int) -> bool:
+    """Whether `linear_wo` runs a layer of this input dtype and group size over k pairs with VDPBF16PS (bf16 inputs,
+    an AVX512-BF16 CPU, an even group size) rather than widening to fp32 FMAs: the same test as linear.cpp's."""
+    return dtype == torch.bfloat16 and group_size % 2 == 0 and bool(ops().has_bf16())
 
 
 def pack_w8a8(q: torch.Tensor, scales: torch.Tensor, bits: int = 8

@@ -282,24 +282,95 @@ void tile_wo(const T* x, int64_t ldx, int64_t K, const uint8_t* qp, const float*
   store_tile(acc, n0, N, bias, y, ldy);
 }
 
-template <int BITS, bool GROUPED, typename T, int MR, int NP>
+// bf16 inputs on AVX512-BF16 CPUs (`pairs`): each group's chain runs over k pairs with VDPBF16PS, as the bf16 float
+// kernel's does, on the weights widened to bf16 in registers. That is exact (an int8 or int4 value has at most 8
+// significant bits) and costs a shift and a select per 16 pairs beyond the widening to fp32; a row then costs one
+// VDPBF16PS per 32 weights where two FMAs took 32. So each row a tree adds costs about what it costs in a bf16 engine,
+// for the bytes of int8 or int4. Needs an even group size (k pairs inside a group); one instruction for every row
+// count, so a row's bits still do not depend on M.
+template <int BITS, bool GROUPED, int MR, int NP>
+__attribute__((target("avx512bf16,avx512bw,avx512vl"))) void tile_wo_pairs(
+    const c10::BFloat16* x, int64_t ldx, int64_t K, const uint8_t* qp, const float* sp, int64_t gs, int64_t n0,
+    int64_t N, const c10::BFloat16* bias, c10::BFloat16* y, int64_t ldy) {
+  const int64_t G = K / gs;
+  const int64_t panel = BITS == 8 ? K * kCols : K / 2 * kCols;  // bytes per panel
+  const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1);
+  const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
+  __m512 acc[MR][NP], part[MR][NP];
+  if constexpr (GROUPED)
+    for (int m = 0; m < MR; ++m)
+      for (int p = 0; p < NP; ++p) acc[m][p] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    for (int m = 0; m < MR; ++m)
+      for (int p = 0; p < NP; ++p) part[m][p] = _mm512_setzero_ps();
+    for (int64_t k = g * gs; k < (g + 1) * gs; k += 2) {
+      __m512bh w[NP];
+      for (int p = 0; p < NP; ++p) {
+        __m512 lo, hi;  // k and k + 1 of the panel's 16 columns, as fp32 (exact)
+        if constexpr (BITS == 8) {
+          lo = int8x16((const int8_t*)qp + p * panel + k * kCols);
+          hi = int8x16((const int8_t*)qp + p * panel + (k + 1) * kCols);
+        } else {
+          const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(qp + p * panel + k / 2 * kCols)));
+          lo = _mm512_permutexvar_ps(b, table);
+          hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
+        }
+        // each lane: k's bf16 (the high half of its fp32) in the low word, k + 1's in the high word (0xCA: a ? b : c)
+        w[p] = (__m512bh)_mm512_ternarylogic_epi32(high, _mm512_castps_si512(hi),
+                                                   _mm512_srli_epi32(_mm512_castps_si512(lo), 16), 0xCA);
+      }
+      for (int m = 0; m < MR; ++m) {
+        uint32_t pair;
+        std::memcpy(&pair, x + m * ldx + k, 4);
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)pair);
+        for (int p = 0; p < NP; ++p) part[m][p] = _mm512_dpbf16_ps(part[m][p], xv, w[p]);
+      }
+    }
+    for (int p = 0; p < NP; ++p) {
+      const __m512 s = _mm512_loadu_ps(sp + (p * G + g) * kCols);
+      for (int m = 0; m < MR; ++m)
+        acc[m][p] = GROUPED ? _mm512_fmadd_ps(part[m][p], s, acc[m][p]) : _mm512_mul_ps(part[m][p], s);
+    }
+  }
+  store_tile(acc, n0, N, bias, y, ldy);
+}
+
+template <int BITS, bool GROUPED, bool PAIRS, typename T, int MR, int NP>
 void panels_wo(const T* x, int64_t K, const uint8_t* qp, const float* sp, int64_t gs, int64_t p0, int64_t np,
                int64_t N, const T* b, T* y) {
   const int64_t pb = BITS == 8 ? K * kCols : K / 2 * kCols, ps = K / gs * kCols;
+  auto tile = [&](auto nw, int64_t p) {
+    if constexpr (PAIRS) {
+      tile_wo_pairs<BITS, GROUPED, MR, decltype(nw)::value>(x, K, K, qp + p * pb, sp + p * ps, gs, p * kCols, N, b,
+                                                            y, N);
+    } else {
+      tile_wo<BITS, GROUPED, MR, decltype(nw)::value>(x, K, K, qp + p * pb, sp + p * ps, gs, p * kCols, N, b, y, N);
+    }
+  };
   int64_t p = p0;
-  for (; p + NP <= p0 + np; p += NP)
-    tile_wo<BITS, GROUPED, MR, NP>(x, K, K, qp + p * pb, sp + p * ps, gs, p * kCols, N, b, y, N);
-  for (; p < p0 + np; ++p) tile_wo<BITS, GROUPED, MR, 1>(x, K, K, qp + p * pb, sp + p * ps, gs, p * kCols, N, b, y, N);
+  for (; p + NP <= p0 + np; p += NP) tile(Int<NP>(), p);
+  for (; p < p0 + np; ++p) tile(Int<1>(), p);
 }
 
-template <int BITS, bool GROUPED, typename T>
+template <int BITS, bool GROUPED, typename T, bool PAIRS = false>
 void linear_wo(const T* x, int64_t M, int64_t K, const uint8_t* qp, const float* sp, int64_t gs, int64_t N,
                const T* b, T* y) {
   using Widths = std::conditional_t<GROUPED, GroupedTileWidths, TileWidths>;  // per channel: the float kernels'
   schedule<Widths>(M, N, [&](auto mr, auto nw, int64_t m, int64_t g, int64_t np) {
-    panels_wo<BITS, GROUPED, T, decltype(mr)::value, decltype(nw)::value>(x + m * K, K, qp, sp, gs, g, np, N, b,
-                                                                           y + m * N);
+    panels_wo<BITS, GROUPED, PAIRS, T, decltype(mr)::value, decltype(nw)::value>(x + m * K, K, qp, sp, gs, g, np, N,
+                                                                                  b, y + m * N);
   });
+}
+
+bool has_bf16() { return __builtin_cpu_supports("avx512bf16"); }
+
+// the bf16-input path of `linear_wo`: VDPBF16PS over k pairs where the CPU has it and the groups have an even size
+template <int BITS, bool GROUPED>
+void linear_wo_bf16(const c10::BFloat16* x, int64_t M, int64_t K, const uint8_t* qp, const float* sp, int64_t gs,
+                    int64_t N, const c10::BFloat16* b, c10::BFloat16* y) {
+  static const bool pairs_ok = has_bf16();
+  if (pairs_ok && gs % 2 == 0) linear_wo<BITS, GROUPED, c10::BFloat16, true>(x, M, K, qp, sp, gs, N, b, y);
+  else linear_wo<BITS, GROUPED, c10::BFloat16>(x, M, K, qp, sp, gs, N, b, y);
 }
 
 at::Tensor linear_wo_op(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales, int64_t bits,
@@ -332,7 +403,15 @@ at::Tensor linear_wo_op(const at::Tensor& x_in, const at::Tensor& qweight, const
     const T* xp = x.data_ptr<T>();
     T* yp = y.data_ptr<T>();
     const bool grouped = group_size < K;
-    if (bits == 8) {
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if (bits == 8) {
+        if (grouped) linear_wo_bf16<8, true>(xp, M, K, qp, sp, group_size, N, bp, yp);
+        else linear_wo_bf16<8, false>(xp, M, K, qp, sp, group_size, N, bp, yp);
+      } else {
+        if (grouped) linear_wo_bf16<4, true>(xp, M, K, qp, sp, group_size, N, bp, yp);
+        else linear_wo_bf16<4, false>(xp, M, K, qp, sp, group_size, N, bp, yp);
+      }
+    } else if (bits == 8) {
       if (grouped) linear_wo<8, true, T>(xp, M, K, qp, sp, group_size, N, bp, yp);
       else linear_wo<8, false, T>(xp, M, K, qp, sp, group_size, N, bp, yp);
     } else {
@@ -563,6 +642,7 @@ TORCH_LIBRARY(trt_redrafter_cpu, m) {
   m.def("pack_w8a8(Tensor q, int bits=8) -> Tensor[]");
   m.def("linear_w8a8(Tensor x, Tensor packed, Tensor colsum, Tensor scales, int out_features, Tensor? bias, Tensor? wide, Tensor? wide_bias, int wide_rows, int bits=8) -> Tensor");
   m.def("has_vnni() -> bool", &has_vnni);
+  m.def("has_bf16() -> bool", &has_bf16);
 }
 
 TORCH_LIBRARY_IMPL(trt_redrafter_cpu, CPU, m) {

@@ -320,6 +320,7 @@ class Linear(nn.Module):
         # int8 (int4) weights and int8 activations: (column sums, scales padded to whole panels, fp32 bias or None, the
         # dequantized weight packed for the float kernel, which W8A8_WIDE_ROWS rows or more take, the weight's bits)
         self.w8a8: Optional[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor, int]] = None
+        self.quant_pairs = False  # `quant` on the CPU with bf16 inputs: VDPBF16PS over k pairs (cpu.wo_pairs)
         if isinstance(weight, Fp8Weight):
             self.input_scale = weight.input_scale
             if impl == "torch" and scaled_mm_available(weight.w8.device):
@@ -338,6 +339,7 @@ class Linear(nn.Module):
             if impl == "avx512":
                 self.packed, scales = cpu.pack_wo(weight.q, weight.scales, weight.bits)
                 self.quant = (scales, weight.bits, weight.group_size)
+                self.quant_pairs = cpu.wo_pairs(weight.dtype, weight.group_size)
                 return
             if weight.q.is_cuda and _cuda_weight_only():
                 from ..plugins import weight_only
@@ -407,7 +409,8 @@ class Linear(nn.Module):
         if self.w8a8 is not None:
             return f"avx512 int{self.w8a8[4]} weights, int8 activations (VNNI)"
         if self.quant is not None:
-            return f"{'triton' if self.packed.is_cuda else self.impl} int{self.quant[1]} weights"
+            pairs = ", bf16 pairs (VDPBF16PS)" if self.quant_pairs else ""
+            return f"{'triton' if self.packed.is_cuda else self.impl} int{self.quant[1]} weights{pairs}"
         dtype = str((self.weight if self.weight is not None else self.packed).dtype).removeprefix("torch.")
         fp8 = ", fp8 model" if self.input_scale is not None else ""
         amx = " (AMX tiles)" if self.impl == "onednn" and amx_available(self.packed.dtype) else ""
