@@ -110,7 +110,9 @@ def _engine_table(specs: tuple[tuple[str, int, str], ...]):
 
 
 def _quant_cpu(docs: list[dict], names: tuple[str, ...]) -> list[str]:
-    labels = {"quant-smollm2-b1-int8_wo": "int8_wo (+lm_head)", "quant-smollm2-b1-int4_awq": "int4_awq g64 (+lm_head)",
+    labels = {"quant-smollm2-b1-int8_wo": "int8_wo (+lm_head)",
+              "quant-smollm2-b1-int8_wo-bf16": "int8_wo (+lm_head), bf16 activations",
+              "quant-smollm2-b1-int4_awq": "int4_awq g64 (+lm_head)",
               "quant-smollm2-b1-bf16": "bf16", "quant-smollm2-b1-fp8": "fp8 (emulated)"}
     peers = ("f32", "bf16", "q8_0", "q4_1")
     out = _head("base", "batch", "prompts", "AR ms/token", "ReDrafter ms/token", "ReDrafter vs AR", "tokens/step",
@@ -448,7 +450,8 @@ def _sources(specs) -> tuple[str, ...]:
 TABLES = {t.name: t for t in (
     Table("cpu-smollm2", "docs/perf.md", _sources(_SMOLLM2), _engine_table(_SMOLLM2)),
     Table("cpu-small", "docs/perf.md", _sources(_SMALL), _engine_table(_SMALL)),
-    Table("cpu-quant", "docs/perf.md", ("quant-smollm2-b1-int8_wo", "quant-smollm2-b1-int4_awq",
+    Table("cpu-quant", "docs/perf.md", ("quant-smollm2-b1-int8_wo", "quant-smollm2-b1-int8_wo-bf16",
+                                        "quant-smollm2-b1-int4_awq",
                                         "quant-smollm2-b1-bf16", "quant-smollm2-b1-fp8"), _quant_cpu),
     Table("cpu-quant-quality", "docs/perf.md", ("quant-smollm2-quality", "quant-smollm2-quality-fp8"), _quant_quality),
     Table("tree-step", "docs/perf.md", ("tree-step-smollm2-float32", "tree-step-smollm2-bfloat16"), _tree_step),
