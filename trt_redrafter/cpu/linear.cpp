@@ -225,9 +225,9 @@ at::Tensor linear_op(const at::Tensor& x_in, const at::Tensor& packed, int64_t N
 // q is packed in 16-column panels of bytes: int8 [P, K, 16]; int4 [P, K / 2, 16], each byte holding k = 2 j (low
 // nibble) and k = 2 j + 1 (high nibble), two's complement. s [P, G, 16] fp32, one scale per column and group of
 // `gs` k (G = K / gs; gs = K: per channel). Each y[m, n] is, per group in ascending order, an fp32 chain over k
-// ascending of x[m, k] * q[n, k] (x widened to fp32 for bf16), folded into the running sum as fma(chain, s, sum)
-// (per channel: chain * s), then + b[n], then rounded: one fixed order whatever M, the tiling and the threads, as
-// for the float kernels.
+// ascending of x[m, k] * q[n, k] (x widened to fp32 for bf16; bf16 on AVX512-BF16: over k pairs, `tile_wo_pairs`),
+// folded into the running sum as fma(chain, s, sum) (per channel: chain * s), then + b[n], then rounded: one fixed
+// order whatever M, the tiling and the threads, as for the float kernels.
 // The integer weights become floats in registers: int8 by sign extension, int4 through a 16-entry vpermps table
 // (vpermps reads only the low 4 bits of each index, so the low nibble needs no mask).
 inline __m512 int8x16(const int8_t* q) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)q))); }
