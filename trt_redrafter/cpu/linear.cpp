@@ -52,13 +52,18 @@ inline void store_tile(__m512 (&acc)[MR][NP], int64_t n0, int64_t N, const T* bi
   }
 }
 
+template <int MR, int NP>
+inline void zero(__m512 (&acc)[MR][NP]) {
+  for (int m = 0; m < MR; ++m)
+    for (int p = 0; p < NP; ++p) acc[m][p] = _mm512_setzero_ps();
+}
+
 // ---- fp32: panels [P, K, 16] ----------------------------------------------------------------------------------
 template <int MR, int NP>
 inline void tile_f32(const float* x, int64_t ldx, int64_t K, const float* wp, int64_t n0, int64_t N,
                      const float* bias, float* y, int64_t ldy) {
   __m512 acc[MR][NP];
-  for (int m = 0; m < MR; ++m)
-    for (int p = 0; p < NP; ++p) acc[m][p] = _mm512_setzero_ps();
+  zero(acc);
   for (int64_t k = 0; k < K; ++k) {
     __m512 w[NP];
     for (int p = 0; p < NP; ++p) w[p] = _mm512_loadu_ps(wp + (p * K + k) * kCols);
@@ -77,8 +82,7 @@ __attribute__((target("avx512bf16,avx512bw,avx512vl"))) void tile_bf16(
     const c10::BFloat16* bias, c10::BFloat16* y, int64_t ldy) {
   const int64_t K2 = (K + 1) / 2;
   __m512 acc[MR][NP];
-  for (int m = 0; m < MR; ++m)
-    for (int p = 0; p < NP; ++p) acc[m][p] = _mm512_setzero_ps();
+  zero(acc);
   for (int64_t k2 = 0; k2 < K2; ++k2) {
     __m512bh w[NP];
     for (int p = 0; p < NP; ++p) w[p] = (__m512bh)_mm512_loadu_si512(wp + (p * K2 + k2) * kCols * 2);
@@ -232,6 +236,23 @@ at::Tensor linear_op(const at::Tensor& x_in, const at::Tensor& packed, int64_t N
 // (vpermps reads only the low 4 bits of each index, so the low nibble needs no mask).
 inline __m512 int8x16(const int8_t* q) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)q))); }
 
+// 16 int4 bytes of a panel: k's 16 columns (low nibbles) and k + 1's (high nibbles), as fp32
+inline void int4x16x2(const uint8_t* q, __m512 table, __m512& lo, __m512& hi) {
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)q));
+  lo = _mm512_permutexvar_ps(b, table);
+  hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
+}
+
+// group g's chains `part` folded into the outputs with their scales: fma(part, s, acc) (GROUPED), else part * s
+template <bool GROUPED, int MR, int NP>
+inline void fold_group(__m512 (&acc)[MR][NP], const __m512 (&part)[MR][NP], const float* sp, int64_t G, int64_t g) {
+  for (int p = 0; p < NP; ++p) {
+    const __m512 s = _mm512_loadu_ps(sp + (p * G + g) * kCols);
+    for (int m = 0; m < MR; ++m)
+      acc[m][p] = GROUPED ? _mm512_fmadd_ps(part[m][p], s, acc[m][p]) : _mm512_mul_ps(part[m][p], s);
+  }
+}
+
 inline float widen(float v) { return v; }
 inline float widen(c10::BFloat16 v) { return static_cast<float>(v); }
 
@@ -244,12 +265,9 @@ void tile_wo(const T* x, int64_t ldx, int64_t K, const uint8_t* qp, const float*
   const int64_t panel = BITS == 8 ? K * kCols : K / 2 * kCols;  // bytes per panel
   const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1);
   __m512 acc[MR][NP], part[MR][NP];
-  if constexpr (GROUPED)
-    for (int m = 0; m < MR; ++m)
-      for (int p = 0; p < NP; ++p) acc[m][p] = _mm512_setzero_ps();
+  if constexpr (GROUPED) zero(acc);
   for (int64_t g = 0; g < G; ++g) {
-    for (int m = 0; m < MR; ++m)
-      for (int p = 0; p < NP; ++p) part[m][p] = _mm512_setzero_ps();
+    zero(part);
     if constexpr (BITS == 8) {
       for (int64_t k = g * gs; k < (g + 1) * gs; ++k) {
         __m512 w[NP];
@@ -262,22 +280,14 @@ void tile_wo(const T* x, int64_t ldx, int64_t K, const uint8_t* qp, const float*
     } else {
       for (int64_t k = g * gs; k < (g + 1) * gs; k += 2) {
         __m512 lo[NP], hi[NP];
-        for (int p = 0; p < NP; ++p) {
-          const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(qp + p * panel + k / 2 * kCols)));
-          lo[p] = _mm512_permutexvar_ps(b, table);
-          hi[p] = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
-        }
+        for (int p = 0; p < NP; ++p) int4x16x2(qp + p * panel + k / 2 * kCols, table, lo[p], hi[p]);
         for (int m = 0; m < MR; ++m) {
           const __m512 x0 = _mm512_set1_ps(widen(x[m * ldx + k])), x1 = _mm512_set1_ps(widen(x[m * ldx + k + 1]));
           for (int p = 0; p < NP; ++p) part[m][p] = _mm512_fmadd_ps(x1, hi[p], _mm512_fmadd_ps(x0, lo[p], part[m][p]));
         }
       }
     }
-    for (int p = 0; p < NP; ++p) {
-      const __m512 s = _mm512_loadu_ps(sp + (p * G + g) * kCols);
-      for (int m = 0; m < MR; ++m)
-        acc[m][p] = GROUPED ? _mm512_fmadd_ps(part[m][p], s, acc[m][p]) : _mm512_mul_ps(part[m][p], s);
-    }
+    fold_group<GROUPED>(acc, part, sp, G, g);
   }
   store_tile(acc, n0, N, bias, y, ldy);
 }
@@ -297,12 +307,9 @@ __attribute__((target("avx512bf16,avx512bw,avx512vl"))) void tile_wo_pairs(
   const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1);
   const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
   __m512 acc[MR][NP], part[MR][NP];
-  if constexpr (GROUPED)
-    for (int m = 0; m < MR; ++m)
-      for (int p = 0; p < NP; ++p) acc[m][p] = _mm512_setzero_ps();
+  if constexpr (GROUPED) zero(acc);
   for (int64_t g = 0; g < G; ++g) {
-    for (int m = 0; m < MR; ++m)
-      for (int p = 0; p < NP; ++p) part[m][p] = _mm512_setzero_ps();
+    zero(part);
     for (int64_t k = g * gs; k < (g + 1) * gs; k += 2) {
       __m512bh w[NP];
       for (int p = 0; p < NP; ++p) {
@@ -311,9 +318,7 @@ __attribute__((target("avx512bf16,avx512bw,avx512vl"))) void tile_wo_pairs(
           lo = int8x16((const int8_t*)qp + p * panel + k * kCols);
           hi = int8x16((const int8_t*)qp + p * panel + (k + 1) * kCols);
         } else {
-          const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(qp + p * panel + k / 2 * kCols)));
-          lo = _mm512_permutexvar_ps(b, table);
-          hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
+          int4x16x2(qp + p * panel + k / 2 * kCols, table, lo, hi);
         }
         // each lane: k's bf16 (the high half of its fp32) in the low word, k + 1's in the high word (0xCA: a ? b : c)
         w[p] = (__m512bh)_mm512_ternarylogic_epi32(high, _mm512_castps_si512(hi),
@@ -326,11 +331,7 @@ __attribute__((target("avx512bf16,avx512bw,avx512vl"))) void tile_wo_pairs(
         for (int p = 0; p < NP; ++p) part[m][p] = _mm512_dpbf16_ps(part[m][p], xv, w[p]);
       }
     }
-    for (int p = 0; p < NP; ++p) {
-      const __m512 s = _mm512_loadu_ps(sp + (p * G + g) * kCols);
-      for (int m = 0; m < MR; ++m)
-        acc[m][p] = GROUPED ? _mm512_fmadd_ps(part[m][p], s, acc[m][p]) : _mm512_mul_ps(part[m][p], s);
-    }
+    fold_group<GROUPED>(acc, part, sp, G, g);
   }
   store_tile(acc, n0, N, bias, y, ldy);
 }
@@ -352,9 +353,9 @@ void panels_wo(const T* x, int64_t K, const uint8_t* qp, const float* sp, int64_
   for (; p < p0 + np; ++p) tile(Int<1>(), p);
 }
 
-template <int BITS, bool GROUPED, typename T, bool PAIRS = false>
-void linear_wo(const T* x, int64_t M, int64_t K, const uint8_t* qp, const float* sp, int64_t gs, int64_t N,
-               const T* b, T* y) {
+template <int BITS, bool GROUPED, bool PAIRS, typename T>
+void run_wo(const T* x, int64_t M, int64_t K, const uint8_t* qp, const float* sp, int64_t gs, int64_t N, const T* b,
+            T* y) {
   using Widths = std::conditional_t<GROUPED, GroupedTileWidths, TileWidths>;  // per channel: the float kernels'
   schedule<Widths>(M, N, [&](auto mr, auto nw, int64_t m, int64_t g, int64_t np) {
     panels_wo<BITS, GROUPED, PAIRS, T, decltype(mr)::value, decltype(nw)::value>(x + m * K, K, qp, sp, gs, g, np, N,
@@ -364,13 +365,16 @@ void linear_wo(const T* x, int64_t M, int64_t K, const uint8_t* qp, const float*
 
 bool has_bf16() { return __builtin_cpu_supports("avx512bf16"); }
 
-// the bf16-input path of `linear_wo`: VDPBF16PS over k pairs where the CPU has it and the groups have an even size
-template <int BITS, bool GROUPED>
-void linear_wo_bf16(const c10::BFloat16* x, int64_t M, int64_t K, const uint8_t* qp, const float* sp, int64_t gs,
-                    int64_t N, const c10::BFloat16* b, c10::BFloat16* y) {
-  static const bool pairs_ok = has_bf16();
-  if (pairs_ok && gs % 2 == 0) linear_wo<BITS, GROUPED, c10::BFloat16, true>(x, M, K, qp, sp, gs, N, b, y);
-  else linear_wo<BITS, GROUPED, c10::BFloat16>(x, M, K, qp, sp, gs, N, b, y);
+// bf16 inputs run k pairs (`tile_wo_pairs`) where the CPU has VDPBF16PS and the groups have an even size; the rest
+// widen to fp32 FMAs (`tile_wo`)
+template <int BITS, bool GROUPED, typename T>
+void linear_wo(const T* x, int64_t M, int64_t K, const uint8_t* qp, const float* sp, int64_t gs, int64_t N,
+               const T* b, T* y) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    static const bool pairs = has_bf16();
+    if (pairs && gs % 2 == 0) return run_wo<BITS, GROUPED, true>(x, M, K, qp, sp, gs, N, b, y);
+  }
+  run_wo<BITS, GROUPED, false>(x, M, K, qp, sp, gs, N, b, y);
 }
 
 at::Tensor linear_wo_op(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales, int64_t bits,
@@ -403,15 +407,7 @@ at::Tensor linear_wo_op(const at::Tensor& x_in, const at::Tensor& qweight, const
     const T* xp = x.data_ptr<T>();
     T* yp = y.data_ptr<T>();
     const bool grouped = group_size < K;
-    if constexpr (std::is_same_v<T, c10::BFloat16>) {
-      if (bits == 8) {
-        if (grouped) linear_wo_bf16<8, true>(xp, M, K, qp, sp, group_size, N, bp, yp);
-        else linear_wo_bf16<8, false>(xp, M, K, qp, sp, group_size, N, bp, yp);
-      } else {
-        if (grouped) linear_wo_bf16<4, true>(xp, M, K, qp, sp, group_size, N, bp, yp);
-        else linear_wo_bf16<4, false>(xp, M, K, qp, sp, group_size, N, bp, yp);
-      }
-    } else if (bits == 8) {
+    if (bits == 8) {
       if (grouped) linear_wo<8, true, T>(xp, M, K, qp, sp, group_size, N, bp, yp);
       else linear_wo<8, false, T>(xp, M, K, qp, sp, group_size, N, bp, yp);
     } else {
