@@ -314,7 +314,7 @@ def test_a_step_after_a_step_of_the_other_kind_does_not_scale_the_cost_model():
 
 
 def test_a_candidate_asked_again_is_weighed_by_the_calibration_as_it_is_now():
-    """`_gains` keeps what it computed on the candidate for one decision only: the same candidates decided on again
+    """`_gains` keeps what it computes on the candidate for one decision only: the same candidates decided on again
     after their calibration learned that the drafter is never right get the decision fresh candidates get."""
     costs, widths = pol.StepCosts(flat_costs()), tree_buckets(13)
     cal = Calibration()

@@ -290,11 +290,13 @@ def test_bf16_weight_only_engine_greedy_redrafter_equals_its_ar(tmp_path):
     assert paths == {"avx512 int8 weights" + (", bf16 pairs (VDPBF16PS)" if cpu.available(torch.bfloat16) else "")}
     ar = [r.output_ids for r in generate(engine, prompts, greedy(MAX_NEW), "ar")]
     for corrupt_every in (None, 0):
-        proposer = None if corrupt_every is None else OracleProposer(engines[1], dict(enumerate(ar)), corrupt_every=0)
+        proposer = None if corrupt_every is None else \
+            OracleProposer(engines[1], dict(enumerate(ar)), corrupt_every=corrupt_every)
         res = generate(load_engine(engines[1], proposer, linear="avx512"), prompts, greedy(MAX_NEW), "redrafter")
         assert [r.output_ids for r in res] == ar
         assert sum(r.accepted_draft_tokens for r in res) > 0
-    assert min(r.tokens_per_step for r in res) > 1.5  # the oracle's drafts: several tokens a step
+        if corrupt_every == 0:
+            assert min(r.tokens_per_step for r in res) > 1.5  # the oracle's drafts: several tokens a step
 
 
 def test_quantized_engine_is_the_dequantized_model(quantized):

@@ -91,8 +91,8 @@ class Candidate:
     # host (every node counts for every beam count)
     beams: Optional[list[int]] = None
     depths: Optional[list[int]] = None  # each node's depth (aligned with `scores`); None: unknown
-    # what `_gains` computed for one decision, by what it was asked (`decide` clears it)
-    gains: dict = field(default_factory=dict, repr=False, compare=False)
+    # what `_gains` and `_node_probs` computed for one decision, by what they were asked (`decide` clears it)
+    memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def drafted_depth(self) -> int:
@@ -241,7 +241,7 @@ def decide(state: PolicyState, cands: list[Candidate], can_draft: bool, costs: S
     While host_resting, an AR step composes nothing (AR_REST) but the last before rest reaches probe_every: that one
     composes the trees that probe whether host trees pay again."""
     for c in cands:  # what this decision weighs: a caller may ask again after the calibration learned more
-        c.gains.clear()
+        c.memo.clear()
     d, state = _decide(state, cands, can_draft, costs, widths, fixed, beam_options, depth_options)
     if d is AR_STEP and state.host_resting and state.rest + 1 < state.probe_every:
         return AR_REST, state  # the next step is an AR step too: nothing to compose for it
@@ -355,11 +355,11 @@ def _gains(c: Candidate, claims: bool = False, on_beams: int = 0, on_depth: int 
     the nodes on its first so many beams, that deep (0, or a tree composed on the host: all of them). Nodes past
     where the drafter stopped (SCORE_PAD) add none."""
     key = (claims, on_beams if c.beams else 0, on_depth if c.depths else 0)
-    gains = c.gains.get(key)
+    gains = c.memo.get(key)
     if gains is None:  # asked once per beam count and depth weighed, and per width decision: computed once a step
         probs = [p for p, b, d in _node_probs(c, claims)
                  if (not on_beams or not c.beams or b < on_beams) and (not on_depth or not c.depths or d <= on_depth)]
-        gains = c.gains[key] = list(itertools.accumulate(probs, initial=0.0))
+        gains = c.memo[key] = list(itertools.accumulate(probs, initial=0.0))
     return gains
 
 
@@ -367,12 +367,12 @@ def _node_probs(c: Candidate, claims: bool) -> list[tuple[float, int, int]]:
     """(P(accepted), beam, depth) of each drafted node of the request's tree but the root, in order: by the
     proposer's own claims or by the calibration. Nodes past where the drafter stopped (SCORE_PAD) are left out."""
     key = ("nodes", claims)
-    nodes = c.gains.get(key)
+    nodes = c.memo.get(key)
     if nodes is None:
         depths = c.depths[1:] if c.depths else [0] * (len(c.scores) - 1)
         beams = c.beams[1:] if c.beams else [0] * (len(c.scores) - 1)
         prob = (lambda s, d: math.exp(s / SCORE_SCALE)) if claims else c.calibration.probability
-        nodes = c.gains[key] = [(prob(s, d), b, d) for s, b, d in zip(c.scores[1:], beams, depths) if s > SCORE_PAD]
+        nodes = c.memo[key] = [(prob(s, d), b, d) for s, b, d in zip(c.scores[1:], beams, depths) if s > SCORE_PAD]
     return nodes
 
 
