@@ -14,6 +14,12 @@ one drafted token, requests x beams), under each `--drafter-weights` value:
     python scripts/bench_linear.py --engine ENGINE --linear avx512 --gemms --drafter --drafter-weights ,w8a8 \
         --tokens 1,4,8,16,32 --threads 2
 
+With `--prefetch 1024,0`, each engine runs once per weight prefetch distance of the CPU kernels (bytes; 0: none),
+the variants timed in turn in one process:
+
+    python scripts/bench_linear.py --engine ENGINE --linear avx512 --gemms --prefetch 1024,0 --tokens 1,2,5,9,17 \
+        --threads 2
+
 Prints per engine and T the median and minimum step time over rounds and the cost relative to that engine's T = 1,
 with the load average; the last stdout line is one JSON document.
 """
@@ -46,6 +52,9 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--gemms", action="store_true", help="time the base model's linear layers alone")
     ap.add_argument("--drafter", action="store_true", help="with --gemms: the drafter's linear layers instead")
+    ap.add_argument("--prefetch", default="",
+                    help="comma-separated weight prefetch distances in bytes for the CPU kernels (cpu/linear.cpp; 0: "
+                         "none), each a variant timed in turn; '': as loaded (TRT_REDRAFTER_PREFETCH, else 1024)")
     ap.add_argument("--drafter-weights", default="auto",
                     help="comma-separated RuntimeConfig.drafter_weights values, each a variant ('' : as stored)")
     args = ap.parse_args()
@@ -94,8 +103,25 @@ def main() -> int:
         key_blocks = torch.arange(nblk)
         return lambda: engine.steps.verify(slots, key_blocks, tokens, offsets, mask).logits.argmax(-1)
 
-    calls = {(name, T): gemms(e, T) if args.gemms else verify(e, s, T)
-             for name, (e, s, _) in variants.items() for T in Ts}
+    # the prefetch variants share each engine: the distance is set before every timed call of its variant
+    distances = [int(v) for v in args.prefetch.split(",")] if args.prefetch else [None]
+    if distances != [None]:
+        from trt_redrafter import cpu
+        cpu.ops()
+    named = {(f"{name}/prefetch {d}" if d is not None else name): (e, s, load_s, d)
+             for name, (e, s, load_s) in variants.items() for d in distances}
+
+    def with_prefetch(fn, d):
+        if d is None:
+            return fn
+
+        def run():
+            cpu.set_prefetch_bytes(d)
+            return fn()
+        return run
+
+    calls = {(name, T): with_prefetch(gemms(e, T) if args.gemms else verify(e, s, T), d)
+             for name, (e, s, _, d) in named.items() for T in Ts}
     times: dict[tuple, list[float]] = {k: [] for k in calls}
     with torch.inference_mode():
         for fn in calls.values():
@@ -108,7 +134,7 @@ def main() -> int:
                 times[key].append(1e3 * (time.perf_counter() - t0) / args.calls)
 
     rows = []
-    for name, (_, _, load_s) in variants.items():
+    for name, (_, _, load_s, _) in named.items():
         ar = statistics.median(times[name, 1]) if 1 in Ts else None
         for T in Ts:
             med, best = statistics.median(times[name, T]), min(times[name, T])
@@ -124,7 +150,7 @@ def main() -> int:
     print(f"{what}, {args.threads} thread(s), eager, "
           f"{args.rounds} rounds x {args.calls} calls, load average "
           f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} CPUs")
-    print(json.dumps({"rows": rows, "threads": args.threads, "loadavg": load, "rounds": args.rounds,
+    print(json.dumps({"rows": rows, "prefetch": distances, "threads": args.threads, "loadavg": load, "rounds": args.rounds,
                       "what": ("drafter " if args.drafter else "") + "gemms" if args.gemms else "verify"}))
     return 0
 

@@ -423,3 +423,54 @@ def test_compiled_greedy_redrafter_equals_ar(tiny):
     assert [r.output_ids for r in res] == ar
     assert sum(r.accepted_draft_tokens for r in res) > 0
     assert [r.output_ids for r in generate(engine, tiny["prompts"], greedy(MAX_NEW), "ar")] == ar
+
+
+
+def _prefetch_outputs() -> list[torch.Tensor]:
+    """Float and weight-only layers (per channel, grouped, int4; fp32 and bf16 inputs) at 1, 5 and 17 rows."""
+    outs = []
+    for rows in (1, 5, 17):
+        g = torch.Generator().manual_seed(rows)
+        for dtype in (torch.float32, torch.bfloat16):
+            if not cpu.available(dtype):
+                continue
+            x = torch.randn(rows, 576, generator=g).to(dtype)
+            outs.append(lin.Linear(torch.randn(200, 576, generator=g).to(dtype), impl="avx512")(x))
+            for bits, group_size in ((8, 576), (8, 64), (4, 64)):
+                lo, hi = (-128, 127) if bits == 8 else (-8, 7)
+                q = torch.randint(lo, hi + 1, (200, 576), generator=g, dtype=torch.int8)
+                scales = (0.001 + 0.01 * torch.rand(200, 576 // group_size, generator=g)).to(dtype)
+                outs.append(lin.Linear(lin.QuantWeight(q, scales, bits, group_size, dtype), impl="avx512")(x))
+    return outs
+
+
+def test_weight_prefetch_changes_no_bit():
+    """The kernels prefetch each stream of weights ahead of its loads (cpu/linear.cpp, 1 KB by default). That only
+    warms the cache: the float and weight-only layers give the same bits with no prefetch, the default, and a
+    distance far past the end of every weight (a prefetch never faults)."""
+    _need(torch.float32, "avx512")
+    assert cpu.prefetch_bytes() == cpu.DEFAULT_PREFETCH_BYTES == cpu.loaded_prefetch_bytes()
+    default = _prefetch_outputs()
+    try:
+        for ahead in (0, 1 << 20):
+            assert cpu.set_prefetch_bytes(ahead) in (cpu.DEFAULT_PREFETCH_BYTES, 0)
+            assert cpu.prefetch_bytes() == ahead
+            assert all(torch.equal(a, b) for a, b in zip(_prefetch_outputs(), default, strict=True))
+        with pytest.raises(RuntimeError, match="must be >= 0"):
+            cpu.set_prefetch_bytes(-1)
+    finally:
+        cpu.set_prefetch_bytes(cpu.DEFAULT_PREFETCH_BYTES)
+
+
+def test_weight_prefetch_distance_is_read_from_the_environment_at_load():
+    """TRT_REDRAFTER_PREFETCH sets the distance when the kernels load (a process of its own: they load once)."""
+    import os
+    import subprocess
+    import sys
+
+    _need(torch.float32, "avx512")
+    env = dict(os.environ, TRT_REDRAFTER_PREFETCH="0")
+    out = subprocess.run([sys.executable, "-c", "from trt_redrafter import cpu; print(cpu.prefetch_bytes())"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "0"

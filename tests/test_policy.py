@@ -191,6 +191,28 @@ def test_cpu_steps_compile_with_the_cpp_wrapper_and_their_costs_are_keyed_by_it(
     assert costs._key_id(keys[0]) != costs._key_id(keys[1])
 
 
+def test_a_cost_model_measured_at_another_weight_prefetch_distance_is_not_reused():
+    """The CPU kernels' weight prefetch distance changes how fast they stream weights, so a CPU engine's cost-model
+    key holds it where it is not the default (the default's key is as before)."""
+    import torch
+    from trt_redrafter import cpu as cpu_kernels
+    if not cpu_kernels.available(torch.float32):
+        pytest.skip("this CPU has no AVX-512: no CPU kernels, no prefetch distance")
+    cpu_kernels.ops()
+    cpu = torch.device("cpu")
+    default = costs.fingerprint(device=cpu)
+    assert "cpu_prefetch" not in default
+    keys = {costs._key_id(default)}
+    try:
+        for ahead in (0, 2048):
+            cpu_kernels.set_prefetch_bytes(ahead)
+            assert costs.fingerprint(device=cpu)["cpu_prefetch"] == ahead
+            keys.add(costs._key_id(costs.fingerprint(device=cpu)))
+    finally:
+        cpu_kernels.set_prefetch_bytes(cpu_kernels.DEFAULT_PREFETCH_BYTES)
+    assert len(keys) == 3
+
+
 def test_calibration_starts_at_the_claim_and_learns_the_truth():
     cal = Calibration()
     assert cal.probability(q(0.9)) == pytest.approx(0.9, abs=1e-3)  # a drafter's word, until measured

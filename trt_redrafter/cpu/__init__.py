@@ -250,6 +250,27 @@ def wo_pairs(dtype: torch.dtype, group_size: int) -> bool:
     return dtype == torch.bfloat16 and group_size % 2 == 0 and bool(ops().has_bf16())
 
 
+DEFAULT_PREFETCH_BYTES = 1024
+
+
+def prefetch_bytes() -> int:
+    """How far ahead the linear kernels prefetch each panel stream of weights, in bytes (0: no prefetch):
+    TRT_REDRAFTER_PREFETCH as the kernels read it when they loaded, else DEFAULT_PREFETCH_BYTES, or what
+    `set_prefetch_bytes` set since (cpu/linear.cpp)."""
+    return int(ops().prefetch_bytes())
+
+
+def set_prefetch_bytes(n: int) -> int:
+    """Set the linear kernels' weight prefetch distance in bytes (0: none) for this process -> the previous one."""
+    return int(ops().set_prefetch_bytes(int(n)))
+
+
+def loaded_prefetch_bytes() -> Optional[int]:
+    """`prefetch_bytes()` where this process has loaded the kernels, else None (nothing is built or loaded here)."""
+    return int(torch.ops.trt_redrafter_cpu.prefetch_bytes()) if hasattr(torch.ops.trt_redrafter_cpu,
+                                                                         "prefetch_bytes") else None
+
+
 def pack_w8a8(q: torch.Tensor, scales: torch.Tensor, bits: int = 8
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """int8 q [out, in] (bits 4: values in [-8, 7]) and its per-channel scales [out] or [out, 1] -> (packed panels,

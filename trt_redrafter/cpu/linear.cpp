@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <cstdlib>
 #include <cmath>
 #include <type_traits>
 #include <vector>
@@ -38,6 +39,35 @@ constexpr int64_t kCols = 16;   // output columns per panel: one zmm of fp32
 constexpr int64_t kGroup = 8;   // panels streamed together by one thread
 constexpr int64_t kGrain = 8;   // panels: below 2 * kGrain a call stays on one thread
 constexpr int64_t kRows = 6;    // rows of x per pass over a group's weights (a tree of 1 x 4 drafts has 5)
+
+// How far ahead of its loads each panel stream is prefetched, in bytes (0: none): TRT_REDRAFTER_PREFETCH when the
+// kernels load, else 1 KB (cpu/__init__.py: DEFAULT_PREFETCH_BYTES); `set_prefetch_bytes` changes it (scripts/bench_linear.py --prefetch times the values in
+// turn). A tile of several rows spends MR multiply-adds on each 64 bytes of weights, so fewer of its loads are in
+// flight at once, and the hardware prefetcher alone left the memory idle: 5 rows cost 1.2-1.3x one row. Prefetched
+// 1 KB ahead in each of the NP streams, they cost 1.0-1.1x, and one row no more (docs/perf-history.md, 2026-12-02).
+int64_t g_ahead = [] {
+  const char* v = std::getenv("TRT_REDRAFTER_PREFETCH");
+  return v && *v ? std::max<int64_t>(0, std::atoll(v)) : int64_t{1024};
+}();
+
+// one prefetch per panel stream, g_ahead bytes past `at` (the stream's next load); panels `stride` bytes apart
+template <int NP>
+inline void prefetch_ahead(const void* at, int64_t stride) {
+  const int64_t ahead = g_ahead;
+  if (ahead == 0) return;
+  const char* c = static_cast<const char*>(at) + ahead;
+  for (int p = 0; p < NP; ++p) _mm_prefetch(c + p * stride, _MM_HINT_T0);
+}
+
+int64_t prefetch_bytes() { return g_ahead; }
+
+// -> the previous distance
+int64_t set_prefetch_bytes(int64_t bytes) {
+  TORCH_CHECK(bytes >= 0, "set_prefetch_bytes: the distance must be >= 0 bytes, got ", bytes);
+  const int64_t old = g_ahead;
+  g_ahead = bytes;
+  return old;
+}
 
 
 // the tile's outputs: y[m, n0 + 16 p + c] = acc[m][p][c] (+ b), the panels past N left out
@@ -67,6 +97,7 @@ inline void tile_f32(const float* x, int64_t ldx, int64_t K, const float* wp, in
   for (int64_t k = 0; k < K; ++k) {
     __m512 w[NP];
     for (int p = 0; p < NP; ++p) w[p] = _mm512_loadu_ps(wp + (p * K + k) * kCols);
+    prefetch_ahead<NP>(wp + k * kCols, K * kCols * sizeof(float));
     for (int m = 0; m < MR; ++m) {
       __m512 xv = _mm512_set1_ps(x[m * ldx + k]);
       for (int p = 0; p < NP; ++p) acc[m][p] = _mm512_fmadd_ps(xv, w[p], acc[m][p]);
@@ -86,6 +117,7 @@ __attribute__((target("avx512bf16,avx512bw,avx512vl"))) void tile_bf16(
   for (int64_t k2 = 0; k2 < K2; ++k2) {
     __m512bh w[NP];
     for (int p = 0; p < NP; ++p) w[p] = (__m512bh)_mm512_loadu_si512(wp + (p * K2 + k2) * kCols * 2);
+    prefetch_ahead<NP>(wp + k2 * kCols * 2, K2 * kCols * 2 * sizeof(c10::BFloat16));
     for (int m = 0; m < MR; ++m) {
       uint32_t pair;
       const c10::BFloat16* xp = x + m * ldx + 2 * k2;
@@ -272,6 +304,7 @@ void tile_wo(const T* x, int64_t ldx, int64_t K, const uint8_t* qp, const float*
       for (int64_t k = g * gs; k < (g + 1) * gs; ++k) {
         __m512 w[NP];
         for (int p = 0; p < NP; ++p) w[p] = int8x16((const int8_t*)qp + p * panel + k * kCols);
+        if (k % 4 == 0) prefetch_ahead<NP>(qp + k * kCols, panel);  // a 64-byte line holds 4 k
         for (int m = 0; m < MR; ++m) {
           const __m512 xv = _mm512_set1_ps(widen(x[m * ldx + k]));
           for (int p = 0; p < NP; ++p) part[m][p] = _mm512_fmadd_ps(xv, w[p], part[m][p]);
@@ -281,6 +314,7 @@ void tile_wo(const T* x, int64_t ldx, int64_t K, const uint8_t* qp, const float*
       for (int64_t k = g * gs; k < (g + 1) * gs; k += 2) {
         __m512 lo[NP], hi[NP];
         for (int p = 0; p < NP; ++p) int4x16x2(qp + p * panel + k / 2 * kCols, table, lo[p], hi[p]);
+        if (k % 8 == 0) prefetch_ahead<NP>(qp + k / 2 * kCols, panel);  // a 64-byte line holds 8 k
         for (int m = 0; m < MR; ++m) {
           const __m512 x0 = _mm512_set1_ps(widen(x[m * ldx + k])), x1 = _mm512_set1_ps(widen(x[m * ldx + k + 1]));
           for (int p = 0; p < NP; ++p) part[m][p] = _mm512_fmadd_ps(x1, hi[p], _mm512_fmadd_ps(x0, lo[p], part[m][p]));
@@ -312,6 +346,7 @@ __attribute__((target("avx512bf16,avx512bw,avx512vl"))) void tile_wo_pairs(
     zero(part);
     for (int64_t k = g * gs; k < (g + 1) * gs; k += 2) {
       __m512bh w[NP];
+      if (k % (BITS == 8 ? 4 : 8) == 0) prefetch_ahead<NP>(qp + k * BITS / 8 * kCols, panel);  // 4 or 8 k a line
       for (int p = 0; p < NP; ++p) {
         __m512 lo, hi;  // k and k + 1 of the panel's 16 columns, as fp32 (exact)
         if constexpr (BITS == 8) {
@@ -639,6 +674,8 @@ TORCH_LIBRARY(trt_redrafter_cpu, m) {
   m.def("linear_w8a8(Tensor x, Tensor packed, Tensor colsum, Tensor scales, int out_features, Tensor? bias, Tensor? wide, Tensor? wide_bias, int wide_rows, int bits=8) -> Tensor");
   m.def("has_vnni() -> bool", &has_vnni);
   m.def("has_bf16() -> bool", &has_bf16);
+  m.def("prefetch_bytes() -> int", &prefetch_bytes);
+  m.def("set_prefetch_bytes(int bytes) -> int", &set_prefetch_bytes);
 }
 
 TORCH_LIBRARY_IMPL(trt_redrafter_cpu, CPU, m) {

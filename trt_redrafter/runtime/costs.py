@@ -227,6 +227,12 @@ def fingerprint(**parts) -> dict:
         name = torch.cuda.get_device_name(device)
     else:
         name = _cpu_name()
+        # the CPU kernels' weight prefetch distance where it is not the default (another distance, other step costs)
+        from .. import cpu
+
+        ahead = cpu.loaded_prefetch_bytes()
+        if ahead is not None and ahead != cpu.DEFAULT_PREFETCH_BYTES:
+            parts["cpu_prefetch"] = ahead
     return {"version": COST_MODEL_VERSION, "device": name, "torch": torch.__version__,
             "kernel_sources": kernel_sources_digest(), **parts}
 
