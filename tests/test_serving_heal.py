@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -192,6 +193,10 @@ def test_serve_exits_non_zero_when_its_restarts_are_spent(setup, tmp_path):
             proc.wait(timeout=60)
     text = log.read_text()
     assert rc == 3, text[-3000:]
-    assert f"model process tensorrt_llm_0_0 (pid {victim}) died; tritonserver was restarted 0 time(s)" in text
+    # serve names what it saw first: the dead stub, or tritonserver 2.51 itself dying of it (it sometimes aborts or
+    # crashes when a model's stub is killed under it, before serve's next look at the stubs)
+    spent = "; tritonserver was restarted 0 time(s)"
+    assert (f"model process tensorrt_llm_0_0 (pid {victim}) died{spent}" in text
+            or re.search(r"tritonserver exited with status -(6|11)" + re.escape(spent), text)), text[-3000:]
     assert not [p for p in (triton, *stubs) if _alive(p)], "tritonserver or a stub outlived serve"
     assert not list(Path("/dev/shm").glob(f"trtrd{proc.pid}x*")), "shm regions outlived serve"
