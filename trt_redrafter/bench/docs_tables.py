@@ -432,8 +432,8 @@ def _structured(docs: list[dict], names: tuple[str, ...]) -> list[str]:
 
 # ---- the registry: one current table per topic -------------------------------------------------------------------
 
-_SMOLLM2 = (("policy-smollm2-b1-float32-categories-attention-2026-11-28", 1, ""),
-            ("policy-smollm2-b1-bfloat16-categories-attention-2026-11-28", 1, ""),
+_SMOLLM2 = (("policy-smollm2-b1-float32-2026-12-02", 1, ""),
+            ("policy-smollm2-b1-bfloat16-2026-12-02", 1, ""),
             ("policy-smollm2-b8-b32-float32-categories-2026-11-28", 8, ""),
             ("policy-smollm2-b8-b32-float32-categories-2026-11-28", 32, ""),
             ("policy-smollm2-b1-float32-256tokens-2026-11-28", 1, ""),
