@@ -150,7 +150,8 @@ def main() -> int:
     print(f"{what}, {args.threads} thread(s), eager, "
           f"{args.rounds} rounds x {args.calls} calls, load average "
           f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} CPUs")
-    print(json.dumps({"rows": rows, "prefetch": distances, "threads": args.threads, "loadavg": load, "rounds": args.rounds,
+    print(json.dumps({"rows": rows, "prefetch": distances, "threads": args.threads, "loadavg": load,
+                      "rounds": args.rounds,
                       "what": ("drafter " if args.drafter else "") + "gemms" if args.gemms else "verify"}))
     return 0
 

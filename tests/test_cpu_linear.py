@@ -425,7 +425,6 @@ def test_compiled_greedy_redrafter_equals_ar(tiny):
     assert [r.output_ids for r in generate(engine, tiny["prompts"], greedy(MAX_NEW), "ar")] == ar
 
 
-
 def _prefetch_outputs() -> list[torch.Tensor]:
     """Float and weight-only layers (per channel, grouped, int4; fp32 and bf16 inputs) at 1, 5 and 17 rows."""
     outs = []

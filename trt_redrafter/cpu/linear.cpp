@@ -41,10 +41,11 @@ constexpr int64_t kGrain = 8;   // panels: below 2 * kGrain a call stays on one 
 constexpr int64_t kRows = 6;    // rows of x per pass over a group's weights (a tree of 1 x 4 drafts has 5)
 
 // How far ahead of its loads each panel stream is prefetched, in bytes (0: none): TRT_REDRAFTER_PREFETCH when the
-// kernels load, else 1 KB (cpu/__init__.py: DEFAULT_PREFETCH_BYTES); `set_prefetch_bytes` changes it (scripts/bench_linear.py --prefetch times the values in
-// turn). A tile of several rows spends MR multiply-adds on each 64 bytes of weights, so fewer of its loads are in
-// flight at once, and the hardware prefetcher alone left the memory idle: 5 rows cost 1.2-1.3x one row. Prefetched
-// 1 KB ahead in each of the NP streams, they cost 1.0-1.1x, and one row no more (docs/perf-history.md, 2026-12-02).
+// kernels load, else 1 KB (cpu/__init__.py: DEFAULT_PREFETCH_BYTES); `set_prefetch_bytes` changes it
+// (scripts/bench_linear.py --prefetch times the values in turn). A tile of several rows spends MR multiply-adds on
+// each 64 bytes of weights, so fewer of its loads are in flight at once, and the hardware prefetcher alone left the
+// memory idle: 5 rows cost 1.2-1.3x one row. Prefetched 1 KB ahead in each of the NP streams, they cost 1.0-1.1x, and
+// one row no more (docs/perf-history.md, 2026-12-02).
 int64_t g_ahead = [] {
   const char* v = std::getenv("TRT_REDRAFTER_PREFETCH");
   return v && *v ? std::max<int64_t>(0, std::atoll(v)) : int64_t{1024};
@@ -68,7 +69,6 @@ int64_t set_prefetch_bytes(int64_t bytes) {
   g_ahead = bytes;
   return old;
 }
-
 
 // the tile's outputs: y[m, n0 + 16 p + c] = acc[m][p][c] (+ b), the panels past N left out
 template <int MR, int NP, typename T>
