@@ -80,7 +80,7 @@ def test_the_fused_search_drafts_the_oracles_beams(dtype, weights, exit_dim, dra
     fused = FusedSearch.of(d, emb, APPLE_WARP_TOP_K, num_beams=4)
     assert fused is not None
     drafted = 0
-    # batch 6 x 4 beams: 24 rows, past W8A8_WIDE_ROWS, where the int8-input layers take their float weight
+    # batch 6 x 4 beams: 24 rows, six passes of the int8-input layers' 4-row tiles
     for bs, nb, dl in [(1, 1, 1), (1, 4, 4), (3, 2, 3), (2, 3, 4), (6, 4, 4)]:
         h = torch.randn(bs, H, generator=g).to(base)
         tok = torch.randint(0, V, (bs,), generator=g)

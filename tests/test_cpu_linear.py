@@ -150,18 +150,18 @@ def test_w8a8_kernel_equals_its_reference_bit_for_bit(dtype, shape, bits):
     x[5] = 0
     op = torch.ops.trt_redrafter_cpu.linear_w8a8
     for bias in (None, torch.randn(n, generator=g)):
-        y = op(x, packed, colsum, scales, n, bias, None, None, 0, bits)
+        y = op(x, packed, colsum, scales, n, bias, bits)
         assert y.dtype == x.dtype and y.shape == (37, n)
         assert torch.equal(y, cpu.w8a8_reference(x, q, s, bias))
         for start, m in ((0, 1), (5, 1), (3, 4), (30, 7)):
-            assert torch.equal(op(x[start:start + m].clone(), packed, colsum, scales, n, bias, None, None, 0, bits),
+            assert torch.equal(op(x[start:start + m].clone(), packed, colsum, scales, n, bias, bits),
                                y[start:start + m])
 
 
 def test_w8a8_layer_runs_the_byte_kernel_where_it_can_and_weight_only_elsewhere():
-    """A `QuantWeight` with `activations` runs `linear_w8a8` under the avx512 kernels (on a VNNI CPU) for inputs of
-    fewer than W8A8_WIDE_ROWS rows, its dequantized weight in the float kernel for more, and as the int8 weight-only
-    layer elsewhere (torch: its dequantized weight)."""
+    """A `QuantWeight` with `activations` runs `linear_w8a8` under the avx512 kernels (on a VNNI CPU) at any number of
+    rows, each row's result independent of the others, and as the int8 weight-only layer elsewhere (torch: its
+    dequantized weight)."""
     from trt_redrafter.checkpoint.quantization import quantize_per_channel
 
     _need_vnni()
@@ -172,10 +172,9 @@ def test_w8a8_layer_runs_the_byte_kernel_where_it_can_and_weight_only_elsewhere(
     byte = lin.Linear(lin.QuantWeight(q, s, 8, 64, torch.bfloat16, activations=True), b, impl="avx512")
     assert byte.path == "avx512 int8 weights, int8 activations (VNNI)" and byte.quant is None
     assert torch.equal(byte(x), cpu.w8a8_reference(x.reshape(6, 64), q, s, b.float()).view(3, 2, 96))
-    wide = torch.randn(lin.W8A8_WIDE_ROWS, 64, generator=g).bfloat16()  # from this many rows: the float kernel
-    dequantized = cpu.ops().pack((q.float() * s.float()).bfloat16())
-    assert torch.equal(byte(wide), torch.ops.trt_redrafter_cpu.linear(wide, dequantized, 96, b))
-    assert not torch.equal(byte(wide[:4]), byte(wide)[:4])  # fewer rows: the byte kernel
+    many = torch.randn(37, 64, generator=g).bfloat16()  # passes of 4 rows and a remainder
+    assert torch.equal(byte(many), cpu.w8a8_reference(many, q, s, b.float()))
+    assert torch.equal(byte(many[:5]), byte(many)[:5])
     plain = lin.Linear(lin.QuantWeight(q, s, 8, 64, torch.bfloat16, activations=True), b, impl="torch")
     assert plain.w8a8 is None and plain.path == "torch bfloat16"
     assert torch.equal(plain(x), F.linear(x, (q.float() * s.float()).bfloat16(), b))

@@ -204,8 +204,7 @@ def _topk_fake(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _beam_draft_fake(h, true_token, embedding, weights, bits, out_features, has_proj: bool, bf16: bool, num_beams,
-                     max_beams: int, draft_len: int, warp_top_k: int, vocab: int, ids, wide_rows: int,
-                     depth_rows):
+                     max_beams: int, draft_len: int, warp_top_k: int, vocab: int, ids, depth_rows):
     bs = h.shape[0]
     return (true_token.new_empty(bs, num_beams, draft_len + 1),
             h.new_empty(bs, num_beams, draft_len, dtype=torch.float32))
@@ -231,8 +230,7 @@ def _linear_wo_fake(x, qweight, scales, bits: int, group_size: int, out_features
     return x.new_empty(x.shape[0], out_features)
 
 
-def _linear_w8a8_fake(x, packed, colsum, scales, out_features: int, bias, wide, wide_bias, wide_rows: int,
-                      bits: int = 8) -> torch.Tensor:
+def _linear_w8a8_fake(x, packed, colsum, scales, out_features: int, bias, bits: int = 8) -> torch.Tensor:
     return x.new_empty(x.shape[0], out_features)
 
 

@@ -81,16 +81,16 @@ void residual_silu(T* x, const T* y, int64_t n, std::vector<float>& f) {
 // One of the drafter's linear layers, as model/linear.py `Linear` holds it for the avx512 kernels.
 struct Layer {
   int64_t bits = 0;                 // 0: float panels (`linear`); 8 or 4: int8 inputs (`linear_w8a8`)
-  at::Tensor packed, bias;          // bias in the drafter's dtype (the float path's, and the wide one's)
-  at::Tensor colsum, scales, bias32, wide;  // int8 inputs: column sums, padded scales, fp32 bias, float weight
+  at::Tensor packed, bias;          // bias in the drafter's dtype (the float path's)
+  at::Tensor colsum, scales, bias32;  // int8 inputs: column sums, padded scales, fp32 bias
   int64_t N = 0, K = 0;
 
   template <typename T>
-  void operator()(const T* x, int64_t M, T* y, int64_t wide_rows) const {
-    const T* b = bias.defined() ? bias.data_ptr<T>() : nullptr;
-    if (bits == 0) return trt_redrafter_cpu::linear_packed<T>(x, M, K, packed.data_ptr<T>(), N, b, y);
-    if (wide.defined() && M >= wide_rows)
-      return trt_redrafter_cpu::linear_packed<T>(x, M, K, wide.data_ptr<T>(), N, b, y);
+  void operator()(const T* x, int64_t M, T* y) const {
+    if (bits == 0) {
+      const T* b = bias.defined() ? bias.data_ptr<T>() : nullptr;
+      return trt_redrafter_cpu::linear_packed<T>(x, M, K, packed.data_ptr<T>(), N, b, y);
+    }
     trt_redrafter_cpu::linear_int8_inputs<T>(x, M, K, packed.data_ptr<int8_t>(), colsum.data_ptr<int32_t>(),
                                              scales.data_ptr<float>(), N,
                                              bias32.defined() ? bias32.data_ptr<float>() : nullptr, y, bits);
@@ -102,7 +102,6 @@ inline at::Tensor present(const at::Tensor& t) { return t.defined() && t.numel()
 struct Search {
   int64_t bs, nb, bound, dl, warp, V, H, E, ldl;  // ldl: the head's row stride (its padded outputs)
   int64_t depth;                                   // depths drafted (<= dl); the rest pad
-  int64_t wide_rows;
   const int64_t* ids;  // draft vocabulary: token id of each head column (null: column = token id)
 };
 
@@ -145,12 +144,12 @@ std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& h_in, const at::Tensor&
       const int64_t id = t == 0 ? tok[r] : bp[r * (dl + 1) + t];
       for (int64_t j = 0; j < H; ++j) e[r * H + j] = from_float<T>(to_float(ep[id * H + j]));
     }
-    rnn_w(e.data(), n, a.data(), s.wide_rows);
+    rnn_w(e.data(), n, a.data());
     if (t == 0) {  // rnn_u(0) is its bias
       const T* ub = rnn_u.bias.data_ptr<T>();
       for (int64_t r = 0; r < n; ++r) add_silu<T>(a.data() + r * H, ub, H, state.data() + r * H, f);
     } else {
-      rnn_u(state.data(), n, next.data(), s.wide_rows);
+      rnn_u(state.data(), n, next.data());
       add_silu<T>(a.data(), next.data(), n * H, state.data(), f);
     }
     for (int64_t r = 0; r < n; ++r) {  // [h ; state]
@@ -160,17 +159,17 @@ std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& h_in, const at::Tensor&
     }
     T* cur = x.data();
     if (proj) {
-      (*proj)(x.data(), n, xe.data(), s.wide_rows);
+      (*proj)(x.data(), n, xe.data());
       cur = xe.data();
     }
     for (const Layer& blk : blocks) {
-      blk(cur, n, y.data(), s.wide_rows);
+      blk(cur, n, y.data());
       residual_silu<T>(cur, y.data(), n * E, f);
     }
     if constexpr (std::is_same_v<T, float>) {
-      head(cur, n, logits.data(), s.wide_rows);
+      head(cur, n, logits.data());
     } else {
-      head(cur, n, logit_t.data(), s.wide_rows);
+      head(cur, n, logit_t.data());
       for (int64_t i = 0; i < n * s.ldl; ++i) logits[i] = to_float(logit_t[i]);
     }
     trt_redrafter_cpu::topk_rows(logits.data(), n, s.V, s.ldl, K, vals.data(), idx.data());
@@ -225,18 +224,18 @@ std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& h_in, const at::Tensor&
 }
 
 // h [bs, H] and the embedding table [V, H] in the base's dtype; `weights`: per layer (rnn_w, rnn_u, input_proj if
-// `has_proj`, the residual blocks, lm_head) six tensors, empty where absent: packed weight, bias (drafter dtype),
-// column sums, padded scales, fp32 bias, packed float weight (`wide`); `bits[l]` 0 for a float layer. Returns beams
+// `has_proj`, the residual blocks, lm_head) five tensors, empty where absent: packed weight, bias (drafter dtype),
+// column sums, padded scales, fp32 bias; `bits[l]` 0 for a float layer. Returns beams
 // [bs, nb, dl + 1] (column 0 the true token) and the score history [bs, nb, dl].
 std::tuple<at::Tensor, at::Tensor> beam_draft(const at::Tensor& h, const at::Tensor& true_token,
                                               const at::Tensor& embedding, at::TensorList weights,
                                               at::IntArrayRef bits, at::IntArrayRef out_features, bool has_proj,
                                               bool bf16, int64_t num_beams, int64_t max_beams, int64_t draft_len,
                                               int64_t warp_top_k, int64_t vocab, const std::optional<at::Tensor>& ids,
-                                              int64_t wide_rows, at::TensorList depth_rows) {
+                                              at::TensorList depth_rows) {
   const int64_t L = bits.size();
-  TORCH_CHECK(L >= 3 && (int64_t)weights.size() == 6 * L && (int64_t)out_features.size() == L,
-              "beam_draft: six tensors, a bits value and an output size per layer");
+  TORCH_CHECK(L >= 3 && (int64_t)weights.size() == 5 * L && (int64_t)out_features.size() == L,
+              "beam_draft: five tensors, a bits value and an output size per layer");
   TORCH_CHECK(h.dim() == 2 && h.device().is_cpu() && true_token.dim() == 1 && true_token.size(0) == h.size(0) &&
                   true_token.scalar_type() == at::kLong && embedding.dim() == 2 &&
                   embedding.scalar_type() == h.scalar_type(),
@@ -249,12 +248,11 @@ std::tuple<at::Tensor, at::Tensor> beam_draft(const at::Tensor& h, const at::Ten
   for (int64_t l = 0; l < L; ++l) {
     Layer& ly = layers[l];
     ly.bits = bits[l];
-    ly.packed = weights[6 * l].contiguous();
-    ly.bias = present(weights[6 * l + 1]);
-    ly.colsum = present(weights[6 * l + 2]);
-    ly.scales = present(weights[6 * l + 3]);
-    ly.bias32 = present(weights[6 * l + 4]);
-    ly.wide = present(weights[6 * l + 5]);
+    ly.packed = weights[5 * l].contiguous();
+    ly.bias = present(weights[5 * l + 1]);
+    ly.colsum = present(weights[5 * l + 2]);
+    ly.scales = present(weights[5 * l + 3]);
+    ly.bias32 = present(weights[5 * l + 4]);
     ly.N = out_features[l];
     TORCH_CHECK(ly.bits == 0 || (ly.colsum.defined() && ly.scales.defined()), "beam_draft: layer ", l,
                 " has int8 inputs but no column sums or scales");
@@ -280,7 +278,6 @@ std::tuple<at::Tensor, at::Tensor> beam_draft(const at::Tensor& h, const at::Ten
   s.H = H;
   s.E = E;
   s.ldl = layers.back().N;
-  s.wide_rows = wide_rows;
   s.depth = draft_len;  // the first depth whose rows are empty ends the search
   for (size_t i = 0; i < depth_rows.size(); ++i)
     if (depth_rows[i].numel() == 0) {
@@ -318,7 +315,7 @@ std::tuple<at::Tensor, at::Tensor> beam_draft(const at::Tensor& h, const at::Ten
 TORCH_LIBRARY_FRAGMENT(trt_redrafter_cpu, m) {
   m.def("beam_draft(Tensor h, Tensor true_token, Tensor embedding, Tensor[] weights, int[] bits, "
         "int[] out_features, bool has_proj, bool bf16, SymInt num_beams, int max_beams, int draft_len, "
-        "int warp_top_k, int vocab, Tensor? ids, int wide_rows, Tensor[] depth_rows) -> (Tensor, Tensor)");
+        "int warp_top_k, int vocab, Tensor? ids, Tensor[] depth_rows) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(trt_redrafter_cpu, CPU, m) { m.impl("beam_draft", &beam_draft); }

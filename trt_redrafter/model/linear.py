@@ -67,11 +67,6 @@ PACK_BATCH_HINT: Optional[int] = 16
 # oneDNN's inputs on a CPU with AMX tiles are padded to this many rows: a tile's height, so that every M takes the same
 # tile kernel (see above)
 AMX_ROWS = 16
-# int8-activation layers (`linear_w8a8`) take their dequantized float weight from this many rows on: reading half the
-# bytes pays for a few rows, but on Zen 4 VPDPBUSD issues at half VDPBF16PS's rate. A drafter head of 8192 x 512 from
-# the cache, bytes against bf16: 32 / 53 us at 4 rows, 84 / 79 at 8 (where a read from memory still favours bytes:
-# batch 2 ran faster end to end), 158 / 140 at 16, 346 / 276 at 32
-W8A8_WIDE_ROWS = 16
 
 
 def onednn_available(dtype: torch.dtype) -> bool:
@@ -293,7 +288,7 @@ class Linear(nn.Module):
 
     A `QuantWeight` with `activations` (int8 per channel) runs in the avx512 kernel's `linear_w8a8` on a CPU with
     VNNI: the input quantized to int8 per row, the product in bytes (not the float layer's values: for the drafter,
-    which only proposes); inputs of W8A8_WIDE_ROWS rows or more take the dequantized weight in the float kernel.
+    which only proposes), at any number of rows.
     Any other `QuantWeight` runs in the avx512 kernel's weight-only path (`linear_wo`: int8 / int4 bytes read, scaled in
     registers), on CUDA in the Triton weight-only GEMM (plugins/weight_only.py: the same bytes, scaled per group in
     fp32), and under any other impl as its dequantized float weight (the same quantized model, no bandwidth
@@ -318,8 +313,8 @@ class Linear(nn.Module):
         self.input_scale: Optional[torch.Tensor] = None  # FP8: the input's e4m3 scale (fp32 scalar)
         self.fp8: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # FP8 GEMMs: (w8 [out, in], its scale)
         # int8 (int4) weights and int8 activations: (column sums, scales padded to whole panels, fp32 bias or None, the
-        # dequantized weight packed for the float kernel, which W8A8_WIDE_ROWS rows or more take, the weight's bits)
-        self.w8a8: Optional[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor, int]] = None
+        # weight's bits)
+        self.w8a8: Optional[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], int]] = None
         self.quant_pairs = False  # `quant` on the CPU with bf16 inputs: VDPBF16PS over k pairs (cpu.wo_pairs)
         if isinstance(weight, Fp8Weight):
             self.input_scale = weight.input_scale
@@ -333,8 +328,7 @@ class Linear(nn.Module):
             if (impl == "avx512" and weight.activations and weight.pre_scale is None
                     and weight.group_size == weight.q.shape[1] and cpu.vnni_available()):
                 self.packed, colsum, scales = cpu.pack_w8a8(weight.q, weight.scales, weight.bits)
-                wide = cpu.ops().pack(weight.dequantize().contiguous())
-                self.w8a8 = (colsum, scales, None if bias is None else bias.float(), wide, weight.bits)
+                self.w8a8 = (colsum, scales, None if bias is None else bias.float(), weight.bits)
                 return
             if impl == "avx512":
                 self.packed, scales = cpu.pack_wo(weight.q, weight.scales, weight.bits)
@@ -366,9 +360,8 @@ class Linear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if self.w8a8 is not None:
-            colsum, scales, bias, wide, bits = self.w8a8
-            y = torch.ops.trt_redrafter_cpu.linear_w8a8(x2, self.packed, colsum, scales, self.out_features, bias, wide,
-                                                        self.bias, W8A8_WIDE_ROWS, bits)
+            colsum, scales, bias, bits = self.w8a8
+            y = torch.ops.trt_redrafter_cpu.linear_w8a8(x2, self.packed, colsum, scales, self.out_features, bias, bits)
         elif self.quant is not None and self.packed.is_cuda:
             from ..plugins import weight_only
             scales, bits, group_size = self.quant
@@ -407,7 +400,7 @@ class Linear(nn.Module):
         if self.fp8 is not None:
             return "fp8 GEMM (torch._scaled_mm)"
         if self.w8a8 is not None:
-            return f"avx512 int{self.w8a8[4]} weights, int8 activations (VNNI)"
+            return f"avx512 int{self.w8a8[3]} weights, int8 activations (VNNI)"
         if self.quant is not None:
             pairs = ", bf16 pairs (VDPBF16PS)" if self.quant_pairs else ""
             return f"{'triton' if self.packed.is_cuda else self.impl} int{self.quant[1]} weights{pairs}"
@@ -420,7 +413,7 @@ class Linear(nn.Module):
         if self.input_scale is not None:
             return f"{self.in_features} -> {self.out_features}, {'fp8 GEMM' if self.fp8 else self.impl + ', fp8 model'}"
         q = f", int{self.quant[1]} weights{' (triton)' if self.packed.is_cuda else ''}" if self.quant else \
-            f", int{self.w8a8[4]} weights, int8 activations" if self.w8a8 else ""
+            f", int{self.w8a8[3]} weights, int8 activations" if self.w8a8 else ""
         return f"{self.in_features} -> {self.out_features}, {self.impl}{q}"
 
 

@@ -12,7 +12,7 @@ from .. import cpu
 from ..decoding import beam_search
 from ..decoding.beam_search import BeamSearchResult, SelectFn
 from ..model.drafter import DrafterRank
-from ..model.linear import W8A8_WIDE_ROWS, Linear
+from ..model.linear import Linear
 
 APPLE_WARP_TOP_K = 50  # Apple's drafter keeps its 50 most likely tokens before the beam search
 
@@ -90,11 +90,11 @@ class FusedSearch:
         self.bits: list[int] = []
         for lin in layers:
             if lin.w8a8 is not None:
-                colsum, scales, bias32, wide, bits = lin.w8a8
-                parts = [lin.packed, lin.bias, colsum, scales, bias32, wide]
+                colsum, scales, bias32, bits = lin.w8a8
+                parts = [lin.packed, lin.bias, colsum, scales, bias32]
             else:
                 bits, parts = 0, [lin.packed, lin.bias]
-            self.weights += [none if t is None else t for t in parts] + [none] * (6 - len(parts))
+            self.weights += [none if t is None else t for t in parts] + [none] * (5 - len(parts))
             self.bits.append(bits)
         self.out_features = [lin.out_features for lin in layers]
 
@@ -120,8 +120,7 @@ class FusedSearch:
         lengths); None: every depth."""
         beams, scores = torch.ops.trt_redrafter_cpu.beam_draft(
             h.contiguous(), true_token, self.embedding, self.weights, self.bits, self.out_features, self.has_proj,
-            self.bf16, num_beams, max_beams, draft_len, self.warp, self.vocab, self.ids, W8A8_WIDE_ROWS,
-            list(depth_rows or ()))
+            self.bf16, num_beams, max_beams, draft_len, self.warp, self.vocab, self.ids, list(depth_rows or ()))
         return BeamSearchResult(beams=beams, log_probs=None, scores=scores)
 
 
