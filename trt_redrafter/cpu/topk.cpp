@@ -2,7 +2,8 @@
 // select_beams_topk): Apple's top-50 warp and the beams' candidates over a draft vocabulary of thousands of tokens.
 //
 // torch.topk selects from a copy of each row; here a bound from 64 block maxima (row_topk) leaves the few values that
-// can rank, found 16 at a time with AVX-512 compares, and only those are sorted.
+// can rank, found 16 at a time with AVX-512 compares, and only those are ranked, each as one 64-bit key (value, then
+// index) so that the selection and the sort compare integers.
 //
 // Result: values [..., k] descending and their indices [..., k] (int64); equal values in ascending index order (the
 // first occurrence first, as an argmax), which torch.topk does not promise. NaN is selected only where a row holds
@@ -17,6 +18,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <functional>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -61,12 +64,22 @@ void scan_topk(const float* x, int64_t V, int64_t k, float* vals, int64_t* idx) 
 
 constexpr int64_t kBlocks = 64;
 
-// A bound first: split the row into 64 blocks; the k-th largest of their maxima (k <= 64) has at least k values at or
-// above it, so the k best are among the values >= it, usually a few per cent of the row, which are then ranked.
-// Falls back to scan_topk where the bound does not hold k numbers (NaNs) or the row is too short to split.
-void row_topk(const float* x, int64_t V, int64_t k, float* vals, int64_t* idx,
-              std::vector<std::pair<float, int64_t>>& cand) {
-  const int64_t bsz = V / kBlocks / 16 * 16;  // block length, whole vectors; the tail past 64 blocks joins no block
+// (value, index) as one integer whose order is the ranking's: the value's bits made monotone (-0 as +0, NaN never
+// gets here), then the index reversed, so that the larger key is the larger value or, of equal values, the earlier
+// index
+inline uint64_t rank_key(float v, int64_t i) {
+  const float z = v + 0.f;  // -0 -> +0: they compare equal
+  uint32_t b;
+  std::memcpy(&b, &z, 4);
+  b = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+  return (uint64_t{b} << 32) | (0xFFFFFFFFu - static_cast<uint32_t>(i));
+}
+
+// A bound first: split the row into kBlocks blocks; the k-th largest of their maxima (k <= kBlocks) has at least k
+// values at or above it, so the k best are among the values >= it, usually a few per cent of the row, which are then
+// ranked. Falls back to scan_topk where the bound does not hold k numbers (NaNs) or the row is too short to split.
+void row_topk(const float* x, int64_t V, int64_t k, float* vals, int64_t* idx, std::vector<uint64_t>& keys) {
+  const int64_t bsz = V / kBlocks / 16 * 16;  // block length, whole vectors; the tail past the blocks joins none
   if (k > kBlocks || bsz == 0) return scan_topk(x, V, k, vals, idx);
   float maxima[kBlocks];
   for (int64_t b = 0; b < kBlocks; ++b) {
@@ -76,7 +89,7 @@ void row_topk(const float* x, int64_t V, int64_t k, float* vals, int64_t* idx,
   }
   std::nth_element(maxima, maxima + (k - 1), maxima + kBlocks, [](float a, float b) { return a > b; });
   const float bound = maxima[k - 1];
-  cand.clear();
+  keys.clear();
   const __m512 t = _mm512_set1_ps(bound);
   int64_t j = 0;
   for (; j + 16 <= V; j += 16) {
@@ -84,18 +97,17 @@ void row_topk(const float* x, int64_t V, int64_t k, float* vals, int64_t* idx,
     while (m) {
       const int lane = __builtin_ctz(m);
       m &= m - 1;
-      cand.emplace_back(x[j + lane], j + lane);
+      keys.push_back(rank_key(x[j + lane], j + lane));
     }
   }
   for (; j < V; ++j)
-    if (x[j] >= bound) cand.emplace_back(x[j], j);
-  if ((int64_t)cand.size() < k) return scan_topk(x, V, k, vals, idx);
-  std::partial_sort(cand.begin(), cand.begin() + k, cand.end(), [](const auto& a, const auto& b) {
-    return a.first > b.first || (a.first == b.first && a.second < b.second);
-  });
+    if (x[j] >= bound) keys.push_back(rank_key(x[j], j));
+  if ((int64_t)keys.size() < k) return scan_topk(x, V, k, vals, idx);
+  std::nth_element(keys.begin(), keys.begin() + (k - 1), keys.end(), std::greater<uint64_t>());
+  std::sort(keys.begin(), keys.begin() + k, std::greater<uint64_t>());
   for (int64_t i = 0; i < k; ++i) {
-    vals[i] = cand[i].first;
-    idx[i] = cand[i].second;
+    idx[i] = 0xFFFFFFFFu - static_cast<uint32_t>(keys[i]);
+    vals[i] = x[idx[i]];
   }
 }
 
@@ -123,9 +135,9 @@ void trt_redrafter_cpu::topk_rows(const float* x, int64_t R, int64_t V, int64_t 
                                   int64_t* idx) {
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(V, 1));  // ~64k values a thread at least
   at::parallel_for(0, R, grain, [&](int64_t begin, int64_t end) {
-    std::vector<std::pair<float, int64_t>> cand;
-    cand.reserve(1024);
-    for (int64_t r = begin; r < end; ++r) row_topk(x + r * ldx, V, k, vals + r * k, idx + r * k, cand);
+    std::vector<uint64_t> keys;
+    keys.reserve(1024);
+    for (int64_t r = begin; r < end; ++r) row_topk(x + r * ldx, V, k, vals + r * k, idx + r * k, keys);
   });
 }
 
