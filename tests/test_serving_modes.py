@@ -493,11 +493,11 @@ def _stop_inputs(mod) -> list:
 @pytest.mark.parametrize("decoupled", [False, True], ids=["unary", "decoupled-not-streamed"])
 def test_early_stopping_returns_the_tokens_so_far(setup, stream_server, unary_server, decoupled):
     """tensorrtllm_backend README's "Early stopping" example, inflight_batcher_llm_client.py --stop-after-ms 200
-    --request-output-len ... --request-id 1 (@ c1e1963): the request, then after 200 ms (shorter where the request
-    was already done) a stop request with the same id. Unary (`--decoupled false`: async_infer twice) and not streamed on a decoupled repository (the streaming API,
-    streaming=false): the stopped request ends with a final response holding the tokens generated so far (a prefix
-    of the offline output, shorter than asked), the stop request with one empty response; no error. A client's
-    cancellation stays a cancellation (test_serving)."""
+    --request-output-len ... --request-id 1 (@ c1e1963): the request, then after 200 ms (shorter where the request was
+    already done) a stop request with the same id. Unary (`--decoupled false`: async_infer twice) and not streamed on a
+    decoupled repository (the streaming API, streaming=false): the stopped request ends with a final response holding
+    the tokens generated so far (a prefix of the offline output, shorter than asked), the stop request with one empty
+    response; no error. A client's cancellation stays a cancellation (test_serving)."""
     import queue
 
     import tritonclient.grpc as grpcclient
