@@ -78,6 +78,18 @@ void residual_silu(T* x, const T* y, int64_t n, std::vector<float>& f) {
   for (int64_t i = 0; i < n; ++i) x[i] = from_float<T>(to_float(x[i]) + to_float(from_float<T>(f[i])));
 }
 
+// y [n] = x [n] in fp32: bfloat16 is fp32's upper half, 16 at a time, across threads
+inline void widen(const c10::BFloat16* x, int64_t n, float* y) {
+  const uint16_t* u = reinterpret_cast<const uint16_t*>(x);
+  at::parallel_for(0, n, int64_t{1} << 15, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; i += 16) {
+      const __mmask16 m = tail_mask(end - i);
+      const __m512i w = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, u + i));
+      _mm512_mask_storeu_ps(y + i, m, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+    }
+  });
+}
+
 // One of the drafter's linear layers, as model/linear.py `Linear` holds it for the avx512 kernels.
 struct Layer {
   int64_t bits = 0;                 // 0: float panels (`linear`); 8 or 4: int8 inputs (`linear_w8a8`)
@@ -170,9 +182,10 @@ std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& h_in, const at::Tensor&
       head(cur, n, logits.data());
     } else {
       head(cur, n, logit_t.data());
-      for (int64_t i = 0; i < n * s.ldl; ++i) logits[i] = to_float(logit_t[i]);
+      widen(logit_t.data(), n * s.ldl, logits.data());
     }
-    trt_redrafter_cpu::topk_rows(logits.data(), n, s.V, s.ldl, K, vals.data(), idx.data());
+    // each beam's K best, of which only the kk candidates need their order: the normalizer sums all K
+    trt_redrafter_cpu::topk_rows(logits.data(), n, s.V, s.ldl, K, kk, vals.data(), idx.data());
     for (int64_t b = 0; b < bs; ++b) {
       const int64_t nc = live * kk;
       for (int64_t i = 0; i < live; ++i) {

@@ -18,8 +18,10 @@ template <typename T>
 void linear_int8_inputs(const T* x, int64_t M, int64_t K, const int8_t* qp, const int32_t* colsum, const float* sw,
                         int64_t N, const float* b, T* y, int64_t bits);
 
-// the k largest values of each of R rows of x [R, V] (row stride ldx), descending, equal values in ascending index
-// order (topk.cpp); rows split across threads where there are enough of them
-void topk_rows(const float* x, int64_t R, int64_t V, int64_t ldx, int64_t k, float* vals, int64_t* idx);
+// the k largest values of each of R rows of x [R, V] (row stride ldx), the first `sorted` of them descending, equal
+// values in ascending index order, the rest of the k after them in any order (topk.cpp); rows split across threads
+// where there are enough of them
+void topk_rows(const float* x, int64_t R, int64_t V, int64_t ldx, int64_t k, int64_t sorted, float* vals,
+               int64_t* idx);
 
 }  // namespace trt_redrafter_cpu
