@@ -359,10 +359,12 @@ class TritonServer(ChildProcess):
         or any seen since) dead. Triton itself notices neither: a dead stub's requests are never answered, every new
         one fails with "Stub process ... is not healthy", and its health endpoints keep answering ready."""
         rc = self.poll()
-        if rc is not None:
-            return f"tritonserver exited with status {rc}"
-        alive = self.model_processes()
+        alive = self.model_processes()  # its stubs keep its process group after it is gone
         dead = sorted(f"{name} (pid {pid})" for pid, name in self._expected.items() if pid not in alive)
+        if rc is not None:
+            # tritonserver (2.51) can crash (SIGSEGV) when a stub dies under it, before the stub's death is seen:
+            # the stubs gone by now are named too (the one that died first, or the ones that followed the server)
+            return f"tritonserver exited with status {rc}" + (f", model process {', '.join(dead)} gone" if dead else "")
         self._expected.update(alive)
         return f"model process {', '.join(dead)} died" if dead else None
 
