@@ -4,6 +4,7 @@ first three source lines of eight functions of the held-out stdlib modules), gre
 fp32, torch backend on CPU, for each tree shape; ReDrafter's output checked against AR's on every prompt.
 
     python scripts/small_pair_table.py            # prints the markdown table (and --json FILE writes the numbers)
+    python scripts/small_pair_table.py --write-prompts FILE   # only writes the prompts, as bench-engine's --prompts
 
 Runs `trt-redrafter convert`, `build-engine` and `run --json` as a user would (one `run` per tree shape and mode).
 """
@@ -49,8 +50,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--json", type=Path, help="also write the per-prompt numbers here")
+    ap.add_argument("--write-prompts", type=Path, metavar="FILE",
+                    help="write the prompts as JSONL ({\"prompt\"} rows, bench-engine's --prompts) and exit")
     args = ap.parse_args()
     ps = prompts()
+    if args.write_prompts:
+        args.write_prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ps))
+        return 0
     rows, report = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         for nb, dl in SHAPES:

@@ -440,7 +440,8 @@ _SMOLLM2 = (("policy-smollm2-b1-float32-2026-12-02", 1, ""),
             ("policy-smollm2-b1-bfloat16-256tokens-2026-11-28", 1, ""),
             ("policy-random-drafter-categories-attention-2026-11-28", 1, ", a drafter never right"),
             ("policy-random-drafter-categories-attention-2026-11-28", 8, ", a drafter never right"))
-_SMALL = (("policy-small-1x3", 1, ""),)
+_SMALL = (("policy-small-1x3", 1, ""), ("policy-small-4x4-stdlib", 1, " 4 x 4, held-out prompts"),
+          ("policy-small-4x4-stdlib-full", 1, " 4 x 4, held-out prompts, whole trees"))
 
 
 def _sources(specs) -> tuple[str, ...]:
