@@ -259,6 +259,29 @@ def flat_costs(ar=10.0, per_node=0.2, batches=(1, 2, 4, 8)) -> CostModel:
     return CostModel(list(batches), widths, [100, 1100], [row_ar, row_ar], [tree, tree])
 
 
+def test_the_hosts_time_between_steps_is_paid_by_every_step():
+    """A tree step that costs 3.5 AR steps to launch does not pay for ~1.5 tokens; with 3 ms of host time between
+    steps (what committing, deciding and scheduling take on a small model, paid per step whatever it verifies) the same
+    trees pay: 2.5 tokens for 6.5 ms against one for 4. The time is observed per kind of step before it."""
+    widths = tree_buckets(13)
+    model = CostModel([1], widths, [100, 1100], [[1.0], [1.0]], [[[3.5] * len(widths)]] * 2)
+    chain = [0] + [q(0.75 ** d) for d in range(1, 5)]
+    policy = Policy(Speculation.parse("auto"), 13, model)
+    assert not policy.decide(cands(1, chain, Calibration()), can_draft=True).is_tree
+    policy.observe_between(False, 3.0)
+    policy.observe_between(True, 3.0)
+    assert policy.between == [3.0, 3.0]
+    d = policy.decide(cands(1, chain, Calibration()), can_draft=True)
+    assert d.is_tree and d.width > 1
+    cheap_after_trees = pol.StepCosts(model, between=(3.0, 0.0))  # never priced below an AR step
+    assert [cheap_after_trees.tree_ms(1, w, 100) for w in widths] == [4.0] * len(widths)
+    policy.observe_between(True, 8.0)  # a running mean
+    assert policy.between[1] == pytest.approx(0.8 * 3.0 + 0.2 * 8.0)
+    fixed = Policy(Speculation.parse("full"), 13, model)
+    fixed.observe_between(True, 3.0)
+    assert fixed.between == [0.0, 0.0]  # fixed widths decide by no cost model
+
+
 def test_confident_trees_are_verified_as_far_as_they_pay():
     policy = Policy(Speculation.parse("auto"), 13, flat_costs())
     chain = [0] + [q(0.95 ** d) for d in range(1, 5)] + [q(0.01)] * 8  # a sure chain of 4, then noise
@@ -745,6 +768,7 @@ def test_a_drafter_that_is_never_right_gets_ar_steps(tiny):
     assert all(w <= 1 for w in late if w), late  # what is not an AR step is a probe (it drafts, verifies the root)
     cal = engine.policy.calibration("redrafter", True)
     assert sum(s["accepted"] * s["verified"] for s in cal.summary() if s["verified"]) < 1
+    assert engine.policy.between[0] > 0  # the host's time after AR steps, observed by the engine
 
 
 def test_an_oracle_gets_its_whole_tree(tiny):

@@ -56,6 +56,10 @@ from .timing import PhaseTimer, StepTimes
 
 logger = get_logger(__name__)
 
+# a pause between decode steps longer than this and than the last step is the scheduler waiting for work (no request
+# to step), not the host's time per step (Policy.observe_between)
+BETWEEN_STEPS_MAX_S = 0.005
+
 @dataclass
 class Emitted:
     """What a step produced for one request: its tokens, their log-probabilities (where it asked for them), and its
@@ -122,6 +126,8 @@ class Engine:
                                      trims_key_blocks=self.kernels == "torch",
                                      stops_early=runtime.draft_depth != "all")
         self.step_times = StepTimes()
+        # the last decode step: (a tree step?, when it was read back, its seconds), None after a prompt step
+        self._read_back: Optional[tuple[bool, float, float]] = None
         self._ids = itertools.count()
         self.outcomes: Optional[list[tuple[str, int, int, bool]]] = None  # a list: record verified nodes (tools)
         self.speculative = speculative
@@ -273,10 +279,16 @@ class Engine:
     def _decode(self, group: list[Sequence], decision: StepDecision) -> dict[Hashable, Emitted]:
         """One decode step for `group`: launch, read back (the step's one host sync), parse each request's row."""
         t0 = time.perf_counter()
+        if self._read_back is not None:  # the host's time since the last decode step (none: a prompt step between)
+            after_tree, at, last_took = self._read_back
+            if t0 - at <= max(BETWEEN_STEPS_MAX_S, last_took):  # longer: the scheduler waited for work
+                self.policy.observe_between(after_tree, 1e3 * (t0 - at))
         with_logprobs = any(s.sampling.wants_logprobs for s in group)
         out, layout = self._launch(decision, group, with_logprobs)
         rows = out.cpu().tolist()
-        took = time.perf_counter() - t0
+        done = time.perf_counter()
+        took = done - t0
+        self._read_back = (decision.is_tree, done, took)
         self.step_times.add("tree" if decision.is_tree else "ar", took)
         self.step_times.widths[decision.width] += 1
         if layout is not None and layout.draft:
@@ -337,6 +349,7 @@ class Engine:
         """Prompt step (prompt.py) for newly admitted (or preempted) requests -> their first tokens, their first trees
         drafted on the device and handed to their proposers. A request whose `prefill_chunk` ends before its prompt
         does computes only that chunk (chunked prefill): it emits nothing and continues from there next step."""
+        self._read_back = None  # the time until the next decode step is not the host's
         partial = [s for s in seqs if not PromptPhase.ends(s)]
         whole = [s for s in seqs if PromptPhase.ends(s)]
         if partial:

@@ -169,21 +169,28 @@ class PolicyState:
 @dataclass(frozen=True)
 class StepCosts:
     """What a decision weighs steps by, read-only: the measured cost model scaled by the steps as they run (`scale`:
-    AR steps, tree steps; Policy.observe_step) and the host's time to compose one request's tree (Policy.observe_host).
-    `model` is None where the policy decides by no cost model (fixed widths)."""
+    AR steps, tree steps; Policy.observe_step), plus the host's time between steps after each kind (`between`:
+    committing the step's tokens, deciding the next, the scheduler's turn; Policy.observe_between), and the host's
+    time to compose one request's tree (Policy.observe_host). `model` is None where the policy decides by no cost model
+    (fixed widths)."""
 
     model: Optional[CostModel]
     scale: tuple[float, float] = (1.0, 1.0)
     host_ms: float = 0.0
+    between: tuple[float, float] = (0.0, 0.0)
 
     def ar_ms(self, batch: int, context: float) -> float:
-        return self.model.ar_ms(batch, context) * self.scale[0]
+        return self._ar_launch(batch, context) + self.between[0]
 
     def tree_ms(self, batch: int, width: int, context: float, beams: int = 0, depth: int = 0) -> float:
-        # never below an AR step: a tree step runs the AR step's forward and more. The scales can price it lower (a
-        # busy phase slows the many AR steps, while a lone probe is never observed), and a drafter that is never
-        # right then drafted on, as if for free
-        return max(self.model.tree_ms(batch, width, context, beams, depth) * self.scale[1], self.ar_ms(batch, context))
+        # never below an AR step: a tree step runs the AR step's forward and more. The scales (or less host time seen
+        # after trees than after AR steps) can price it lower (a busy phase slows the many AR steps, while a lone
+        # probe is never observed), and a drafter that is never right then drafted on, as if for free
+        launch = self.model.tree_ms(batch, width, context, beams, depth) * self.scale[1]
+        return max(launch + self.between[1], self.ar_ms(batch, context))
+
+    def _ar_launch(self, batch: int, context: float) -> float:
+        return self.model.ar_ms(batch, context) * self.scale[0]
 
 
 def decide(state: PolicyState, cands: list[Candidate], can_draft: bool, costs: StepCosts, widths: Sequence[int],
@@ -438,6 +445,7 @@ class Policy:
         self.state = PolicyState()
         self.calibrations: dict[tuple[str, bool], Calibration] = {}
         self.host_ms = 0.0  # ms to compose one request's tree on the host (running mean)
+        self.between = [0.0, 0.0]  # ms of host time between steps, after AR steps and after tree steps (running means)
         self.step_scale = [1.0, 1.0]  # measured / modelled step time, running means: AR steps, tree steps
         self._last_kind: Optional[int] = None  # the kind of the last step observed (0 AR, 1 tree)
 
@@ -464,6 +472,16 @@ class Policy:
         ratio = min(max(ms / model, 1 / STEP_SCALE_CLAMP), STEP_SCALE_CLAMP)
         self.step_scale[k] = STEP_SCALE_DECAY * self.step_scale[k] + (1 - STEP_SCALE_DECAY) * ratio
 
+    def observe_between(self, after_tree: bool, ms: float) -> None:
+        """The host's time from one decode step's read-back to the next one's launch (the step's tokens committed, the
+        next step decided, the scheduler's turn), by the engine, after a step of the kind `after_tree` says. The cost
+        model times launches only; this time is paid per step whatever the step verifies, so on a small model (an AR
+        step of 0.15 ms and 0.06 ms between steps) it is what makes several tokens a step pay."""
+        if not self.speculation.auto or self.costs is None:
+            return
+        k = int(after_tree)
+        self.between[k] = ms if self.between[k] == 0 else MEAN_DECAY * self.between[k] + (1 - MEAN_DECAY) * ms
+
     def observe_host(self, ms_per_request: float) -> None:
         """The host's time to compose one request's tree, measured by the engine after each step that composed."""
         self.host_ms = ms_per_request if self.host_ms == 0 else \
@@ -487,7 +505,8 @@ class Policy:
     def decide(self, cands: list[Candidate], can_draft: bool) -> StepDecision:
         """The step for these decoding requests (the function `decide`, on the costs as measured now); the policy's
         state moves on."""
-        costs = StepCosts(self.costs, (self.step_scale[0], self.step_scale[1]), self.host_ms)
+        costs = StepCosts(self.costs, (self.step_scale[0], self.step_scale[1]), self.host_ms,
+                          (self.between[0], self.between[1]))
         d, self.state = decide(self.state, cands, can_draft, costs, self.widths, self.fixed_width(),
                                self.beam_options, self.depth_options)
         return d
