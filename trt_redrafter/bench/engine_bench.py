@@ -295,7 +295,8 @@ def summary_doc(args: argparse.Namespace, ecfg: EngineConfig, engine: Engine, ru
         "drafting": engine.device_drafter.path if engine.device_drafter is not None else None,
         "engine_load_s": load_s, "speculate": str(engine.policy.speculation),
         "cost_model": costs.to_dict(), "speculation_overheads": costs.overheads(),
-        "step_scale": dict(zip(("ar", "tree"), engine.policy.step_scale)), "roofline": roofline,
+        "step_scale": dict(zip(("ar", "tree"), engine.policy.step_scale)),
+        "between_steps_ms": dict(zip(("ar", "tree"), engine.policy.between)), "roofline": roofline,
         "machine": {"cpu": cpu.model_name(), "family": cpu.cpuinfo("cpu family"), "features": cpu.features(),
                     "cores": os.cpu_count(),
                     "torch_threads": torch.get_num_threads(), "loadavg": os.getloadavg(), "device": device},
@@ -322,7 +323,9 @@ def print_header(doc: dict, engine: Engine) -> None:
               f"the engine:\n{costs.table()}")
         ar_scale, tree_scale = engine.policy.step_scale
         print(f"the steps as they ran against that model (the policy's running ratio of measured to modelled time, "
-              f"at the end of the run): AR steps {ar_scale:.2f}x, tree steps {tree_scale:.2f}x")
+              f"at the end of the run): AR steps {ar_scale:.2f}x, tree steps {tree_scale:.2f}x; the host's time "
+              f"between steps, which it adds: {engine.policy.between[0]:.3f} ms after AR steps, "
+              f"{engine.policy.between[1]:.3f} ms after tree steps")
     else:
         print(f"speculation policy: {doc['speculate']} (fixed tree width); the step cost model (ms) of this engine "
               f"here:\n{costs.table()}")
