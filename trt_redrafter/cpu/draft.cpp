@@ -78,14 +78,12 @@ void residual_silu(T* x, const T* y, int64_t n, std::vector<float>& f) {
   for (int64_t i = 0; i < n; ++i) x[i] = from_float<T>(to_float(x[i]) + to_float(from_float<T>(f[i])));
 }
 
-// y [n] = x [n] in fp32: bfloat16 is fp32's upper half, 16 at a time, across threads
+// y [n] = x [n] in fp32, 16 at a time, across threads
 inline void widen(const c10::BFloat16* x, int64_t n, float* y) {
-  const uint16_t* u = reinterpret_cast<const uint16_t*>(x);
   at::parallel_for(0, n, int64_t{1} << 15, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; i += 16) {
       const __mmask16 m = tail_mask(end - i);
-      const __m512i w = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, u + i));
-      _mm512_mask_storeu_ps(y + i, m, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+      trt_redrafter_cpu::store16(y + i, trt_redrafter_cpu::load16(x + i, m), m);
     }
   });
 }

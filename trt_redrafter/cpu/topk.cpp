@@ -78,13 +78,13 @@ inline uint64_t rank_key(float v, int64_t i) {
 }
 
 // A bound first: kMaxima maxima over disjoint sets of the row's values (set j: the values at lane j % 16 of the vectors
-// v with v % kAcc == j / 16; the tail past the whole vectors joins none). The k-th largest of them (k <= kMaxima) has at
-// least k values at or above it, so the k best are among the values >= it, which are then ranked. Strided sets bound
+// v with v % kAcc == j / 16; the tail past the whole vectors joins none). The k-th largest of them (k <= kMaxima) has
+// at least k values at or above it, so the k best are among the values >= it, which are then ranked. Strided sets bound
 // more tightly than contiguous blocks where neighbouring ids score alike (a draft vocabulary's sorted ids: 95 values
 // against 185 a row of SmolLM2's drafter, for k = 50), and their maxima need no reduction across lanes. NaNs never
 // enter a maximum (VMAXPS returns its second operand where one is NaN). Falls back to scan_topk where the bound does
-// not hold k numbers (NaNs) or the row is too short. Only the first `sorted` of the k come out in order, the rest of
-// the k after them in any order.
+// not hold k numbers (NaNs) or the row is too short. Only the first `sorted` (1 <= sorted <= k) of the k come out in
+// order, the rest of the k after them in any order.
 void row_topk(const float* x, int64_t V, int64_t k, int64_t sorted, float* vals, int64_t* idx,
               std::vector<uint64_t>& keys) {
   const int64_t nv = V / 16;
@@ -114,8 +114,9 @@ void row_topk(const float* x, int64_t V, int64_t k, int64_t sorted, float* vals,
     if (x[j] >= bound) keys.push_back(rank_key(x[j], j));
   if ((int64_t)keys.size() < k) return scan_topk(x, V, k, vals, idx);
   std::nth_element(keys.begin(), keys.begin() + (k - 1), keys.end(), std::greater<uint64_t>());
-  if (sorted < k) std::nth_element(keys.begin(), keys.begin() + (sorted - 1), keys.begin() + k, std::greater<uint64_t>());
-  std::sort(keys.begin(), keys.begin() + std::min(sorted, k), std::greater<uint64_t>());
+  if (sorted < k)
+    std::nth_element(keys.begin(), keys.begin() + (sorted - 1), keys.begin() + k, std::greater<uint64_t>());
+  std::sort(keys.begin(), keys.begin() + sorted, std::greater<uint64_t>());
   for (int64_t i = 0; i < k; ++i) {
     idx[i] = 0xFFFFFFFFu - static_cast<uint32_t>(keys[i]);
     vals[i] = x[idx[i]];
@@ -145,10 +146,11 @@ std::tuple<at::Tensor, at::Tensor> topk(const at::Tensor& x_in, int64_t k) {
 void trt_redrafter_cpu::topk_rows(const float* x, int64_t R, int64_t V, int64_t ldx, int64_t k, int64_t sorted,
                                   float* vals, int64_t* idx) {
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(V, 1));  // ~64k values a thread at least
+  const int64_t in_order = std::clamp<int64_t>(sorted, 1, k);
   at::parallel_for(0, R, grain, [&](int64_t begin, int64_t end) {
     std::vector<uint64_t> keys;
     keys.reserve(1024);
-    for (int64_t r = begin; r < end; ++r) row_topk(x + r * ldx, V, k, std::max<int64_t>(sorted, 1), vals + r * k, idx + r * k, keys);
+    for (int64_t r = begin; r < end; ++r) row_topk(x + r * ldx, V, k, in_order, vals + r * k, idx + r * k, keys);
   });
 }
 

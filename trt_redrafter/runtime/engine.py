@@ -60,6 +60,7 @@ logger = get_logger(__name__)
 # to step), not the host's time per step (Policy.observe_between)
 BETWEEN_STEPS_MAX_S = 0.005
 
+
 @dataclass
 class Emitted:
     """What a step produced for one request: its tokens, their log-probabilities (where it asked for them), and its

@@ -426,6 +426,11 @@ def _keep(cands: list[Candidate], width: int) -> dict[Hashable, int]:
 
 # ---- the policy ---------------------------------------------------------------------------------------------------
 
+def _running_mean(mean: float, value: float) -> float:
+    """A running mean of host times (MEAN_DECAY the past's weight); the first value (mean still 0) starts it."""
+    return value if mean == 0 else MEAN_DECAY * mean + (1 - MEAN_DECAY) * value
+
+
 class Policy:
     """Chooses each step's StepDecision, as `speculation` says: auto (by the cost model), full (every tree whole,
     every step: what TensorRT-LLM does) or an integer T (the T best nodes of every tree, every step). It holds what is
@@ -480,12 +485,11 @@ class Policy:
         if not self.speculation.auto or self.costs is None:
             return
         k = int(after_tree)
-        self.between[k] = ms if self.between[k] == 0 else MEAN_DECAY * self.between[k] + (1 - MEAN_DECAY) * ms
+        self.between[k] = _running_mean(self.between[k], ms)
 
     def observe_host(self, ms_per_request: float) -> None:
         """The host's time to compose one request's tree, measured by the engine after each step that composed."""
-        self.host_ms = ms_per_request if self.host_ms == 0 else \
-            MEAN_DECAY * self.host_ms + (1 - MEAN_DECAY) * ms_per_request
+        self.host_ms = _running_mean(self.host_ms, ms_per_request)
 
     def end_step(self) -> None:
         """One step passed: every calibration's old outcomes fade (calibration.DECAY)."""
