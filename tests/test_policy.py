@@ -351,11 +351,57 @@ def test_a_step_after_a_step_of_the_other_kind_does_not_scale_the_cost_model():
         policy.observe_step(tree, 1, 100, 40.5)
         policy.observe_step(pol.AR_STEP, 1, 100, 10.0)
     assert policy.step_scale == [1.0, 1.0]
+    # ... but kept apart, as what a switch costs: the probes' 27 ms over their 13.5 clamped to 1x the model (a step
+    # that compiled a graph of its own is no switch), the AR steps after them nothing
+    assert policy.switch == [0.0, pytest.approx(13.5)]
     policy.observe_step(tree, 1, 100, 27.0)  # the switch: not observed
     policy.observe_step(tree, 1, 100, 27.0)  # a run's second tree step: 2x its model
     assert policy.step_scale[1] == pytest.approx(0.9 + 0.1 * 2.0)
     policy.observe_step(pol.AR_STEP, 1, 100, 20.0)  # back to AR: not observed
-    assert policy.step_scale[0] == 1.0
+    assert policy.step_scale[0] == 1.0 and policy.switch[0] == pytest.approx(10.0)
+    # a prompt step between: the next decode step is cold whatever its kind, neither a run's step nor a switch
+    scale, switch = list(policy.step_scale), list(policy.switch)
+    policy.observe_prompt_step()
+    policy.observe_step(tree, 1, 100, 27.0)
+    assert policy.step_scale == scale and policy.switch == switch
+
+
+
+def test_a_run_of_trees_starts_only_where_it_pays_for_its_switches():
+    """Trees that pay 5% over AR steps while tree steps run: where switching from AR steps to a tree step and back
+    costs nothing, a run starts on them; where the two switches cost an AR step (models/small: 0.1-0.2 ms each
+    against a 0.2 ms step), a run of them that only breaks even loses to AR, and none starts. Once a run is going,
+    the switches are paid: the same trees keep it going."""
+    widths = tree_buckets(5)
+    model = CostModel([1], widths, [100, 1100], [[10.0], [10.0]], [[[38.8] * len(widths)]] * 2)
+    chain = [0, q(0.99), q(0.94), q(0.85), q(0.3)]  # 4.08 tokens a step for 3.88 AR steps
+    costs, free = pol.StepCosts(model), pol.StepCosts(model, switch=(5.0, 5.0))
+    resting = pol.PolicyState(phase=pol.Phase.RESTING)
+    d, s = pol.decide(resting, cands(1, chain, Calibration()), True, costs, widths, None)
+    assert d.is_tree and s.phase is pol.Phase.SPECULATING and 1.0 < s.mean_gain / s.mean_cost < 1.1
+    d, after = pol.decide(resting, cands(1, chain, Calibration()), True, free, widths, None)
+    assert not d.is_tree and after.phase is pol.Phase.RESTING
+    d, after = pol.decide(s, cands(1, chain, Calibration()), True, free, widths, None)
+    assert d.is_tree and after.phase is pol.Phase.SPECULATING
+
+def test_probes_are_spaced_by_what_they_cost():
+    """On a model whose AR step is a fraction of a millisecond a probe costs a few AR steps more (models/small: the
+    width-1 tree step, the switch into it and the one back), and probing every PROBE_MIN steps spent a third of a rest
+    on probes that found nothing. A probe comes after at least `StepCosts.probe_rest` AR steps, so that failed probes
+    cost at most PROBE_BUDGET of the time; where a probe costs little (flat_costs) PROBE_MIN still decides."""
+    widths = tree_buckets(13)
+    tiny = CostModel([1], widths, [100, 1100], [[0.2], [0.2]], [[[0.4 + 0.01 * w for w in widths]]] * 2)
+    policy = Policy(Speculation.parse("auto"), 13, tiny)
+    policy.switch = [0.04, 0.06]
+    least = policy.step_costs().probe_rest(1, 100)
+    assert least == math.ceil((0.41 + 0.04 + 0.06 - 0.2) / (0.2 * pol.PROBE_BUDGET)) and least > 2 * PROBE_MIN
+    hopeful = cands(1, [0, q(0.9), q(0.8)], Calibration(), fresh=False)  # last trees that would pay
+    kinds = rest_kinds(policy, hopeful, 2 * least + 1)
+    assert [i for i, k in enumerate(kinds) if k] == [least - 1, 2 * least - 1]
+    assert pol.StepCosts(flat_costs()).probe_rest(1, 100) <= PROBE_MIN
+    # the switches measured at no cost: the tree step alone spaces them
+    policy.switch = [0.0, 0.0]
+    assert policy.step_costs().probe_rest(1, 100) == math.ceil((0.41 - 0.2) / (0.2 * pol.PROBE_BUDGET))
 
 
 def test_a_candidate_asked_again_is_weighed_by_the_calibration_as_it_is_now():

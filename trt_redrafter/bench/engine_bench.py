@@ -296,11 +296,17 @@ def summary_doc(args: argparse.Namespace, ecfg: EngineConfig, engine: Engine, ru
         "engine_load_s": load_s, "speculate": str(engine.policy.speculation),
         "cost_model": costs.to_dict(), "speculation_overheads": costs.overheads(),
         "step_scale": dict(zip(("ar", "tree"), engine.policy.step_scale)),
-        "between_steps_ms": dict(zip(("ar", "tree"), engine.policy.between)), "roofline": roofline,
+        "between_steps_ms": dict(zip(("ar", "tree"), engine.policy.between)),
+        "switch_ms": dict(zip(("ar", "tree"), engine.policy.switch)), "roofline": roofline,
         "machine": {"cpu": cpu.model_name(), "family": cpu.cpuinfo("cpu family"), "features": cpu.features(),
                     "cores": os.cpu_count(),
                     "torch_threads": torch.get_num_threads(), "loadavg": os.getloadavg(), "device": device},
     }
+
+
+def _probe_rest(engine: Engine) -> int:
+    """The fewest AR steps the policy rests before a probe at batch 1 and the shorter context, on its costs now."""
+    return engine.policy.step_costs().probe_rest(1, engine.policy.costs.contexts[0])
 
 
 def print_header(doc: dict, engine: Engine) -> None:
@@ -325,7 +331,10 @@ def print_header(doc: dict, engine: Engine) -> None:
         print(f"the steps as they ran against that model (the policy's running ratio of measured to modelled time, "
               f"at the end of the run): AR steps {ar_scale:.2f}x, tree steps {tree_scale:.2f}x; the host's time "
               f"between steps, which it adds: {engine.policy.between[0]:.3f} ms after AR steps, "
-              f"{engine.policy.between[1]:.3f} ms after tree steps")
+              f"{engine.policy.between[1]:.3f} ms after tree steps; what the first step of a kind costs more after the "
+              f"other kind: {engine.policy.switch[0]:.3f} ms (AR after trees), {engine.policy.switch[1]:.3f} ms (a tree "
+              f"step after AR steps), so that a probe comes after at least "
+              f"{_probe_rest(engine)} AR steps at batch 1")
     else:
         print(f"speculation policy: {doc['speculate']} (fixed tree width); the step cost model (ms) of this engine "
               f"here:\n{costs.table()}")

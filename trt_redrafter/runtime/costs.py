@@ -79,15 +79,22 @@ class CostModel:
         Each saving is at most its share of the fixed cost (the width-1 step less the AR step, all of it taken for
         drafting): (dl - depth) / dl of it, and (nb - beams) / nb of what is left. A busy host timed a depth-1 step
         far below the whole one, and the step came out no dearer than an AR step: drafting looked free."""
-        ms = self._cached(("tree", self.widths.index(width)), batch, context)
+        return self.tree_ms_at(batch, (width,), context, beams, depth)[0]
+
+    def tree_ms_at(self, batch: int, widths: Iterable[int], context: float, beams: int = 0, depth: int = 0
+                   ) -> list[float]:
+        """`tree_ms` at each of `widths`: what drafting fewer beams or less deep saves is the same at every width,
+        so it is looked up once (the policy weighs every width for each beam count and depth it considers)."""
+        rows = [self._cached(("tree", self.widths.index(w)), batch, context) for w in widths]
         less_deep_share = _share(self.depths, depth)
         if not less_deep_share and not _share(self.beams, beams):
-            return ms
+            return rows
         width1 = self._cached(("tree", 0), batch, context)
         fixed = max(width1 - self.ar_ms(batch, context), 0.0)
         less_deep = self._saving("by_depth", self.depths, depth, batch, context, fixed)
         fewer_beams = self._saving("draft", self.beams, beams, batch, context, fixed)
-        return ms - less_deep - fewer_beams * (1 - less_deep_share)  # fewer beams save at each depth drafted
+        few = fewer_beams * (1 - less_deep_share)  # fewer beams save at each depth drafted
+        return [ms - less_deep - few for ms in rows]
 
     def _saving(self, steps: str, options: list[int], value: int, batch: int, context: float, fixed: float) -> float:
         """What a width-1 step drafting `value` (a beam count or depth; 0: the whole) saves against one drafting the

@@ -351,6 +351,7 @@ class Engine:
         drafted on the device and handed to their proposers. A request whose `prefill_chunk` ends before its prompt
         does computes only that chunk (chunked prefill): it emits nothing and continues from there next step."""
         self._read_back = None  # the time until the next decode step is not the host's
+        self.policy.observe_prompt_step()
         partial = [s for s in seqs if not PromptPhase.ends(s)]
         whole = [s for s in seqs if PromptPhase.ends(s)]
         if partial:

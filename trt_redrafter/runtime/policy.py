@@ -55,7 +55,7 @@ from __future__ import annotations
 import enum
 import itertools
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Hashable, Optional, Sequence
 
 from ..config import Speculation
@@ -67,6 +67,10 @@ from .step import SCORE_PAD, SCORE_SCALE
 PROBE_MIN, PROBE_MAX = 4, 64  # AR steps between probes while resting (doubling while probes find nothing)
 BEAM_EXPLORE = 8  # drafting steps with fewer beams or less depth, after which one drafts the whole tree (chosen again)
 PROBE_HOPE = 0.95  # probe sooner than PROBE_MAX only where the last trees nearly pay, or drafting faded this close
+# what failed probes may cost: a probe (and the switches into it and back) costs at most this share of the AR steps
+# rested before it. Where a tree step costs little more than an AR step (SmolLM2: 0.1 AR steps) PROBE_MIN decides; on a
+# model whose AR step is a fraction of a millisecond (models/small: a probe 2-2.5 AR steps more) the rest grows to ~50
+PROBE_BUDGET = 0.05
 MEAN_DECAY = 0.8  # running means of a drafting step's gain and cost: weight of the past
 # the cost model, measured once, against the steps as they run now: a running mean (weight of the past) of each kind's
 # measured / modelled step time, each observation clamped to [1 / STEP_SCALE_CLAMP, STEP_SCALE_CLAMP]
@@ -164,6 +168,18 @@ class PolicyState:
     # drafting steps with fewer beams than every one, or less depth than the whole, in a row: at BEAM_EXPLORE the next
     # drafts the whole tree
     beam_hold: int = 0
+    # (batch size, StepCosts.probe_rest): the fewest AR steps before a probe, weighed once per rest and batch size
+    least_rest: tuple[int, int] = (0, 0)
+
+
+def _replace(s: PolicyState, **changes) -> PolicyState:
+    """`dataclasses.replace` for the policy's state, a fifth of its cost (0.4 against 2.1 us: a decision makes one to
+    three, on a small model's 0.2 ms steps): the fields copied as they are, `changes` over them. PolicyState has no
+    __post_init__ and no field that init leaves out."""
+    assert changes.keys() <= s.__dict__.keys(), changes  # as replace's TypeError: no field made up
+    new = object.__new__(PolicyState)
+    new.__dict__.update(s.__dict__, **changes)
+    return new
 
 
 @dataclass(frozen=True)
@@ -178,16 +194,32 @@ class StepCosts:
     scale: tuple[float, float] = (1.0, 1.0)
     host_ms: float = 0.0
     between: tuple[float, float] = (0.0, 0.0)
+    switch: tuple[float, float] = (0.0, 0.0)  # what the first AR step after trees, and the first tree step after AR
+    # steps, cost over a step of a run of its kind (Policy.observe_step)
+
+    def probe_rest(self, batch: int, context: float) -> int:
+        """AR steps to rest before a probe, at least: a probe (a width-1 tree step that drafts) costs its tree step, the
+        switch into it and the switch back to AR steps; rested this long, failed probes cost at most PROBE_BUDGET of the
+        time."""
+        ar = self.ar_ms(batch, context)
+        extra = self.tree_ms(batch, 1, context) + self.switch[1] + self.switch[0] - ar
+        return math.ceil(max(extra, 0.0) / (ar * PROBE_BUDGET))
 
     def ar_ms(self, batch: int, context: float) -> float:
         return self._ar_launch(batch, context) + self.between[0]
 
     def tree_ms(self, batch: int, width: int, context: float, beams: int = 0, depth: int = 0) -> float:
+        return self.tree_ms_at(batch, (width,), context, beams, depth)[0]
+
+    def tree_ms_at(self, batch: int, widths: Sequence[int], context: float, beams: int = 0, depth: int = 0
+                   ) -> list[float]:
+        """`tree_ms` at each of `widths`, looked up together (CostModel.tree_ms_at)."""
         # never below an AR step: a tree step runs the AR step's forward and more. The scales (or less host time seen
         # after trees than after AR steps) can price it lower (a busy phase slows the many AR steps, while a lone
         # probe is never observed), and a drafter that is never right then drafted on, as if for free
-        launch = self.model.tree_ms(batch, width, context, beams, depth) * self.scale[1]
-        return max(launch + self.between[1], self.ar_ms(batch, context))
+        floor, scale, between = self.ar_ms(batch, context), self.scale[1], self.between[1]
+        return [max(ms * scale + between, floor)
+                for ms in self.model.tree_ms_at(batch, widths, context, beams, depth)]
 
     def _ar_launch(self, batch: int, context: float) -> float:
         return self.model.ar_ms(batch, context) * self.scale[0]
@@ -212,12 +244,13 @@ def decide(state: PolicyState, cands: list[Candidate], can_draft: bool, costs: S
       any          a fixed width (the setting, or an `apple` request)   -> same         that width (1 for stale trees
                                                                                         that can draft; else AR step)
       any          stale trees (no fresh one), cannot draft, or         -> same         AR step; rest + 1
-                   rest + 1 < probe_every
-      any          stale trees, can draft, rest + 1 >= probe_every, and -> PROBING      a probe: width 1, drafts; rest
+                   rest + 1 < probe_every, or rest + 1 < least (what a
+                   probe costs over PROBE_BUDGET: StepCosts.probe_rest)
+      any          stale trees, can draft, rest + 1 >= both, and        -> PROBING      a probe: width 1, drafts; rest
                    the trees, drafted again, would nearly pay (asked                    0, probe_every doubled,
                    once per rest and batch size: `hopeless`), or                        hopeless cleared
                    drafting faded close to paying at this batch size
-                   (`faded`), or rest + 1 >= PROBE_MAX
+                   (`faded`), or rest + 1 >= max(PROBE_MAX, least)
                    ... neither                                          -> same         AR step; rest + 1, hopeless
                                                                                         set to the batch size where
                                                                                         they would not pay
@@ -259,7 +292,7 @@ def _decide(s: PolicyState, cands: list[Candidate], can_draft: bool, costs: Step
             fixed: Optional[int], beam_options: Sequence[int], depth_options: Sequence[int] = ()
             ) -> tuple[StepDecision, PolicyState]:
     if can_draft and s.host_resting:
-        s = replace(s, host_resting=False)
+        s = _replace(s, host_resting=False)
     spec = [c for c in cands if c.speculative]
     if not spec:
         return AR_STEP, s
@@ -275,11 +308,18 @@ def _decide(s: PolicyState, cands: list[Candidate], can_draft: bool, costs: Step
         return StepDecision(width, _keep(cands, width), can_draft, beams=beams, depth=depth), s
     B = len(cands)
     context = sum(c.context for c in cands) / B
-    ar_ms = costs.ar_ms(B, context)
     if not fresh:  # resting: AR steps, and a probe (a step that drafts) when trees might pay again
         rest = s.rest + 1
-        if not can_draft or rest < s.probe_every:
-            return AR_STEP, replace(s, rest=rest)
+        if not can_draft or rest < s.probe_every:  # (most steps of a rest: decided before any cost is looked up)
+            return AR_STEP, _replace(s, rest=rest)
+        # ... never so often that failed probes cost more than PROBE_BUDGET (weighed when the rest first reaches
+        # probe_every, and again where the batch size changed)
+        at, least = s.least_rest
+        if at != B or rest == s.probe_every:
+            least = costs.probe_rest(B, context)
+            s = _replace(s, least_rest=(B, least))
+        if rest < least:
+            return AR_STEP, _replace(s, rest=rest)
         # drafting that paid and faded close to paying at this batch size: one pessimistic last tree (or probe) must
         # not hold off probes for PROBE_MAX steps, the rest of a short answer (the quickstart's first, at batch 3,
         # rested 31 steps on means of 1.53 tokens against 1.55). A rest that never speculated (a large batch from its
@@ -290,27 +330,28 @@ def _decide(s: PolicyState, cands: list[Candidate], can_draft: bool, costs: Step
             # that would pay)
             stale = [c for c in spec if c.scores]  # their last trees, as if drafted again now
             width, expected, ms = _best(stale, B, context, widths, costs)
-            hopeful = (B + expected) / ms >= PROBE_HOPE * B / ar_ms
+            hopeful = (B + expected) / ms >= PROBE_HOPE * B / costs.ar_ms(B, context)
             hopeless = 0 if hopeful else B
-        if hopeful or rest >= PROBE_MAX:
+        if hopeful or rest >= max(PROBE_MAX, least):
             probe = StepDecision(1, {c.seq_id: 1 for c in cands}, True)
-            return probe, replace(s, phase=Phase.PROBING, rest=0, probe_every=min(2 * s.probe_every, PROBE_MAX),
+            return probe, _replace(s, phase=Phase.PROBING, rest=0, probe_every=min(2 * s.probe_every, PROBE_MAX),
                                   hopeless=0)
-        return AR_STEP, replace(s, rest=rest, hopeless=hopeless)
+        return AR_STEP, _replace(s, rest=rest, hopeless=hopeless)
+    ar_ms = costs.ar_ms(B, context)
     if not can_draft:  # trees from the host: verify the best part of them, or take AR steps and rest from them
         width, expected, ms = _best(fresh, B, context, widths[1:], costs)  # width 1 would verify nothing
         host = costs.host_ms * len(fresh)  # what composing these trees again costs, whatever width is verified
         if (B + expected) / (ms + host) > B / ar_ms:
             return (StepDecision(width, _keep(cands, width), False, expected / B),
-                    replace(s, host_resting=False, rest=0, probe_every=PROBE_MIN))
+                    _replace(s, host_resting=False, rest=0, probe_every=PROBE_MIN))
         # a probe that found nothing worth it (resting already): wait twice as long for the next
         probe_every = min(2 * s.probe_every, PROBE_MAX) if s.host_resting else s.probe_every
-        return AR_STEP, replace(s, host_resting=True, rest=0, probe_every=probe_every)
+        return AR_STEP, _replace(s, host_resting=True, rest=0, probe_every=probe_every)
     # probes draft the whole tree (or the only count and depth)
     full = beam_options[0] if len(beam_options) == 1 else 0
     full_depth = depth_options[0] if len(depth_options) == 1 else 0
     if s.phase is Phase.PROBING:  # the probe's second step: verify the fresh trees if their claims would pay
-        s = replace(s, phase=Phase.RESTING)
+        s = _replace(s, phase=Phase.RESTING)
         width, expected, ms = _best(fresh, B, context, widths[1:], costs, claims=True, beams=full, depth=full_depth)
         if (B + expected) / ms > B / ar_ms:
             return StepDecision(width, _keep(cands, width), True, expected / B, beams=full, depth=full_depth), s
@@ -321,7 +362,10 @@ def _decide(s: PolicyState, cands: list[Candidate], can_draft: bool, costs: Step
     width, expected, ms = _best(fresh, B, context, widths, costs, beams=beams, depth=depth)
     gain, cost = 1 + expected / B, ms / ar_ms
     if s.phase is not Phase.SPECULATING:
-        mean_gain, mean_cost = gain, cost
+        # a run of tree steps starts: it pays the switch into tree steps and, when it ends, the one back to AR steps
+        # (measured: Policy.observe_step), weighed on its first step and fading from the mean as the run goes on. A
+        # run of trees that only break even lost to AR by those switches (models/small: 0.1-0.2 ms each, an AR step)
+        mean_gain, mean_cost = gain, cost + (costs.switch[0] + costs.switch[1]) / ar_ms
     elif B != s.mean_batch:
         # the batch changed: what a step costs in AR steps changed with it, so that mean restarts. Where requests
         # left, verifying is no dearer than it was, so what drafting earned per request is a floor, and it carries
@@ -332,12 +376,12 @@ def _decide(s: PolicyState, cands: list[Candidate], can_draft: bool, costs: Step
     else:
         mean_gain = MEAN_DECAY * s.mean_gain + (1 - MEAN_DECAY) * gain
         mean_cost = MEAN_DECAY * s.mean_cost + (1 - MEAN_DECAY) * cost
-    s = replace(s, mean_gain=mean_gain, mean_cost=mean_cost, mean_batch=B, rest=0)
+    s = _replace(s, mean_gain=mean_gain, mean_cost=mean_cost, mean_batch=B, rest=0)
     if mean_gain >= mean_cost:
         return (StepDecision(width, _keep(cands, width), True, expected / B, beams=beams, depth=depth),
-                replace(s, phase=Phase.SPECULATING, probe_every=PROBE_MIN, faded=0))
+                _replace(s, phase=Phase.SPECULATING, probe_every=PROBE_MIN, faded=0))
     faded = B if s.phase is Phase.SPECULATING and mean_gain >= PROBE_HOPE * mean_cost else s.faded
-    return AR_STEP, replace(s, phase=Phase.RESTING, hopeless=0, faded=faded)
+    return AR_STEP, _replace(s, phase=Phase.RESTING, hopeless=0, faded=faded)
 
 
 def _best(cands: list[Candidate], B: int, context: float, widths: Sequence[int], costs: StepCosts,
@@ -349,9 +393,8 @@ def _best(cands: list[Candidate], B: int, context: float, widths: Sequence[int],
     nodes on their first so many beams, that deep, count (0: all of them)."""
     gains = [_gains(c, claims, on_beams, on_depth) for c in cands]
     best = None
-    for w in widths:
+    for w, ms in zip(widths, costs.tree_ms_at(B, widths, context, beams, depth)):
         expected = sum(g[min(w, len(g)) - 1] for g in gains)
-        ms = costs.tree_ms(B, w, context, beams, depth)
         if best is None or (B + expected) / ms > (B + best[1]) / best[2]:
             best = (w, expected, ms)
     return best
@@ -405,7 +448,7 @@ def _next_draft(s: PolicyState, fresh: list[Candidate], B: int, context: float, 
         k = beam_options[-1] if beam_choice else k
         d = depth_options[-1] if depth_choice else d
         hold = 0
-    return k, d, replace(s, beam_hold=hold)
+    return k, d, _replace(s, beam_hold=hold)
 
 
 def _known(options: Sequence[int], drafted: list[int]) -> list[int]:
@@ -452,6 +495,7 @@ class Policy:
         self.host_ms = 0.0  # ms to compose one request's tree on the host (running mean)
         self.between = [0.0, 0.0]  # ms of host time between steps, after AR steps and after tree steps (running means)
         self.step_scale = [1.0, 1.0]  # measured / modelled step time, running means: AR steps, tree steps
+        self.switch = [0.0, 0.0]  # ms a step of each kind costs more after one of the other kind (running means)
         self._last_kind: Optional[int] = None  # the kind of the last step observed (0 AR, 1 tree)
 
     def observe_step(self, decision: StepDecision, batch: int, context: float, ms: float) -> None:
@@ -463,19 +507,31 @@ class Policy:
         if decision.is_tree and not decision.draft:
             return
         k = int(decision.is_tree)
-        switched, self._last_kind = self._last_kind != k, k
-        if switched:
-            # the first step of a kind after the other kind (a probe among AR steps, an AR step after trees) finds
-            # its graph's code and weights out of cache: a cost that a run of such steps, which the cost model
-            # times and the policy weighs, does not pay; observed, it would make lone probes look dear and keep
-            # the policy from trees that pay
-            return
+        last, self._last_kind = self._last_kind, k
         # the step as it ran: a tree step drafting fewer beams or less deep against its own cell, not the whole
         # tree's (which would read its savings as a faster machine, and count them twice)
         model = self.costs.tree_ms(batch, decision.width, context, decision.beams, decision.depth) \
             if decision.is_tree else self.costs.ar_ms(batch, context)
+        if last != k:
+            # the first step of a kind after the other kind (a probe among AR steps, an AR step after trees) finds
+            # its graph's code and weights out of cache: a cost that a run of such steps, which the cost model
+            # times and the policy weighs, does not pay. Kept apart (what it costs over the scaled cell): in the
+            # scale it would make lone probes look dear and keep the policy from trees that pay; apart, it spaces
+            # the probes (StepCosts.probe_rest)
+            if last is not None:  # (the first step of all finds everything cold: no switch)
+                # clamped as the scale's observations are: a step that compiled a graph of its own is no switch
+                expected = model * self.step_scale[k]
+                excess = min(max(ms - expected, 0.0), (STEP_SCALE_CLAMP - 1) * expected)
+                self.switch[k] = _running_mean(self.switch[k], excess)
+            return
         ratio = min(max(ms / model, 1 / STEP_SCALE_CLAMP), STEP_SCALE_CLAMP)
         self.step_scale[k] = STEP_SCALE_DECAY * self.step_scale[k] + (1 - STEP_SCALE_DECAY) * ratio
+
+    def observe_prompt_step(self) -> None:
+        """A prompt step ran (by the engine): it streamed the prompt's work through the caches, so the next decode step
+        finds its code and weights out of cache whatever kind the last one was. Neither a run's step nor a switch:
+        observe_step skips it, as it does the first step of all."""
+        self._last_kind = None
 
     def observe_between(self, after_tree: bool, ms: float) -> None:
         """The host's time from one decode step's read-back to the next one's launch (the step's tokens committed, the
@@ -506,11 +562,14 @@ class Policy:
     def fixed_width(self) -> Optional[int]:
         return self.speculation.fixed_width(self.P)
 
+    def step_costs(self) -> StepCosts:
+        """The costs as measured now: the cost model, its running scales and the host's times."""
+        return StepCosts(self.costs, (self.step_scale[0], self.step_scale[1]), self.host_ms,
+                         (self.between[0], self.between[1]), (self.switch[0], self.switch[1]))
+
     def decide(self, cands: list[Candidate], can_draft: bool) -> StepDecision:
         """The step for these decoding requests (the function `decide`, on the costs as measured now); the policy's
         state moves on."""
-        costs = StepCosts(self.costs, (self.step_scale[0], self.step_scale[1]), self.host_ms,
-                          (self.between[0], self.between[1]))
-        d, self.state = decide(self.state, cands, can_draft, costs, self.widths, self.fixed_width(),
+        d, self.state = decide(self.state, cands, can_draft, self.step_costs(), self.widths, self.fixed_width(),
                                self.beam_options, self.depth_options)
         return d
