@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import re
 import subprocess
@@ -48,6 +49,18 @@ def test_run_json_reports_the_documented_fields(engine, capsys):
         assert key in doc
     assert len(doc["output_ids"]) == 8 and doc["steps"] == 7
 
+
+
+def test_run_decodes_with_the_loaded_heap_frozen_and_thaws_it(engine, monkeypatch):
+    """`run` freezes what loading made (engine.freeze_heap: the collector no longer walks it at each collection the
+    decode's objects trigger) for its decoding only: in a process that goes on (a test, a notebook), what it loaded is
+    the collector's again afterwards."""
+    from trt_redrafter.runtime import generate as gen
+
+    seen, real = [], gen.generate
+    monkeypatch.setattr(gen, "generate", lambda *a, **k: (seen.append(gc.get_freeze_count()), real(*a, **k))[1])
+    assert cli(["run", "--engine", str(engine), "--prompt", "def f(x):", "--max-tokens", "4"]) == 0
+    assert seen and seen[0] > 10_000 and gc.get_freeze_count() == 0
 
 def test_an_ar_run_measures_no_step_cost_model(engine):
     """`run --mode ar` decodes auto-regressively only: it measures no step cost model for the speculation policy (tens

@@ -41,7 +41,7 @@ from ..errors import UserError
 from ..model.linear import linear_paths
 from ..runtime.distributed import init_dist, shutdown_dist
 from ..runtime.costs import CostModel
-from ..runtime.engine import Engine
+from ..runtime.engine import Engine, frozen_heap
 from ..runtime.generate import release_followers
 from ..runtime.scheduler import follow
 from ..runtime.step import PHASES
@@ -404,16 +404,17 @@ def run(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         engine = Engine.load(args.engine, dist, runtime)
         load_s = time.perf_counter() - t0
-        # what speculating costs (cost model), measured even where the policy does not decide by it; every rank
-        # takes part, as the measurement's steps are collective
-        costs = engine.policy.costs or engine.cost_model()
-        if not dist.is_driver:
-            follow(engine)  # rank 0's step plans, as a TP server's followers take them, until it releases us
-            return 0
-        try:
-            measured = measure_engine(engine, ecfg, args, modes, batches)
-        finally:
-            release_followers(engine)
+        with frozen_heap():
+            # what speculating costs (cost model), measured even where the policy does not decide by it; every rank
+            # takes part, as the measurement's steps are collective
+            costs = engine.policy.costs or engine.cost_model()
+            if not dist.is_driver:
+                follow(engine)  # rank 0's step plans, as a TP server's followers take them, until it releases us
+                return 0
+            try:
+                measured = measure_engine(engine, ecfg, args, modes, batches)
+            finally:
+                release_followers(engine)
     finally:
         shutdown_dist()
     peers = peer_baselines(args, kinds, measured, torch.get_num_threads()) if ecfg.tp_size == 1 else []

@@ -67,18 +67,19 @@ def run(args: argparse.Namespace) -> int:
     end_id = resolve_end_id(args, tokenizer)
     stop = () if end_id is None else (end_id,)
 
-    from ..runtime.engine import Engine
+    from ..runtime.engine import Engine, frozen_heap
     from ..runtime.generate import generate
     from ..runtime.scheduler import follow
 
     dist = init_dist(tp, runtime.device)
     try:
         engine = Engine.load(args.engine, dist, runtime, speculative=args.mode != "ar")
-        if dist.is_driver:
-            results = generate(engine, prompts, params, args.mode, stop, proposer=args.proposer, guide=guide)
-        else:
-            follow(engine)
-            results = []
+        with frozen_heap():
+            if dist.is_driver:
+                results = generate(engine, prompts, params, args.mode, stop, proposer=args.proposer, guide=guide)
+            else:
+                follow(engine)
+                results = []
     finally:
         shutdown_dist()
     for r in results:

@@ -379,7 +379,7 @@ class EngineModel:
         input of that name overrides it): whether non-streaming responses leave the prompt out of output_ids."""
         from ..config import RuntimeConfig
         from ..runtime.distributed import free_port, init_dist_tcp
-        from ..runtime.engine import Engine
+        from ..runtime.engine import Engine, freeze_heap
         from ..runtime.scheduler import Scheduler
         from .follower import launch_followers
 
@@ -392,6 +392,7 @@ class EngineModel:
             self.followers = launch_followers(engine_dir, tp_size, port, runtime)
         self.dist = init_dist_tcp(0, tp_size, port if tp_size > 1 else 0, runtime.device)
         self.engine = Engine.load(engine_dir, self.dist, runtime)
+        freeze_heap()  # the engine's objects, made once; the metrics below are released by collection (close)
         self.decoupled, self.exclude_input_in_output = decoupled, exclude_input_in_output
         self.scheduler = Scheduler(self.engine, max_queue_size=max_queue_size).start()
         self.metrics = None
@@ -556,6 +557,7 @@ class EngineModel:
     def close(self, drain_timeout: float = 5.0) -> None:
         """End open requests (clients get a final response), stop the scheduler and the follower ranks."""
         from ..runtime.distributed import shutdown_dist
+        from ..runtime.engine import thaw_heap
 
         self.scheduler.cancel_all()
         deadline = time.monotonic() + drain_timeout
@@ -575,6 +577,7 @@ class EngineModel:
                 self.followers.kill()
                 self.followers.wait()
         shutdown_dist()
+        thaw_heap()
         if self.metrics is not None:  # before the stub's own teardown, which would segfault on live families
             self.metrics.release()
             self.metrics = None

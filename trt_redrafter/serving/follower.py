@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ..config import RuntimeConfig
     from ..runtime.distributed import init_dist_tcp, mpi_world, shutdown_dist
-    from ..runtime.engine import Engine
+    from ..runtime.engine import Engine, frozen_heap
     from ..runtime.scheduler import follow
 
     runtime = RuntimeConfig.from_dict(json.loads(a.runtime_config)) if a.runtime_config else RuntimeConfig()
@@ -84,7 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     assert 0 < rank < a.world_size, (rank, a.world_size)
     dist = init_dist_tcp(rank, a.world_size, a.port, runtime.device)
     try:
-        follow(Engine.load(a.engine, dist, runtime))
+        engine = Engine.load(a.engine, dist, runtime)
+        with frozen_heap():
+            follow(engine)
     finally:
         shutdown_dist()
     return 0
