@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_utils import SMALL, build_small_engine
+from engine_utils import SMALL, build_small_engine, greedy, load_engine
 from trt_redrafter import cpu
 from trt_redrafter.bench.baselines import Baseline, BaselineJob, run_baselines
-from trt_redrafter.bench.measure import RatioSummary, round_schedule
+from trt_redrafter.bench.measure import RatioSummary, phase_profile, round_schedule
 from trt_redrafter.cli import main as cli
 
 
@@ -112,6 +112,19 @@ def small_engine(tmp_path_factory) -> Path:
     return build_small_engine(tmp_path_factory.mktemp("bench-engine"), num_beams=2, draft_len=3, max_batch_size=4,
                               max_input_len=64, max_seq_len=128)
 
+
+
+def test_the_phase_breakdown_leaves_what_the_policy_measured_of_the_decode(small_engine):
+    """bench-engine's phase breakdown runs last, each phase of a step its own synchronized unit: steps several times
+    slower than the decode's. What the policy measured of the decode (the running scales, the host's times between
+    steps, the switches between step kinds: the JSON's step_scale, between_steps_ms, switch_ms) is what it was before
+    it, while the breakdown's steps did run and were timed."""
+    engine = load_engine(small_engine, speculate="auto")
+    pol = engine.policy
+    pol.step_scale, pol.between, pol.switch = [1.1, 1.2], [0.3, 0.4], [0.5, 0.6]
+    phases, _ = phase_profile(engine, [[5, 6, 7, 8]], greedy(12), last=False)
+    assert phases and all(ms > 0 for ms in phases.values())
+    assert (pol.step_scale, pol.between, pol.switch) == ([1.1, 1.2], [0.3, 0.4], [0.5, 0.6])
 
 def test_bench_engine_end_to_end_on_models_small(small_engine, tmp_path, capsys):
     """The subcommand on a trained small pair: AR and ReDrafter give the same greedy tokens, ReDrafter's drafts are

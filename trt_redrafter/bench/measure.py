@@ -83,13 +83,15 @@ def phase_profile(engine: Engine, prompts: list[list[int]], params: SamplingConf
     own = policy.speculation
     engine.timer.enabled = True
     try:
-        for speculation in dict.fromkeys((own, Speculation(False))):
-            policy.speculation = speculation
-            generate(engine, prompts, params, "redrafter", proposer=proposer, last=False)
-            engine.timer.reset()
-            generate(engine, prompts, params, "redrafter", proposer=proposer, last=False)
-            if engine.timer.steps:
-                return engine.timer.mean_ms(), str(speculation)
+        # the timed phases' steps are not the decode as it runs: the policy's scales and host times stay the decode's
+        with policy.observations_kept():
+            for speculation in dict.fromkeys((own, Speculation(False))):
+                policy.speculation = speculation
+                generate(engine, prompts, params, "redrafter", proposer=proposer, last=False)
+                engine.timer.reset()
+                generate(engine, prompts, params, "redrafter", proposer=proposer, last=False)
+                if engine.timer.steps:
+                    return engine.timer.mean_ms(), str(speculation)
         return {}, str(own)
     finally:
         engine.timer.enabled = False

@@ -52,6 +52,7 @@ measured per rank, or a float rounded differently, can never make ranks disagree
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import itertools
 import math
@@ -526,6 +527,17 @@ class Policy:
             return
         ratio = min(max(ms / model, 1 / STEP_SCALE_CLAMP), STEP_SCALE_CLAMP)
         self.step_scale[k] = STEP_SCALE_DECAY * self.step_scale[k] + (1 - STEP_SCALE_DECAY) * ratio
+
+    @contextlib.contextmanager
+    def observations_kept(self):
+        """Steps run in the block leave what the policy measured of the steps as it was (the scales, the host's times,
+        the switches): steps timed phase by phase (bench-engine's phase breakdown) are not the decode as it runs."""
+        saved = (list(self.step_scale), list(self.between), list(self.switch), self.host_ms, self._last_kind)
+        try:
+            yield
+        finally:
+            scale, between, switch, self.host_ms, self._last_kind = saved
+            self.step_scale, self.between, self.switch = scale, between, switch
 
     def observe_prompt_step(self) -> None:
         """A prompt step ran (by the engine): it streamed the prompt's work through the caches, so the next decode step
