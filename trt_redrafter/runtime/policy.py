@@ -69,8 +69,8 @@ PROBE_MIN, PROBE_MAX = 4, 64  # AR steps between probes while resting (doubling 
 BEAM_EXPLORE = 8  # drafting steps with fewer beams or less depth, after which one drafts the whole tree (chosen again)
 PROBE_HOPE = 0.95  # probe sooner than PROBE_MAX only where the last trees nearly pay, or drafting faded this close
 # what failed probes may cost: a probe (and the switches into it and back) costs at most this share of the AR steps
-# rested before it. Where a tree step costs little more than an AR step (SmolLM2: 0.1 AR steps) PROBE_MIN decides; on a
-# model whose AR step is a fraction of a millisecond (models/small: a probe 2-2.5 AR steps more) the rest grows to ~50
+# rested before it. SmolLM2 bf16: a probe ~0.4 AR steps more, rests of 9 steps at batch 1; a model whose AR step is a
+# fraction of a millisecond (models/small: ~4 AR steps more, the host's time after a tree step and the switches) 80-odd
 PROBE_BUDGET = 0.05
 MEAN_DECAY = 0.8  # running means of a drafting step's gain and cost: weight of the past
 # the cost model, measured once, against the steps as they run now: a running mean (weight of the past) of each kind's
