@@ -536,8 +536,7 @@ class Policy:
         try:
             yield
         finally:
-            scale, between, switch, self.host_ms, self._last_kind = saved
-            self.step_scale, self.between, self.switch = scale, between, switch
+            self.step_scale, self.between, self.switch, self.host_ms, self._last_kind = saved
 
     def observe_prompt_step(self) -> None:
         """A prompt step ran (by the engine): it streamed the prompt's work through the caches, so the next decode step
@@ -576,8 +575,7 @@ class Policy:
 
     def step_costs(self) -> StepCosts:
         """The costs as measured now: the cost model, its running scales and the host's times."""
-        return StepCosts(self.costs, (self.step_scale[0], self.step_scale[1]), self.host_ms,
-                         (self.between[0], self.between[1]), (self.switch[0], self.switch[1]))
+        return StepCosts(self.costs, tuple(self.step_scale), self.host_ms, tuple(self.between), tuple(self.switch))
 
     def decide(self, cands: list[Candidate], can_draft: bool) -> StepDecision:
         """The step for these decoding requests (the function `decide`, on the costs as measured now); the policy's
