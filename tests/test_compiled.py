@@ -235,6 +235,40 @@ def test_the_torch_attention_traces_at_an_unbacked_tree_width():
 
 
 @core
+def test_a_tree_steps_one_row_kernels_run_without_forking_threads():
+    """Inductor sizes a kernel's threading by its size's hint at compile time, and an unbacked width has none (it
+    assumes 8192): every kernel of a tree step forked and joined the CPU's threads, for one row too. The width is
+    hinted at 1 (`Compiler.mark_width`): a one-row 128-wide kernel runs serially, as the AR graph's do, and a kernel
+    with work enough for the threads stays parallel."""
+    from torch._inductor.utils import run_and_get_code
+
+    from trt_redrafter.runtime.graphs import Compiler
+
+    def code_at_one_row(columns: int) -> str:  # a tree step's elementwise kernel: rows picked by the width
+        x = torch.randn(64, columns)
+
+        def step(width: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.silu(x.index_select(0, width))
+
+        torch._dynamo.reset()
+        width = torch.arange(1)
+        Compiler("inductor", torch.device("cpu")).mark_width(width)
+        out, (code, *_) = run_and_get_code(torch.compile(step, fullgraph=True), width)
+        assert torch.equal(out, step(width))
+        return code
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        narrow, wide = code_at_one_row(128), code_at_one_row(16384)
+    finally:
+        torch.set_num_threads(threads)
+        torch._dynamo.reset()
+    assert "cpp_fused" in narrow and "omp parallel" not in narrow, narrow
+    assert "omp parallel" in wide, wide
+
+
+@core
 def test_the_torch_attention_traces_with_a_one_row_mask_beside_unbacked_query_rows():
     """A compiled TP step is split at the ranks' collectives (model/tp.py): a graph piece can receive the attention
     mask as an input whose rows dynamo specialized at 1 beside queries whose rows are an unbacked size. The mask is

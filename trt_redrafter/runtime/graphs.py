@@ -35,6 +35,9 @@ WARMUP_CALLS = 2  # eager/compiled calls before a capture (lazy inits, autotunin
 # inductor's `realize_opcount_threshold` for the graphs that draw noise (`Unit`'s `draws`): a value used more than
 # once is stored once it takes more than this many ops, instead of being inlined into each use (CPU default: 50)
 DRAWS_REALIZE_OPS = 8
+# the hint of a tree step's unbacked width on the CPU (`Compiler.mark_width`): what inductor sizes its kernels'
+# threading for
+WIDTH_HINT = 1
 
 
 def uses_graphs(mode: str) -> bool:
@@ -205,9 +208,16 @@ class Compiler:
         """Mark a step's tree-width tensor [T] (or its drafter's beam count [k]): under inductor on the CPU as an
         unbacked size, so the graph compiled at one width runs at T = 1 too (a step that verifies its root only and
         drafts: the fixed cost of speculating, which a 2-node graph would pay one more row per request for), and at
-        any beam count; elsewhere as `mark_dynamic`."""
+        any beam count; elsewhere as `mark_dynamic`.
+
+        Hinted at 1 (`WIDTH_HINT`): inductor decides at compile time whether a kernel runs in an OpenMP parallel
+        region, by its size's hint, and takes an unbacked size without one for 8192. Every kernel of a tree step then
+        forked and joined its threads (~1 us on 2 cores; 4-5 kernels per layer) for as little as one row of a
+        128-wide model, where the AR graph's kernels ran serially; hinted, a kernel is parallel where the step's
+        batch (static in a tree graph) of one-row trees has work enough for it (models/small 4 x 4: the tree steps
+        6-10% cheaper against AR, docs/perf-history.md, 2026-12-02, evening)."""
         if self.any_width and "inductor" in self.mode:
-            torch._dynamo.decorators.mark_unbacked(width, 0)
+            torch._dynamo.decorators.mark_unbacked(width, 0, hint_override=WIDTH_HINT)
         else:
             self.mark_dynamic(width)
 
