@@ -466,7 +466,8 @@ def test_stop_string_ends_the_text_and_cancels_the_request(served, client, offli
     # the stop string ends the client's answer at once; the engine's requests are cancelled after it (the model's
     # monitor polls for cancellations), so the count is waited for, not read once the gauges show an idle engine
     m1 = _metric_reaches(served, cancelled, sum_metric(m0, cancelled) + 2)
-    assert sum_metric(m1, cancelled) == sum_metric(m0, cancelled) + 2
+    seen = {k: (m0.get(k), v) for k, v in m1.items() if "requests_total" in k or "generated_tokens" in k}
+    assert sum_metric(m1, cancelled) == sum_metric(m0, cancelled) + 2, seen
 
 
 @pytest.mark.server
