@@ -19,6 +19,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -453,9 +454,8 @@ def test_stop_string_ends_the_text_and_cancels_the_request(served, client, offli
     (ar, _), = offline([codec.encode(prompt)], MAX_TOKENS, ())
     stop, before, n = _stop_case(codec, ar.output_ids)
     m0 = scrape(f"http://127.0.0.1:{served['ports']['metrics']}/metrics")
-    # no max_tokens (what is left of the engine's context): a request's last tokens came before the stop string's
-    # cancellation reached the engine when only MAX_TOKENS - n were left (a tiny engine drafting several a step, on a
-    # busy host), and it completed instead
+    # no max_tokens (what is left of the engine's context): with only MAX_TOKENS - n left, a tiny engine drafting
+    # several tokens a step on a busy host can finish a request before the stop string's cancellation reaches it
     kw = dict(model=MODEL, prompt=prompt, temperature=0, stop=[stop, "never-seen"], extra_body={"ignore_eos": True})
     r = client.completions.create(**kw)
     assert (r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens) == (before, "stop", n)
@@ -465,7 +465,7 @@ def test_stop_string_ends_the_text_and_cancels_the_request(served, client, offli
     cancelled = 'trt_redrafter_requests_total{model="tensorrt_llm",outcome="cancelled"}'
     # the stop string ends the client's answer at once; the engine's requests are cancelled after it (the model's
     # monitor polls for cancellations), so the count is waited for, not read once the gauges show an idle engine
-    m1 = _metric_reaches(served, cancelled, sum_metric(m0, cancelled) + 2)
+    m1 = _metrics_when(served, lambda m: sum_metric(m, cancelled) >= sum_metric(m0, cancelled) + 2)
     seen = {k: (m0.get(k), v) for k, v in m1.items() if "requests_total" in k or "generated_tokens" in k}
     assert sum_metric(m1, cancelled) == sum_metric(m0, cancelled) + 2, seen
 
@@ -508,27 +508,20 @@ def test_errors_have_openai_shape_and_status(served, client):
     assert r.usage.completion_tokens == 2  # and it keeps serving
 
 
-def _metric_reaches(served, name: str, want: float, timeout: float = 30.0) -> dict:
-    """The server's metrics once `name` sums to `want` (or at the deadline)."""
+def _metrics_when(served, ok: Callable[[dict], bool], timeout: float = 30.0) -> dict:
+    """The server's metrics once `ok` holds of them (or at the deadline)."""
     url = f"http://127.0.0.1:{served['ports']['metrics']}/metrics"
     deadline = time.monotonic() + timeout
     while True:
         m = scrape(url)
-        if sum_metric(m, name) >= want or time.monotonic() > deadline:
+        if ok(m) or time.monotonic() > deadline:
             return m
         time.sleep(0.05)
 
 
-def _idle(served, timeout: float = 30.0) -> dict:
-    url = f"http://127.0.0.1:{served['ports']['metrics']}/metrics"
-    deadline = time.monotonic() + timeout
-    while True:
-        m = scrape(url)
-        busy = sum(sum_metric(m, f"trt_redrafter_{k}") for k in ("kv_blocks_used", "active_requests",
-                                                                  "waiting_requests"))
-        if busy == 0 or time.monotonic() > deadline:
-            return m
-        time.sleep(0.05)
+def _idle(served) -> dict:
+    return _metrics_when(served, lambda m: sum(sum_metric(m, f"trt_redrafter_{k}") for k in (
+        "kv_blocks_used", "active_requests", "waiting_requests")) == 0)
 
 
 @pytest.mark.server
