@@ -264,16 +264,27 @@ class Engine:
     # ---- the step -------------------------------------------------------------------------------------------------
     def decide(self, seqs: list[Sequence]) -> StepDecision:
         """The policy's step for these requests (all past their prompt); the scheduler calls it on rank 0 and
-        broadcasts the decision with the step plan."""
-        decode = [s for s in seqs if not s.in_prompt_phase]
-        if not decode:
+        broadcasts the decision with the step plan. A batch without a speculative request takes an AR step without
+        asking (the policy's state does not move for one)."""
+        cands, calibrations, proposers = [], {}, []
+        for s in seqs:
+            if s.in_prompt_phase:
+                continue
+            if not s.speculative:
+                cands.append(Candidate(s.seq_id, False, None, context=s.ctx_len))
+                continue
+            key = (s.proposer, s.sampling.greedy)
+            cal = calibrations.get(key)
+            if cal is None:
+                cal = calibrations[key] = self.policy.calibration(*key)
+            tree = s.tree
+            cands.append(Candidate(s.seq_id, True, tree.scores if tree else None, cal, fresh=s.tree_fresh,
+                                   whole_tree=s.apple, context=s.ctx_len, beams=tree.beams if tree else None,
+                                   depths=tree.depths if tree else None))
+            proposers.append(self.proposer_of(s))
+        if not proposers:
             return AR_STEP
-        cands = [Candidate(s.seq_id, s.speculative, s.tree.scores if s.speculative and s.tree else None,
-                           self.policy.calibration(s.proposer, s.sampling.greedy) if s.speculative else None,
-                           fresh=s.tree_fresh, whole_tree=s.apple, context=s.ctx_len,
-                           beams=s.tree.beams if s.speculative and s.tree else None,
-                           depths=s.tree.depths if s.speculative and s.tree else None) for s in decode]
-        return self.policy.decide(cands, self._drafting(decode))
+        return self.policy.decide(cands, drafts_on_device(proposers))
 
     @torch.inference_mode()
     def step(self, seqs: list[Sequence], decision: Optional[StepDecision] = None) -> list[StepEvent]:
