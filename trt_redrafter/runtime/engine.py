@@ -263,9 +263,9 @@ class Engine:
 
     # ---- the step -------------------------------------------------------------------------------------------------
     def decide(self, seqs: list[Sequence]) -> StepDecision:
-        """The policy's step for these requests (all past their prompt); the scheduler calls it on rank 0 and
-        broadcasts the decision with the step plan. A batch without a speculative request takes an AR step without
-        asking (the policy's state does not move for one)."""
+        """The policy's step for these requests' decoding ones (those past their prompt); the scheduler calls it on
+        rank 0 and broadcasts the decision with the step plan. A batch without a speculative request takes an AR step
+        without asking (the policy's state does not move for one)."""
         cands, calibrations, proposers = [], {}, []
         for s in seqs:
             if s.in_prompt_phase:
