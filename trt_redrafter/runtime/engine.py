@@ -266,19 +266,16 @@ class Engine:
         """The policy's step for these requests' decoding ones (those past their prompt); the scheduler calls it on
         rank 0 and broadcasts the decision with the step plan. A batch without a speculative request takes an AR step
         without asking (the policy's state does not move for one)."""
-        cands, calibrations, proposers = [], {}, []
+        cands, proposers = [], []
         for s in seqs:
             if s.in_prompt_phase:
                 continue
             if not s.speculative:
                 cands.append(Candidate(s.seq_id, False, None, context=s.ctx_len))
                 continue
-            key = (s.proposer, s.sampling.greedy)
-            cal = calibrations.get(key)
-            if cal is None:
-                cal = calibrations[key] = self.policy.calibration(*key)
             tree = s.tree
-            cands.append(Candidate(s.seq_id, True, tree.scores if tree else None, cal, fresh=s.tree_fresh,
+            cands.append(Candidate(s.seq_id, True, tree.scores if tree else None,
+                                   self.policy.calibration(s.proposer, s.sampling.greedy), fresh=s.tree_fresh,
                                    whole_tree=s.apple, context=s.ctx_len, beams=tree.beams if tree else None,
                                    depths=tree.depths if tree else None))
             proposers.append(self.proposer_of(s))
