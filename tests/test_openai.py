@@ -467,7 +467,8 @@ def test_stop_string_ends_the_text_and_cancels_the_request(served, client, offli
     # monitor polls for cancellations), so the count is waited for, not read once the gauges show an idle engine
     m1 = _metrics_when(served, lambda m: sum_metric(m, cancelled) >= sum_metric(m0, cancelled) + 2)
     seen = {k: (m0.get(k), v) for k, v in m1.items() if "requests_total" in k or "generated_tokens" in k}
-    assert sum_metric(m1, cancelled) == sum_metric(m0, cancelled) + 2, seen
+    assert sum_metric(m1, cancelled) == sum_metric(m0, cancelled) + 2, \
+        f"{seen}\nthe server's log ends:\n{served['log'].read_text(errors='replace')[-3000:]}"
 
 
 @pytest.mark.server

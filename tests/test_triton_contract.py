@@ -123,3 +123,59 @@ def test_a_batch_splits_into_rows_cut_to_their_lengths():
         split_rows({k: v for k, v in batch.items() if k != "input_lengths"})
     with pytest.raises(UserError, match="input 'request_output_len' has shape \\[1, 1\\].*batch of 2"):
         split_rows(dict(batch, request_output_len=np.array([[4]], np.int32)))
+
+
+class _RecordingMetricsStub:
+    """Stands in for ServingMetrics (whose families exist only inside Triton's Python backend): records the calls."""
+
+    def __init__(self):
+        self.outcomes, self.tokens = [], 0
+
+    def step(self, new_tokens: int, generation_step: bool) -> None:
+        self.tokens += new_tokens
+
+    def finished(self, outcome: str) -> None:
+        self.outcomes.append(outcome)
+
+    def request_tokens(self, input_tokens: int, output_tokens: int) -> None:
+        pass
+
+
+class _RefusingSinkStub:
+    """A response sender that refuses every send, as one whose client cancelled the request or went away may."""
+
+    sends = 0
+
+    def send(self, outputs, error, final, code="INVALID_ARG"):
+        self.sends += 1
+        raise RuntimeError("Unable to send response: the request was cancelled")
+
+    def is_cancelled(self):
+        return True
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_tokens_and_a_cancelled_outcome_are_counted_when_the_send_fails_with_stubbed_sink_and_metrics(streaming):
+    """A client that cancels (the OpenAI frontend at a stop string) leaves a sender that may refuse the request's
+    last responses: its tokens and its outcome are still counted (CI once saw the cancelled count stay put)."""
+    import threading
+    from types import SimpleNamespace
+
+    from trt_redrafter.serving.engine_model import EngineModel, _Open
+
+    model = EngineModel.__new__(EngineModel)  # the response path only: no engine, no scheduler
+    model.decoupled, model.metrics, model._lock = True, _RecordingMetricsStub(), threading.Lock()
+    parsed = parse_inputs({"input_ids": np.array([[1, 2, 3]], np.int32), "input_lengths": np.array([[3]], np.int32),
+                           "request_output_len": np.array([[8]], np.int32),
+                           "streaming": np.array([[streaming]], bool)})
+    sink = _RefusingSinkStub()
+    model._open = {7: _Open("r", sink, parsed, streaming, key=7)}
+    seq = SimpleNamespace(output=[5, 6], finish_reason=None, sampling=SimpleNamespace(wants_logprobs=False),
+                          stats=SimpleNamespace(acceptance_rate=0.0, accepted_draft_tokens=0, draft_tokens=0))
+    req = SimpleNamespace(request_id=7, seq=seq)
+    model._on_tokens(req, [5, 6], False)  # a step's tokens, refused (streaming) or held for the end
+    seq.finish_reason = "cancelled"
+    model._on_tokens(req, [], True)
+    assert sink.sends == (2 if streaming else 1)
+    assert model.metrics.outcomes == ["cancelled"] and model.metrics.tokens == 2
+    assert 7 not in model._open  # and it is no longer polled

@@ -512,22 +512,27 @@ class EngineModel:
             state.first_token_ns = state.first_token_ns or state.last_token_ns
         # the sink's final flag ends the whole Triton request: a row of a batch sends it only as the last to finish
         final = finished and (state.rows is None or state.rows.finish())
-        if finished and seq.finish_reason == "cancelled":
-            if not self.decoupled:  # exactly one response per request
-                state.sink.send(None, "the request was cancelled before it finished.", final=True, code="CANCELLED")
-            elif final:
-                state.sink.send(None, None, final=True)  # flags only: the ensemble ends the stream cleanly
-        elif state.streaming:
-            if new or finished:
-                state.sink.send(response_tensors(new, state.sent, seq, state, req), None, final=final)
-        elif finished:
-            state.sink.send(response_tensors(list(seq.output), [], seq, state, req), None, final=final)
-        if self.metrics:
-            self.metrics.step(len(new), generation_step=bool(state.sent))  # the first tokens come from the prompt step
-            if finished:
-                self.metrics.finished("cancelled" if seq.finish_reason in ("cancelled", "stopped") else "completed")
-                self.metrics.request_tokens(len(state.request.spec.prompt), len(state.sent) + len(new))
-        state.sent += new
+        try:
+            if finished and seq.finish_reason == "cancelled":
+                if not self.decoupled:  # exactly one response per request
+                    state.sink.send(None, "the request was cancelled before it finished.", final=True,
+                                    code="CANCELLED")
+                elif final:
+                    state.sink.send(None, None, final=True)  # flags only: the ensemble ends the stream cleanly
+            elif state.streaming:
+                if new or finished:
+                    state.sink.send(response_tensors(new, state.sent, seq, state, req), None, final=final)
+            elif finished:
+                state.sink.send(response_tensors(list(seq.output), [], seq, state, req), None, final=final)
+        finally:  # counted whether or not the send went through (one to a client that cancelled or went away
+            # can fail; `_on_tokens` logs it): a failed send left the request's tokens and outcome uncounted
+            if self.metrics:
+                self.metrics.step(len(new), generation_step=bool(state.sent))  # the first tokens: the prompt step
+                if finished:
+                    self.metrics.finished("cancelled" if seq.finish_reason in ("cancelled", "stopped")
+                                          else "completed")
+                    self.metrics.request_tokens(len(state.request.spec.prompt), len(state.sent) + len(new))
+            state.sent += new
 
     # ---- monitor thread -------------------------------------------------------------------------------------
     def _monitor_loop(self) -> None:
